@@ -1,0 +1,61 @@
+"""kvsearch: a differentiable key-value search engine.
+
+A FAISS index picks the top-k candidate keys for a query; attention pooling in torch blends their values
+into an answer that gradients flow through: ``answer(q) = sum_i alpha(q, k_i) v_i``.
+"""
+
+from __future__ import annotations
+
+from kvsearch.attention import AdditiveScore, Candidates, KVAttention, attend, compute_scores, pool
+from kvsearch.database import Answer, Database, Hit
+from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder, load_encoder
+from kvsearch.errors import (
+    ConfigMismatchError,
+    CorruptDatabaseError,
+    DatabaseClosedError,
+    DatabaseLockedError,
+    DimensionMismatchError,
+    DuplicateKeyError,
+    EmptyDatabaseError,
+    EmptyKeyError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    KVSearchError,
+    NonFiniteError,
+    UnknownOptionError,
+)
+from kvsearch.index import Index
+from kvsearch.store import Record
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdditiveScore",
+    "Answer",
+    "Candidates",
+    "ConfigMismatchError",
+    "CorruptDatabaseError",
+    "Database",
+    "DatabaseClosedError",
+    "DatabaseLockedError",
+    "DimensionMismatchError",
+    "DuplicateKeyError",
+    "EmptyDatabaseError",
+    "EmptyKeyError",
+    "Encoder",
+    "Hit",
+    "Index",
+    "InvalidArgumentError",
+    "KVAttention",
+    "KVSearchError",
+    "KeyNotFoundError",
+    "NgramEncoder",
+    "NonFiniteError",
+    "Record",
+    "SentenceEncoder",
+    "UnknownOptionError",
+    "attend",
+    "compute_scores",
+    "load_encoder",
+    "pool",
+]

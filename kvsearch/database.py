@@ -1,0 +1,837 @@
+"""The facade users hold: a store, an index, encoders and attention behind one object.
+
+    db = Database("indexes/names", encoder=NgramEncoder())
+    db.add(keys=["Li", "Lipton"], values=["Mu", "Zachary"])
+    db.lookup("Li")                                  # "Mu": an exact database lookup
+    db.query("Lipto", k=4, pooling="softmax")        # Answer: a differentiable blend of candidate values
+
+Folder layout: ``store.sqlite`` (records, the single source of truth, and the configuration),
+``encoder.json`` / ``encoder.safetensors`` (and ``value_encoder.*`` when values have their own encoder),
+``index.npz`` + ``manifest.json`` (the FAISS index of a trained or graph type and the store version it
+was built at). Flat indexes are rebuilt from the store on open rather than saved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvsearch.attention import POOLINGS, SCORES, Candidates, ScoreFn, attend, compute_scores
+from kvsearch.encoders import Encoder, load_encoder
+from kvsearch.errors import (
+    ConfigMismatchError,
+    CorruptDatabaseError,
+    DatabaseClosedError,
+    DimensionMismatchError,
+    DuplicateKeyError,
+    EmptyDatabaseError,
+    EmptyKeyError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    NonFiniteError,
+    UnknownOptionError,
+)
+from kvsearch.index import MAX_K, Index
+from kvsearch.store import STORE_FILE, Record, Store
+
+__all__ = ["Database", "Hit", "Answer", "DB_SCORES"]
+
+#: Score functions a database can use as its default (they decide the index metric).
+DB_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
+FORMAT = 1
+INDEX_FILE = "index.npz"
+MANIFEST_FILE = "manifest.json"
+_MISSING: Any = object()
+
+Queries = str | Sequence[str] | Tensor | np.ndarray
+KeysIn = str | Sequence[str] | Tensor | np.ndarray
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One search result.
+
+    Attributes:
+        id: the record's global id.
+        key: the key text (None for a key given as an embedding).
+        value: the value text, or the value embedding (CPU tensor) for a value given as an embedding.
+        score: the score function of the database, recomputed in torch on the stored key.
+    """
+
+    id: int
+    key: str | None
+    value: str | Tensor | None
+    score: float
+
+
+@dataclass
+class Answer:
+    """The result of :meth:`Database.query`: one query unbatched, a list or 2-D tensor batched.
+
+    Attributes:
+        output: (value_dim,) or (batch, value_dim): ``sum_i weights_i * values_i``, differentiable.
+        weights: (k,) or (batch, k): the attention weights, 0 on missing candidates.
+        ids: (k,) or (batch, k): candidate ids, -1 where there was no candidate.
+        keys: the candidates' key texts (None where there is no candidate or no text), per query.
+        value: the value of the highest-weight candidate (text, or a CPU tensor for embedding values);
+            None where nothing was found.
+        found: whether the query found anything (for ``pooling="exact"``: whether the key is stored).
+    """
+
+    output: Tensor
+    weights: Tensor
+    ids: Tensor
+    keys: list[str | None] | list[list[str | None]]
+    value: str | Tensor | None | list[str | Tensor | None]
+    found: bool | list[bool]
+
+
+class Database:
+    """A differentiable key-value database.
+
+    Args:
+        path: a folder (created if missing, reopened with what it was created with if it holds a database),
+            or None for a database in memory only.
+        encoder: encodes key texts and query texts (e.g. :class:`~kvsearch.NgramEncoder`). Optional when
+            keys and queries are given as embeddings.
+        value_encoder: encodes value texts; by default the key encoder, when its dim fits ``value_dim``.
+        dim: key dimension; needed only without an encoder.
+        value_dim: value dimension; needed only without a value encoder.
+        index: a FAISS ``index_factory`` string; default ``"Flat"`` (exact) for a new database.
+        score: the default score function, ``"cosine"`` for a new database; it decides the index metric
+            (inner product for dot / scaled_dot / cosine, L2 for gaussian).
+        device: the torch device of the embeddings and the pooling; CUDA when present, else CPU.
+        search_params: FAISS search parameters such as ``{"nprobe": 16}`` or ``{"efSearch": 128}``.
+
+    Raises:
+        InvalidArgumentError: no encoder and no dim, or a bad argument.
+        UnknownOptionError: an unknown score or index spec.
+        ConfigMismatchError: reopening with a dim, index, score or encoder that differs from the stored one.
+        CorruptDatabaseError: a file of the database is damaged beyond rebuilding.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        encoder: Encoder | None = None,
+        value_encoder: Encoder | None = None,
+        dim: int | None = None,
+        value_dim: int | None = None,
+        index: str | None = None,
+        score: str | None = None,
+        device: str | torch.device | None = None,
+        search_params: Mapping[str, float] | None = None,
+    ) -> None:
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.path = None if path is None else Path(path)
+        self._closed = False
+        if self.path is not None:
+            if self.path.exists() and not self.path.is_dir():
+                raise InvalidArgumentError(f"expected a folder for the database, got a file: {self.path}")
+            self.path.mkdir(parents=True, exist_ok=True)
+        self._store = Store(None if self.path is None else self.path / STORE_FILE, self.device)
+        try:
+            saved = self._store.get_meta("config")
+            if saved is None:
+                self._create(encoder, value_encoder, dim, value_dim, index, score, search_params)
+            else:
+                self._reopen(saved, encoder, value_encoder, dim, value_dim, index, score, search_params)
+        except BaseException:
+            self._store.close()
+            raise
+
+    # ------------------------------------------------------------------ opening
+
+    def _create(self, encoder, value_encoder, dim, value_dim, index, score, search_params) -> None:
+        score = "cosine" if score is None else score
+        index = "Flat" if index is None else index
+        _check_db_score(score)
+        if encoder is not None and not isinstance(encoder, Encoder):
+            raise InvalidArgumentError(f"expected a kvsearch Encoder as encoder, got {type(encoder).__name__}")
+        if value_encoder is not None and not isinstance(value_encoder, Encoder):
+            raise InvalidArgumentError(
+                f"expected a kvsearch Encoder as value_encoder, got {type(value_encoder).__name__}"
+            )
+        if encoder is not None and dim is not None and dim != encoder.dim:
+            raise DimensionMismatchError(f"expected dim {encoder.dim} (the encoder's), got dim={dim}")
+        dim = encoder.dim if encoder is not None else dim
+        if dim is None:
+            raise InvalidArgumentError("expected an encoder or an explicit dim, got neither")
+        if value_encoder is None and encoder is not None and value_dim in (None, encoder.dim):
+            value_encoder = encoder
+        if value_encoder is not None and value_dim is not None and value_dim != value_encoder.dim:
+            raise DimensionMismatchError(
+                f"expected value_dim {value_encoder.dim} (the value encoder's), got value_dim={value_dim}"
+            )
+        value_dim = value_encoder.dim if value_encoder is not None else value_dim
+        if value_dim is None:
+            raise InvalidArgumentError("expected a value_encoder, an encoder or an explicit value_dim, got none")
+        for name, d in (("dim", dim), ("value_dim", value_dim)):
+            if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+                raise InvalidArgumentError(f"expected a positive integer {name}, got {d!r}")
+        self.dim, self.value_dim, self.score, self.index_spec = dim, value_dim, score, index
+        self._index = Index(dim, index, _metric(score), params=dict(search_params or {}))
+        self.encoder = None if encoder is None else encoder.to(self.device)
+        self.value_encoder = None if value_encoder is None else value_encoder.to(self.device)
+        self._config = {
+            "format": FORMAT,
+            "dim": dim,
+            "value_dim": value_dim,
+            "score": score,
+            "index": index,
+            "search_params": dict(search_params or {}),
+            "encoder": encoder is not None,
+            "value_encoder": None if value_encoder is None else ("key" if value_encoder is encoder else "own"),
+        }
+        self.save_encoders()
+        self._store.set_meta("config", self._config)
+        self._store.load(dim, value_dim)
+
+    def _reopen(self, saved, encoder, value_encoder, dim, value_dim, index, score, search_params) -> None:
+        if saved.get("format") != FORMAT:
+            raise ConfigMismatchError(f"expected database format {FORMAT}, got {saved.get('format')!r}")
+        for name, given in (("dim", dim), ("value_dim", value_dim), ("index", index), ("score", score)):
+            if given is not None and given != saved[name]:
+                raise ConfigMismatchError(
+                    f"{self.path} was created with {name}={saved[name]!r}; got {name}={given!r}. "
+                    f"Open it without {name}, or use another folder."
+                )
+        self._config = dict(saved)
+        if search_params:
+            self._config["search_params"] = {**saved.get("search_params", {}), **search_params}
+        self.dim, self.value_dim = saved["dim"], saved["value_dim"]
+        self.score, self.index_spec = saved["score"], saved["index"]
+        self.encoder = self._reopen_encoder("encoder", saved["encoder"], encoder)
+        if saved["value_encoder"] == "key":
+            if value_encoder is not None and value_encoder is not encoder:
+                raise ConfigMismatchError(f"{self.path} encodes values with the key encoder; got a value_encoder")
+            self.value_encoder = self.encoder
+        else:
+            self.value_encoder = self._reopen_encoder("value_encoder", saved["value_encoder"] == "own", value_encoder)
+        self._store.load(self.dim, self.value_dim)
+        self._index = self._load_or_rebuild_index()
+
+    def _reopen_encoder(self, prefix: str, stored: bool, given: Encoder | None) -> Encoder | None:
+        if not stored:
+            if given is not None:
+                raise ConfigMismatchError(f"{self.path} was created without {prefix}; got one")
+            return None
+        loaded = load_encoder(self.path, prefix, device=self.device)
+        if given is None:
+            return loaded
+        if given.config() != loaded.config():
+            raise ConfigMismatchError(f"{self.path} was created with {prefix} {loaded.config()}; got {given.config()}")
+        given.load_state_dict(loaded.state_dict())  # the stored (possibly fine-tuned) weights win
+        return given.to(self.device)
+
+    def _load_or_rebuild_index(self) -> Index:
+        params = self._config.get("search_params") or {}
+        metric = _metric(self.score)
+        if self.path is not None and self._index_is_saved():
+            manifest_path, index_path = self.path / MANIFEST_FILE, self.path / INDEX_FILE
+            try:
+                manifest = json.loads(manifest_path.read_text())
+                if (
+                    manifest.get("version") == self._store.version
+                    and manifest.get("spec") == self.index_spec
+                    and manifest.get("ntotal") == len(self._store)
+                ):
+                    index = Index.load(index_path, self.dim, self.index_spec, metric, params)
+                    if index.ntotal == len(self._store):
+                        return index
+            except (CorruptDatabaseError, ValueError, OSError, KeyError, AttributeError):
+                pass  # a damaged or foreign side file: the store is the truth, rebuild from it
+        index = Index(self.dim, self.index_spec, metric, params=params)
+        self._rebuild_into(index)
+        return index
+
+    def _index_is_saved(self) -> bool:
+        return (self.path / MANIFEST_FILE).exists() and (self.path / INDEX_FILE).exists()
+
+    def _rebuild_into(self, index: Index) -> None:
+        index.build(self._store.ids.numpy(), self._index_vectors(self._store.keys))
+
+    # ------------------------------------------------------------------ small things
+
+    def __len__(self) -> int:
+        self._check_open()
+        return len(self._store)
+
+    def __contains__(self, key: object) -> bool:
+        self._check_open()
+        if isinstance(key, str):
+            return key in self._store.id_of_key
+        if isinstance(key, (Tensor, np.ndarray)):
+            return bool((self._exact_targets(self._as_query_tensor(key)[0]) >= 0).all())
+        return False
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = "memory" if self.path is None else str(self.path)
+        state = "closed" if self._closed else f"{len(self._store)} records"
+        return (
+            f"Database({where!r}, {state}, dim={self.dim}, value_dim={self.value_dim}, "
+            f"index={self.index_spec!r}, score={self.score!r}, device={self.device})"
+        )
+
+    @property
+    def index(self) -> Index:
+        """The FAISS candidate index (derived from the store)."""
+        return self._index
+
+    @property
+    def store(self) -> Store:
+        """The record store (the single source of truth)."""
+        return self._store
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DatabaseClosedError("this database was closed; open the folder again to use it")
+
+    # ------------------------------------------------------------------ writing
+
+    def add(
+        self, keys: KeysIn, values: KeysIn, metadata: Sequence[Mapping[str, Any] | None] | None = None
+    ) -> list[int]:
+        """Add records. Keys must be new.
+
+        Args:
+            keys: key texts (a list of str; a single str adds one record), or key embeddings (n, dim).
+            values: value texts, or value embeddings (n, value_dim) (or (n,) when value_dim is 1).
+            metadata: one JSON-serialisable dict (or None) per record.
+
+        Returns:
+            The new ids, in order.
+
+        Raises:
+            EmptyKeyError, DuplicateKeyError, DimensionMismatchError, NonFiniteError, InvalidArgumentError:
+                raised before anything is written.
+        """
+        return self._write(keys, values, metadata, upsert=False)
+
+    def upsert(
+        self, keys: KeysIn, values: KeysIn, metadata: Sequence[Mapping[str, Any] | None] | None = None
+    ) -> list[int]:
+        """Add records, replacing (in place, same id) those whose key text is already stored.
+
+        Args and Raises: as :meth:`add`, except that stored keys are allowed.
+
+        Returns:
+            The ids, in order: the existing id for a replaced key, a new id otherwise.
+        """
+        return self._write(keys, values, metadata, upsert=True)
+
+    def _write(self, keys, values, metadata, *, upsert: bool) -> list[int]:
+        self._check_open()
+        key_texts, key_embs = self._prepare_side(keys, "keys", self.encoder, self.dim)
+        n = len(key_texts)
+        value_texts, value_embs = self._prepare_side(values, "values", self.value_encoder, self.value_dim)
+        if len(value_texts) != n:
+            raise DimensionMismatchError(f"expected one value per key ({n}), got {len(value_texts)} values")
+        metadata = _check_metadata(metadata, n)
+        with self._store.lock:
+            existing: list[int | None] = [None] * n
+            for i, key in enumerate(key_texts):
+                if key is not None and key in self._store.id_of_key:
+                    if not upsert:
+                        raise DuplicateKeyError(
+                            f"expected new keys, got {key!r} (record {i}) which is already stored; use upsert"
+                        )
+                    existing[i] = self._store.id_of_key[key]
+            if n == 0:
+                return []
+            key_embs = self._encode(key_texts, key_embs, self.encoder, self.dim, "keys")  # (n, dim)
+            value_embs = self._encode(value_texts, value_embs, self.value_encoder, self.value_dim, "values")
+            ids = self._store.write(key_texts, value_texts, metadata, key_embs, value_embs, existing)
+            self._sync_index(removed=[i for i in existing if i is not None], added=ids, key_embs=key_embs)
+        return ids
+
+    def delete(self, key_or_keys: str | int | Sequence[str | int]) -> list[int]:
+        """Delete records by key text or by id.
+
+        Args:
+            key_or_keys: a key, an id, or a list of them.
+
+        Returns:
+            The deleted ids.
+
+        Raises:
+            KeyNotFoundError: a key or id is not stored (then nothing is deleted).
+            InvalidArgumentError: an item is neither str nor int.
+        """
+        self._check_open()
+        items = [key_or_keys] if isinstance(key_or_keys, (str, int, np.integer)) else list(key_or_keys)
+        with self._store.lock:
+            ids: list[int] = []
+            for item in items:
+                if isinstance(item, str):
+                    if item not in self._store.id_of_key:
+                        raise KeyNotFoundError(f"expected a stored key, got {item!r}; nothing was deleted")
+                    ids.append(self._store.id_of_key[item])
+                elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+                    if not self._store.contains_id(int(item)):
+                        raise KeyNotFoundError(f"expected a stored id, got {int(item)}; nothing was deleted")
+                    ids.append(int(item))
+                else:
+                    raise InvalidArgumentError(f"expected key texts or int ids, got {type(item).__name__}")
+            ids = list(dict.fromkeys(ids))
+            if ids:
+                self._store.delete(ids)
+                self._sync_index(removed=ids, added=[], key_embs=None)
+        return ids
+
+    def _sync_index(self, removed: list[int], added: list[int], key_embs: Tensor | None) -> None:
+        """Mirror a committed store write in the index; rebuild from the store when the index asks."""
+        self._index.remove(np.asarray(removed, dtype=np.int64))
+        if added:
+            self._index.add(np.asarray(added, dtype=np.int64), self._index_vectors(key_embs))
+        if self._index.needs_rebuild:
+            self._rebuild_into(self._index)
+
+    def set_search_params(self, **params: float) -> None:
+        """Set FAISS search parameters (``nprobe``, ``efSearch``...) and remember them with the database.
+
+        Raises:
+            UnknownOptionError: a parameter that does not apply to this index type.
+        """
+        self._check_open()
+        self._index.set_params(**params)
+        self._config["search_params"] = {**self._config.get("search_params", {}), **params}
+        self._store.set_meta("config", self._config)
+
+    def save_encoders(self) -> None:
+        """Write the encoders' configuration (and trained weights) into the database folder."""
+        if self.path is None:
+            return
+        if self.encoder is not None:
+            self.encoder.save(self.path, "encoder")
+        if self.value_encoder is not None and self.value_encoder is not self.encoder:
+            self.value_encoder.save(self.path, "value_encoder")
+
+    def save(self) -> None:
+        """Write the encoders and (for trained / graph index types) the index with the store version.
+
+        Flat indexes are not written: rebuilding them from the store is as fast as reading them.
+        """
+        self._check_open()
+        if self.path is None:
+            return
+        self.save_encoders()
+        if self.index_spec == "Flat":
+            return
+        with self._store.lock:
+            self._index.save(self.path / INDEX_FILE)
+            manifest = {"version": self._store.version, "spec": self.index_spec, "ntotal": self._index.ntotal}
+            tmp = self.path / (MANIFEST_FILE + ".tmp")
+            tmp.write_text(json.dumps(manifest))
+            os.replace(tmp, self.path / MANIFEST_FILE)
+
+    def close(self) -> None:
+        """Save what is derived (encoders, index) and close the store. Closing twice is harmless."""
+        if self._closed:
+            return
+        try:
+            self.save()
+        finally:
+            self._closed = True
+            self._store.close()
+
+    # ------------------------------------------------------------------ reading
+
+    def get(self, id: int) -> Record:
+        """The record with this id.
+
+        Raises:
+            KeyNotFoundError: no record has this id.
+        """
+        self._check_open()
+        if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
+            raise InvalidArgumentError(f"expected an int id, got {type(id).__name__}")
+        record = self._store.fetch([int(id)]).get(int(id))
+        if record is None:
+            raise KeyNotFoundError(f"expected a stored id, got {int(id)}")
+        return record
+
+    def lookup(self, key: str | Tensor | np.ndarray, default: Any = _MISSING) -> str | Tensor | None:
+        """Exact lookup: the value stored under this key (a traditional database query).
+
+        Args:
+            key: a key text, or a key embedding (dim,) matched by equality.
+            default: returned when the key is not stored; without it, a miss raises.
+
+        Returns:
+            The value text, or the value embedding (CPU tensor) for a value given as an embedding.
+
+        Raises:
+            KeyNotFoundError: the key is not stored and no default was given.
+        """
+        self._check_open()
+        if isinstance(key, str):
+            id_ = self._store.id_of_key.get(key, -1)
+        elif isinstance(key, (Tensor, np.ndarray)):
+            q, _ = self._as_query_tensor(key)
+            if q.shape[0] != 1:
+                raise InvalidArgumentError(f"expected one key embedding (dim,), got shape {tuple(q.shape)}")
+            id_ = int(self._exact_targets(q)[0])
+        else:
+            raise InvalidArgumentError(f"expected a key text or a key embedding, got {type(key).__name__}")
+        if id_ < 0:
+            if default is _MISSING:
+                shown = key if isinstance(key, str) else "<embedding>"
+                raise KeyNotFoundError(f"no record has the key {shown!r}")
+            return default
+        return self._values_of([id_])[id_]
+
+    def search(self, queries: Queries, k: int = 10) -> list[Hit] | list[list[Hit]]:
+        """The k nearest records to each query, best first.
+
+        Args:
+            queries: a text, a list of texts, a query embedding (dim,) or a batch (batch, dim).
+            k: how many; fewer come back when the database holds fewer.
+
+        Returns:
+            A list of :class:`Hit` for one query, a list of lists for a batch.
+
+        Raises:
+            EmptyDatabaseError, InvalidArgumentError, DimensionMismatchError, NonFiniteError.
+        """
+        self._check_open()
+        k = _check_k(k, allow_all=False)
+        q, texts, single = self._prepare_queries(queries)
+        with self._store.lock:
+            self._check_not_empty()
+            cand = self.candidates(q, k)
+            scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, k)
+            scores = scores.masked_fill(~cand.mask, -math.inf)
+            order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
+            ids = cand.ids.gather(1, order).cpu()  # (b, k)
+            scores = scores.gather(1, order).cpu()  # (b, k)
+            values = self._values_of(ids[ids >= 0].tolist())
+            hits = [
+                [
+                    Hit(id=i, key=self._store.key_of_id.get(i), value=values[i], score=s)
+                    for i, s in zip(row_ids, row_scores)
+                    if i >= 0
+                ]
+                for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
+            ]
+        return hits[0] if single else hits
+
+    def query(
+        self,
+        queries: Queries,
+        k: int | Literal["all"] = 10,
+        *,
+        score: str | ScoreFn | None = None,
+        pooling: str = "softmax",
+        temperature: float = 1.0,
+    ) -> Answer:
+        """Attention over the k candidates the index picks: ``output = sum_i weights_i * values_i``.
+
+        Args:
+            queries: a text, a list of texts, a query embedding (dim,) or a batch (batch, dim); a tensor
+                that requires grad gets a gradient through ``output``. Text queries are encoded without
+                gradient (to fine-tune, use :class:`~kvsearch.KVAttention` or :func:`~kvsearch.finetune`).
+            k: candidates per query, or ``"all"`` for every record.
+            score: a score name or a callable ``(queries, keys) -> scores``; default the database's. The
+                index picks candidates with the database's metric; this only rescores them.
+            pooling: ``softmax``, ``normalize``, ``nonnegative``, ``hard``, ``exact`` or ``average``.
+                ``exact`` is a database lookup: one-hot on the record whose key equals the query (text
+                equality, or equal embedding), else "not found" (zero output, value None, found False).
+            temperature: softmax temperature (softmax and hard), > 0.
+
+        Returns:
+            An :class:`Answer`, unbatched for one query.
+
+        Raises:
+            EmptyDatabaseError, InvalidArgumentError, UnknownOptionError, DimensionMismatchError,
+            NonFiniteError.
+        """
+        self._check_open()
+        k = _check_k(k, allow_all=True)
+        _check_query_score(score)
+        if pooling not in POOLINGS:
+            raise UnknownOptionError(f"expected pooling among {POOLINGS}, got {pooling!r}")
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+            raise InvalidArgumentError(f"expected a finite temperature > 0, got {temperature!r}")
+        q, texts, single = self._prepare_queries(queries)
+        out_device = q.device
+        with self._store.lock:
+            self._check_not_empty()
+            targets = None
+            if pooling == "exact":
+                targets = self._exact_targets(q, texts)  # (b,)
+            cand = self.candidates(q, k, targets=targets)
+            output, weights = attend(
+                q.to(self.device),
+                cand.keys,
+                cand.values,
+                score=self.score if score is None else score,
+                pooling=pooling,
+                mask=cand.mask,
+                match=cand.match,
+                temperature=float(temperature),
+            )  # (b, value_dim), (b, k)
+            ids = cand.ids if cand.ids.dim() == 2 else cand.ids.unsqueeze(0).expand(weights.shape[0], -1)  # (b, k)
+            found = weights.detach().sum(-1) > 0  # (b,)
+            best = ids.gather(1, weights.detach().argmax(-1, keepdim=True)).squeeze(1)  # (b,)
+            best = torch.where(found, best.to(found.device), -1).cpu()
+            values = self._values_of(best[best >= 0].tolist())
+            key_of = self._store.key_of_id
+            keys = [[key_of.get(i) for i in row] for row in ids.cpu().tolist()]
+        answer = Answer(
+            output=output.to(out_device),
+            weights=weights.to(out_device),
+            ids=ids.to(out_device),
+            keys=keys,
+            value=[values.get(i) if i >= 0 else None for i in best.tolist()],
+            found=found.cpu().tolist(),
+        )
+        if single:
+            answer = Answer(
+                output=answer.output[0],
+                weights=answer.weights[0],
+                ids=answer.ids[0],
+                keys=answer.keys[0],
+                value=answer.value[0],
+                found=answer.found[0],
+            )
+        return answer
+
+    def candidates(self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None = None) -> Candidates:
+        """The candidates for a batch of query embeddings, gathered by id from the store.
+
+        This is the seam :class:`~kvsearch.KVAttention` and the trainer use: FAISS picks ids without
+        gradient; keys and values are gathered from the store (the differentiable path is recomputed
+        from them).
+
+        Args:
+            queries: (batch, dim); detached for the index search.
+            k: candidates per query, or ``"all"``.
+            targets: (batch,) ids that must be among the candidates (-1 for none); the worst candidate
+                makes room. ``match`` is then ``ids == targets``.
+
+        Returns:
+            :class:`Candidates` with ids (batch, k), keys (batch, k, dim), values (batch, k, value_dim),
+            mask (batch, k); for ``k="all"`` ids (m,), keys (m, dim), values (m, value_dim), mask None.
+        """
+        self._check_open()
+        k = _check_k(k, allow_all=True)
+        if queries.dim() != 2 or queries.shape[1] != self.dim:
+            raise DimensionMismatchError(f"expected queries (batch, {self.dim}), got {tuple(queries.shape)}")
+        with self._store.lock:
+            if k == "all":
+                ids = self._store.ids.to(self.device)  # (m,)
+                match = None if targets is None else ids.unsqueeze(0) == targets.to(self.device).unsqueeze(1)
+                return Candidates(ids=ids, keys=self._store.keys, values=self._store.values, mask=None, match=match)
+            search = self._index_vectors(queries.detach())
+            _, found = self._index.search(search, int(k))
+            ids = torch.from_numpy(found)  # (b, k)
+            if targets is not None:
+                targets = targets.cpu()
+                missing = (targets >= 0) & ~(ids == targets.unsqueeze(1)).any(1)  # (b,)
+                ids[missing, -1] = targets[missing]
+            keys, values, mask = self._store.gather(ids)  # (b, k, dim), (b, k, value_dim), (b, k)
+            ids = ids.to(self.device)
+            match = None if targets is None else (ids == targets.to(self.device).unsqueeze(1)) & (ids >= 0)
+            return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_not_empty(self) -> None:
+        if len(self._store) == 0:
+            raise EmptyDatabaseError("expected a database with records to search, got an empty one")
+
+    def _index_vectors(self, keys: Tensor) -> np.ndarray:
+        """What the index holds for keys (or queries): normalised for cosine. (n, dim) float32 numpy."""
+        keys = keys.detach().float()
+        if self.score == "cosine":
+            keys = F.normalize(keys, dim=-1, eps=1e-12)
+        return keys.cpu().numpy()
+
+    def _values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
+        texts = self._store.value_texts(ids)
+        out: dict[int, str | Tensor | None] = {}
+        need_emb = [i for i in texts if texts[i] is None]
+        if need_emb:
+            _, values, _ = self._store.gather(torch.tensor(need_emb))
+            for i, row in zip(need_emb, values.cpu()):
+                texts[i] = row
+        out.update(texts)
+        return out
+
+    def _exact_targets(self, q: Tensor, texts: list[str] | None = None) -> Tensor:
+        """For each query, the id of the record whose key equals it (text equality, else equal embedding)."""
+        if texts is not None:
+            return torch.tensor([self._store.id_of_key.get(t, -1) for t in texts], dtype=torch.long)
+        keys = self._store.keys  # (m, dim)
+        q = q.detach().to(self.device)
+        targets = torch.full((q.shape[0],), -1, dtype=torch.long)
+        for start in range(0, len(keys), 65536):
+            chunk = keys[start : start + 65536]  # (c, dim)
+            eq = (chunk.unsqueeze(0) == q.unsqueeze(1)).all(-1)  # (b, c)
+            hit = eq.any(-1).cpu() & (targets < 0)  # (b,)
+            first = eq.float().argmax(-1).cpu() + start  # (b,)
+            targets = torch.where(hit, self._store.ids[first.clamp(max=len(self._store.ids) - 1)], targets)
+        return targets
+
+    def _prepare_queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
+        """Queries as (batch, dim) on their own device (text: the encoder's), texts, and whether single."""
+        if isinstance(queries, str) or (isinstance(queries, Sequence) and not isinstance(queries, str)):
+            texts = [queries] if isinstance(queries, str) else list(queries)
+            if not texts:
+                raise InvalidArgumentError("expected at least one query, got an empty list")
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    raise InvalidArgumentError(f"expected query texts, got {type(t).__name__} at position {i}")
+            if self.encoder is None:
+                raise InvalidArgumentError("expected query embeddings: this database has no encoder for text")
+            q = self.encoder.encode(texts)  # (b, dim)
+            _check_finite(q, "query embeddings")
+            return q, texts, isinstance(queries, str)
+        q, single = self._as_query_tensor(queries)
+        return q, None, single
+
+    def _as_query_tensor(self, queries: Tensor | np.ndarray) -> tuple[Tensor, bool]:
+        if isinstance(queries, np.ndarray):
+            queries = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
+        if not isinstance(queries, Tensor):
+            raise InvalidArgumentError(
+                f"expected a query text, a list of texts or a tensor, got {type(queries).__name__}"
+            )
+        if not queries.is_floating_point():
+            queries = queries.float()
+        single = queries.dim() == 1
+        q = queries.unsqueeze(0) if single else queries  # (b, dim)
+        if q.dim() != 2 or q.shape[1] != self.dim:
+            raise DimensionMismatchError(
+                f"expected queries of shape (dim={self.dim},) or (batch, {self.dim}), got {tuple(queries.shape)}"
+            )
+        if q.shape[0] == 0:
+            raise InvalidArgumentError("expected at least one query, got an empty batch")
+        _check_finite(q, "queries")
+        return q.float() if q.dtype != torch.float32 else q, single
+
+    def _prepare_side(
+        self, items: KeysIn, name: str, encoder: Encoder | None, dim: int
+    ) -> tuple[list[str | None], Tensor | None]:
+        """Validate keys or values: (texts or [None]*n, embeddings or None). Nothing is encoded yet."""
+        if isinstance(items, str):
+            items = [items]
+        if isinstance(items, np.ndarray) and items.dtype.kind in "fiu":
+            items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
+        if isinstance(items, Tensor):
+            embs = items.detach().float()
+            if embs.dim() == 1 and dim == 1:
+                embs = embs.unsqueeze(1)  # (n,) -> (n, 1): scalar values such as regression targets
+            if embs.dim() != 2 or embs.shape[1] != dim:
+                raise DimensionMismatchError(f"expected {name} of shape (n, {dim}), got {tuple(items.shape)}")
+            _check_finite(embs, name)
+            return [None] * embs.shape[0], embs
+        if not isinstance(items, Sequence):
+            raise InvalidArgumentError(f"expected {name} as a list of str or a tensor, got {type(items).__name__}")
+        texts = list(items)
+        seen: dict[str, int] = {}
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise InvalidArgumentError(f"expected {name} as str, got {type(t).__name__} at position {i}")
+            if name == "keys":
+                if not t.strip():
+                    raise EmptyKeyError(f"expected a non-empty key, got {t!r} at position {i}")
+                if t in seen:
+                    raise DuplicateKeyError(f"expected unique keys, got {t!r} at positions {seen[t]} and {i}")
+                seen[t] = i
+            if "\x00" in t:
+                raise InvalidArgumentError(f"expected {name} without NUL characters, got one at position {i}")
+        if texts and encoder is None:
+            raise InvalidArgumentError(
+                f"expected {name} as embeddings (n, {dim}): this database has no encoder for {name} text"
+            )
+        return texts, None
+
+    def _encode(self, texts: list[str | None], embs: Tensor | None, encoder, dim: int, name: str) -> Tensor:
+        if embs is None:
+            embs = encoder.encode(texts).float()  # (n, dim)
+            _check_finite(embs, f"{name} embeddings from the encoder")
+        if embs.shape[1] != dim:
+            raise DimensionMismatchError(f"expected {name} embeddings of dim {dim}, got {embs.shape[1]}")
+        return embs
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def _metric(score: str) -> Literal["ip", "l2"]:
+    return "l2" if score == "gaussian" else "ip"
+
+
+def _check_db_score(score: object) -> None:
+    if score not in DB_SCORES:
+        raise UnknownOptionError(f"expected a database score among {DB_SCORES}, got {score!r}")
+
+
+def _check_query_score(score: object) -> None:
+    if score is None or callable(score):
+        return
+    if score not in SCORES:
+        raise UnknownOptionError(f"expected score among {SCORES} or a callable, got {score!r}")
+    if score == "additive":
+        raise InvalidArgumentError(
+            "the additive score has learned weights: pass an AdditiveScore(dim, dim, hidden) module as score, "
+            "or use KVAttention(db, score='additive')"
+        )
+
+
+def _check_k(k: object, *, allow_all: bool) -> int | Literal["all"]:
+    if allow_all and k == "all":
+        return "all"
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
+        allowed = f"an integer in [1, {MAX_K}]" + (' or "all"' if allow_all else "")
+        raise InvalidArgumentError(f"expected k as {allowed}, got {k!r}")
+    return int(k)
+
+
+def _check_finite(t: Tensor, name: str) -> None:
+    if not torch.isfinite(t).all():
+        raise NonFiniteError(f"expected finite {name}, got NaN or Inf")
+
+
+def _check_metadata(metadata, n: int) -> list[dict[str, Any] | None]:
+    if metadata is None:
+        return [None] * n
+    if isinstance(metadata, Mapping) and n == 1:
+        metadata = [metadata]
+    if not isinstance(metadata, Sequence) or len(metadata) != n:
+        raise InvalidArgumentError(f"expected a list of {n} metadata dicts, got {type(metadata).__name__}")
+    out: list[dict[str, Any] | None] = []
+    for i, m in enumerate(metadata):
+        if m is None:
+            out.append(None)
+            continue
+        if not isinstance(m, Mapping) or not all(isinstance(key, str) for key in m):
+            raise InvalidArgumentError(f"expected metadata as a dict with str keys, got {m!r} at position {i}")
+        for key, value in m.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise NonFiniteError(f"expected finite numbers in metadata, got {key}={value} at position {i}")
+        try:
+            json.dumps(m, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"expected JSON-serialisable metadata at position {i}: {exc}") from None
+        out.append(dict(m))
+    return out

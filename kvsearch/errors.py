@@ -1,0 +1,78 @@
+"""The exception types of kvsearch, all under one base class.
+
+Every error says what was expected and what came, and is raised before anything is
+written: the database is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVSearchError",
+    "InvalidArgumentError",
+    "UnknownOptionError",
+    "DimensionMismatchError",
+    "NonFiniteError",
+    "EmptyKeyError",
+    "DuplicateKeyError",
+    "KeyNotFoundError",
+    "EmptyDatabaseError",
+    "DatabaseClosedError",
+    "ConfigMismatchError",
+    "CorruptDatabaseError",
+    "DatabaseLockedError",
+]
+
+
+class KVSearchError(Exception):
+    """Base class of every error kvsearch raises on purpose."""
+
+
+class InvalidArgumentError(KVSearchError, ValueError):
+    """An argument has the wrong type or an out-of-range value (for example k < 1)."""
+
+
+class UnknownOptionError(KVSearchError, ValueError):
+    """A named option (score, pooling, index spec, encoder type) is not one we know."""
+
+
+class DimensionMismatchError(KVSearchError, ValueError):
+    """An embedding or query has a different dimension from the one expected."""
+
+
+class NonFiniteError(KVSearchError, ValueError):
+    """An embedding, query or numeric value holds NaN or Inf."""
+
+
+class EmptyKeyError(KVSearchError, ValueError):
+    """A key is the empty string (or only white space)."""
+
+
+class DuplicateKeyError(KVSearchError, ValueError):
+    """A key appears twice in one batch, or is already stored."""
+
+
+class KeyNotFoundError(KVSearchError, KeyError):
+    """No record has this key (or id)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class EmptyDatabaseError(KVSearchError, LookupError):
+    """The database holds no records, so there is nothing to search."""
+
+
+class DatabaseClosedError(KVSearchError, RuntimeError):
+    """The database was closed and cannot be used any more."""
+
+
+class ConfigMismatchError(KVSearchError, ValueError):
+    """A database is reopened with options that differ from the ones it was created with."""
+
+
+class CorruptDatabaseError(KVSearchError, RuntimeError):
+    """A file of the database is damaged or foreign and cannot be rebuilt from the store."""
+
+
+class DatabaseLockedError(KVSearchError, RuntimeError):
+    """Another process holds the write lock of this database."""

@@ -1,0 +1,386 @@
+"""The records and their embeddings: SQLite on disk (the single source of truth) and tensors in memory.
+
+A record is ``(id, key, value, metadata)`` with a key embedding (dim,) and a value embedding (value_dim,).
+Ids are global integers from SQLite's AUTOINCREMENT: never reused, so a deleted id never comes back.
+``key`` and ``value`` are text or None (records given directly as embeddings have no text).
+
+Every write is one SQLite transaction that also bumps a version counter; the in-memory tensors are
+changed only after the commit succeeds. Anything derived from the store (the FAISS index) records the
+version it was built at, so a stale copy is detected on open and rebuilt.
+
+The store knows nothing of FAISS or autograd: its tensors are plain (no grad), on ``device``.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, KeyNotFoundError
+
+__all__ = ["Record", "Store", "STORE_FILE"]
+
+STORE_FILE = "store.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS records (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT UNIQUE,
+    value TEXT,
+    metadata TEXT,
+    key_emb BLOB NOT NULL,
+    value_emb BLOB NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored record.
+
+    Attributes:
+        id: the global id.
+        key: the key text, or None for a key given as an embedding.
+        value: the value text, or None for a value given as an embedding.
+        metadata: the metadata dict ({} when none was given).
+        key_embedding: (dim,) float32 tensor on the CPU.
+        value_embedding: (value_dim,) float32 tensor on the CPU.
+    """
+
+    id: int
+    key: str | None
+    value: str | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    key_embedding: Tensor | None = field(default=None, repr=False)
+    value_embedding: Tensor | None = field(default=None, repr=False)
+
+
+class Store:
+    """SQLite records plus in-memory key / value tensors ordered by id.
+
+    Args:
+        path: the SQLite file, or None for an in-memory store.
+        device: where the in-memory tensors live.
+
+    Raises:
+        CorruptDatabaseError: the file is not a SQLite database or lacks our tables.
+        DatabaseLockedError: another process holds a write transaction for longer than the timeout.
+    """
+
+    def __init__(self, path: str | Path | None, device: torch.device | str = "cpu", timeout: float = 10.0) -> None:
+        self.path = None if path is None else Path(path)
+        self.device = torch.device(device)
+        self.lock = threading.RLock()
+        try:
+            self._conn = sqlite3.connect(
+                ":memory:" if path is None else str(path),
+                timeout=timeout,
+                isolation_level=None,  # we open transactions ourselves
+                check_same_thread=False,
+            )
+            if path is not None:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise CorruptDatabaseError(f"{path} is not a kvsearch store (SQLite said: {exc})") from None
+        # In-memory mirror, sorted by id: ids (n,), keys (n, dim), values (n, value_dim).
+        self.ids = torch.empty(0, dtype=torch.long)
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.id_of_key: dict[str, int] = {}
+        self.key_of_id: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ meta
+
+    def get_meta(self, name: str) -> Any:
+        """A JSON value from the meta table, or None."""
+        row = self._conn.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def set_meta(self, name: str, value: Any) -> None:
+        """Write a JSON value to the meta table in its own transaction."""
+        with self.transaction():
+            self._put_meta(name, value)
+
+    def _put_meta(self, name: str, value: Any) -> None:
+        self._conn.execute(
+            "INSERT INTO meta (name, value) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+            (name, json.dumps(value)),
+        )
+
+    @property
+    def version(self) -> int:
+        """A counter bumped by every committed write."""
+        return int(self.get_meta("version") or 0)
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, dim: int, value_dim: int) -> None:
+        """Read every record into the in-memory tensors.
+
+        Raises:
+            CorruptDatabaseError: an embedding blob has the wrong size.
+        """
+        with self.lock:
+            rows = self._conn.execute("SELECT id, key, key_emb, value_emb FROM records ORDER BY id").fetchall()
+            n = len(rows)
+            ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=n)
+            try:
+                keys = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32).reshape(n, dim)
+                values = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32).reshape(n, value_dim)
+            except ValueError:
+                raise CorruptDatabaseError(
+                    f"stored embeddings do not have the expected dims ({dim}, {value_dim})"
+                ) from None
+            self.ids = torch.from_numpy(ids)
+            self.keys = torch.from_numpy(keys.copy()).to(self.device)  # (n, dim)
+            self.values = torch.from_numpy(values.copy()).to(self.device)  # (n, value_dim)
+            self.id_of_key = {r[1]: r[0] for r in rows if r[1] is not None}
+            self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    # ------------------------------------------------------------------ writing
+
+    def transaction(self) -> _Transaction:
+        """``with store.transaction():`` — BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
+        return _Transaction(self)
+
+    def write(
+        self,
+        keys: Sequence[str | None],
+        values: Sequence[str | None],
+        metadata: Sequence[dict[str, Any] | None],
+        key_embs: Tensor,
+        value_embs: Tensor,
+        ids: Sequence[int | None] | None = None,
+    ) -> list[int]:
+        """Insert or update records in one transaction.
+
+        Args:
+            keys, values, metadata: one entry per record.
+            key_embs: (n, dim) float32. value_embs: (n, value_dim) float32.
+            ids: per record, the stored id it replaces in place, or None for a new record (all new if None).
+
+        Returns:
+            The ids of the records, in order (new ids are fresh, never reused).
+        """
+        n = len(keys)
+        ids = [None] * n if ids is None else list(ids)
+        key_np = key_embs.detach().to("cpu", torch.float32).contiguous().numpy()  # (n, dim)
+        value_np = value_embs.detach().to("cpu", torch.float32).contiguous().numpy()  # (n, value_dim)
+
+        def row(i: int, id_: int) -> tuple:
+            meta = None if not metadata[i] else json.dumps(metadata[i])
+            return (keys[i], values[i], meta, key_np[i].tobytes(), value_np[i].tobytes(), id_)
+
+        with self.lock:
+            with self.transaction():
+                seq = self._conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
+                next_id = (seq[0] if seq else 0) + 1
+                out: list[int] = []
+                for id_ in ids:
+                    out.append(next_id if id_ is None else int(id_))
+                    next_id += id_ is None
+                new = [i for i in range(n) if ids[i] is None]
+                old = [i for i in range(n) if ids[i] is not None]
+                self._conn.executemany(
+                    "INSERT INTO records (key, value, metadata, key_emb, value_emb, id) VALUES (?, ?, ?, ?, ?, ?)",
+                    (row(i, out[i]) for i in new),
+                )
+                self._conn.executemany(
+                    "UPDATE records SET key = ?, value = ?, metadata = ?, key_emb = ?, value_emb = ? WHERE id = ?",
+                    (row(i, out[i]) for i in old),
+                )
+                self._bump()
+            # Committed: now mirror it in memory (still under the lock, so readers never see half of it).
+            dev_keys = key_embs.detach().to(self.device, torch.float32)  # (n, dim)
+            dev_values = value_embs.detach().to(self.device, torch.float32)  # (n, value_dim)
+            if old:
+                rows = self.rows_of(torch.tensor([out[i] for i in old])).to(self.device)  # (n_old,)
+                sel = torch.tensor(old, device=self.device)
+                self.keys[rows] = dev_keys[sel]
+                self.values[rows] = dev_values[sel]
+            if new:
+                sel = torch.tensor(new, device=self.device)
+                self.ids = torch.cat([self.ids, torch.tensor([out[i] for i in new], dtype=torch.long)])
+                self.keys = dev_keys[sel] if self.keys is None else torch.cat([self.keys, dev_keys[sel]])
+                self.values = dev_values[sel] if self.values is None else torch.cat([self.values, dev_values[sel]])
+            for i in range(n):
+                old_key = self.key_of_id.pop(out[i], None)
+                if old_key is not None:
+                    self.id_of_key.pop(old_key, None)
+                if keys[i] is not None:
+                    self.id_of_key[keys[i]] = out[i]
+                    self.key_of_id[out[i]] = keys[i]
+        return out
+
+    def delete(self, ids: Sequence[int]) -> None:
+        """Delete records by id in one transaction.
+
+        Raises:
+            KeyNotFoundError: an id is not stored (nothing is deleted then).
+        """
+        with self.lock:
+            missing = [i for i in ids if not self.contains_id(i)]
+            if missing:
+                raise KeyNotFoundError(f"expected stored ids, got unknown ids {missing[:10]}")
+            with self.transaction():
+                self._delete_rows(ids)
+                self._bump()
+            self._drop_from_memory(ids)
+
+    def replace_embeddings(self, keys: Tensor | None = None, values: Tensor | None = None) -> None:
+        """Overwrite every record's key and/or value embedding (rows in id order), in one transaction.
+
+        Args:
+            keys: (n, dim) or None to keep. values: (n, value_dim) or None to keep.
+        """
+        with self.lock:
+            ids = self.ids.tolist()
+            with self.transaction():
+                for column, tensor in (("key_emb", keys), ("value_emb", values)):
+                    if tensor is None:
+                        continue
+                    arr = tensor.detach().to("cpu", torch.float32).contiguous().numpy()
+                    self._conn.executemany(
+                        f"UPDATE records SET {column} = ? WHERE id = ?",  # column is one of two literals
+                        ((arr[i].tobytes(), ids[i]) for i in range(len(ids))),
+                    )
+                self._bump()
+            if keys is not None:
+                self.keys = keys.detach().to(self.device, torch.float32).clone()
+            if values is not None:
+                self.values = values.detach().to(self.device, torch.float32).clone()
+
+    def _delete_rows(self, ids: Iterable[int]) -> None:
+        self._conn.executemany("DELETE FROM records WHERE id = ?", ((int(i),) for i in ids))
+
+    def _bump(self) -> None:
+        self._put_meta("version", self.version + 1)
+
+    def _drop_from_memory(self, ids: Sequence[int]) -> None:
+        if not len(ids):
+            return
+        drop = torch.as_tensor(list(ids), dtype=torch.long)
+        keep = ~torch.isin(self.ids, drop)  # (n,)
+        self.ids = self.ids[keep]
+        keep_dev = keep.to(self.device)
+        self.keys = self.keys[keep_dev]
+        self.values = self.values[keep_dev]
+        for id_ in drop.tolist():
+            key = self.key_of_id.pop(id_, None)
+            if key is not None:
+                self.id_of_key.pop(key, None)
+
+    # ------------------------------------------------------------------ reading
+
+    def contains_id(self, id_: int) -> bool:
+        """Whether a record with this id is stored."""
+        pos = int(torch.searchsorted(self.ids, torch.tensor(int(id_))))
+        return pos < len(self.ids) and int(self.ids[pos]) == int(id_)
+
+    def rows_of(self, ids: Tensor) -> Tensor:
+        """Row positions of ids in the in-memory tensors; -1 where an id is -1 or not stored.
+
+        Args:
+            ids: LongTensor of any shape.
+
+        Returns:
+            LongTensor of the same shape, on the CPU.
+        """
+        flat = ids.reshape(-1).cpu()  # (n,)
+        if len(self.ids) == 0:
+            return torch.full_like(ids.cpu(), -1)
+        pos = torch.searchsorted(self.ids, flat).clamp(max=len(self.ids) - 1)  # (n,)
+        found = (self.ids[pos] == flat) & (flat >= 0)
+        return torch.where(found, pos, -1).reshape(ids.shape)
+
+    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Key and value embeddings for ids (any shape, -1 allowed), gathered by id.
+
+        Returns:
+            keys (*ids.shape, dim), values (*ids.shape, value_dim) with zeros where ids are missing,
+            and a keep-mask of ids.shape — all on the store's device.
+        """
+        rows = self.rows_of(ids).to(self.device)  # (*shape)
+        mask = rows >= 0
+        safe = rows.clamp(min=0)
+        keys = self.keys[safe] * mask.unsqueeze(-1)  # (*shape, dim)
+        values = self.values[safe] * mask.unsqueeze(-1)  # (*shape, value_dim)
+        return keys, values, mask
+
+    def fetch(self, ids: Iterable[int]) -> dict[int, Record]:
+        """Whole records (text, metadata, embeddings) for ids, in one query."""
+        wanted = sorted({int(i) for i in ids if int(i) >= 0})
+        out: dict[int, Record] = {}
+        for start in range(0, len(wanted), 900):  # SQLite's bound-parameter limit
+            chunk = wanted[start : start + 900]
+            marks = ",".join("?" * len(chunk))
+            for id_, key, value, meta, kb, vb in self._conn.execute(
+                f"SELECT id, key, value, metadata, key_emb, value_emb FROM records WHERE id IN ({marks})",
+                chunk,
+            ):
+                out[id_] = Record(
+                    id=id_,
+                    key=key,
+                    value=value,
+                    metadata=json.loads(meta) if meta else {},
+                    key_embedding=torch.from_numpy(np.frombuffer(kb, dtype=np.float32).copy()),
+                    value_embedding=torch.from_numpy(np.frombuffer(vb, dtype=np.float32).copy()),
+                )
+        return out
+
+    def value_texts(self, ids: Iterable[int]) -> dict[int, str | None]:
+        """Value text for ids (None for embedding-only values), in one query."""
+        wanted = sorted({int(i) for i in ids if int(i) >= 0})
+        out: dict[int, str | None] = {}
+        for start in range(0, len(wanted), 900):
+            chunk = wanted[start : start + 900]
+            marks = ",".join("?" * len(chunk))
+            out.update(self._conn.execute(f"SELECT id, value FROM records WHERE id IN ({marks})", chunk).fetchall())
+        return out
+
+    def close(self) -> None:
+        """Close the SQLite connection."""
+        with self.lock:
+            self._conn.close()
+
+
+class _Transaction:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.depth_owner = False
+
+    def __enter__(self) -> None:
+        conn = self.store._conn
+        if conn.in_transaction:
+            return
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc):
+                raise DatabaseLockedError(f"another process is writing to {self.store.path}: {exc}") from None
+            raise
+        self.depth_owner = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.depth_owner:
+            return
+        conn = self.store._conn
+        if exc_type is None:
+            conn.execute("COMMIT")
+        else:
+            conn.execute("ROLLBACK")

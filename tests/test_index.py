@@ -1,0 +1,143 @@
+"""index.py against a brute-force numpy search."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsearch.errors import (
+    CorruptDatabaseError,
+    DimensionMismatchError,
+    InvalidArgumentError,
+    UnknownOptionError,
+)
+from kvsearch.index import MAX_K, Index
+
+
+def brute(vectors, ids, queries, k, metric):
+    if metric == "ip":
+        scores = queries @ vectors.T
+    else:
+        scores = -((queries[:, None, :] - vectors[None]) ** 2).sum(-1)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return ids[order]
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("k", [1, 10, 101])
+def test_flat_matches_brute_force(rng, metric, k):
+    vectors = rng.standard_normal((60, 8)).astype(np.float32)
+    ids = np.arange(1000, 1060)
+    queries = rng.standard_normal((5, 8)).astype(np.float32)
+    index = Index(8, "Flat", metric)
+    index.add(ids, vectors)
+    scores, found = index.search(queries, k)
+    assert found.shape == (5, k) and scores.shape == (5, k)
+    expect = brute(vectors, ids, queries, k, metric)
+    kk = min(k, 60)
+    np.testing.assert_array_equal(found[:, :kk], expect[:, :kk])
+    assert (found[:, kk:] == -1).all()  # fewer than k exist: -1 padded
+
+
+@pytest.mark.parametrize("spec", ["Flat", "HNSW16", "IVF4,Flat", "PQ4", "IVF4,PQ4", "OPQ4,IVF4,PQ4"])
+def test_remove_for_every_type(rng, spec):
+    """Deleted ids never come back, whatever the index type (HNSW keeps tombstones)."""
+    vectors = rng.standard_normal((400, 16)).astype(np.float32)
+    ids = np.arange(400) * 3 + 7
+    index = Index(16, spec, "l2")
+    index.build(ids, vectors)
+    gone = ids[::2]
+    index.remove(gone)
+    assert index.ntotal == 200
+    np.testing.assert_array_equal(index.ids(), np.sort(ids[1::2]))
+    _, found = index.search(vectors[:50], 20)
+    assert not np.isin(found, gone).any()
+    # re-adding an id that was removed (an upsert) makes it searchable again
+    index.add(gone[:1], vectors[:1])
+    _, found = index.search(vectors[:1], 1)
+    assert found[0, 0] == gone[0]
+
+
+def test_hnsw_recall_against_brute_force(rng):
+    vectors = rng.standard_normal((2000, 16)).astype(np.float32)
+    ids = np.arange(2000)
+    queries = vectors[:100] + 0.01 * rng.standard_normal((100, 16)).astype(np.float32)
+    index = Index(16, "HNSW32", "l2", params={"efSearch": 128})
+    index.build(ids, vectors)
+    _, found = index.search(queries, 10)
+    expect = brute(vectors, ids, queries, 10, "l2")
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(found, expect)])
+    assert recall >= 0.95
+
+
+def test_untrained_type_serves_flat_until_trainable(rng):
+    index = Index(8, "IVF4,Flat", "l2")
+    assert index.min_train == 39 * 4
+    small = rng.standard_normal((10, 8)).astype(np.float32)
+    index.add(np.arange(10), small)
+    assert index.is_fallback and not index.needs_rebuild
+    _, found = index.search(small, 1)
+    np.testing.assert_array_equal(found[:, 0], np.arange(10))  # exact while it is a flat fallback
+    big = rng.standard_normal((200, 8)).astype(np.float32)
+    index.add(np.arange(10, 210), big)
+    assert index.needs_rebuild
+    index.build(np.arange(210), np.concatenate([small, big]))
+    assert not index.is_fallback and index.ntotal == 210
+
+
+@pytest.mark.parametrize("spec", ["Flat", "HNSW16", "IVF4,Flat"])
+def test_save_load_round_trip(tmp_path, rng, spec):
+    vectors = rng.standard_normal((300, 8)).astype(np.float32)
+    index = Index(8, spec, "ip", params={"nprobe": 4} if spec.startswith("IVF") else None)
+    index.build(np.arange(300), vectors)
+    index.remove(np.array([0, 1, 2]))
+    index.save(tmp_path / "index.npz")
+    loaded = Index.load(tmp_path / "index.npz", 8, spec, "ip", index.params)
+    a, b = index.search(vectors[:20], 7), loaded.search(vectors[:20], 7)
+    np.testing.assert_array_equal(a[1], b[1])
+    assert loaded.ntotal == 297
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00" * 100, b"garbage" * 50])
+def test_load_damaged_file_is_a_clear_error(tmp_path, content):
+    path = tmp_path / "index.npz"
+    path.write_bytes(content)
+    with pytest.raises(CorruptDatabaseError, match="cannot be read"):
+        Index.load(path, 8, "Flat", "ip")
+
+
+def test_load_truncated_file(tmp_path, rng):
+    index = Index(8, "HNSW16", "ip")
+    index.build(np.arange(100), rng.standard_normal((100, 8)).astype(np.float32))
+    index.save(tmp_path / "index.npz")
+    data = (tmp_path / "index.npz").read_bytes()
+    (tmp_path / "index.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptDatabaseError):
+        Index.load(tmp_path / "index.npz", 8, "HNSW16", "ip")
+
+
+def test_errors():
+    with pytest.raises(UnknownOptionError, match="Bogus"):
+        Index(8, "Bogus")
+    with pytest.raises(UnknownOptionError, match="IDMap"):
+        Index(8, "IDMap,Flat")
+    with pytest.raises(UnknownOptionError, match="metric"):
+        Index(8, "Flat", "cosine")
+    with pytest.raises(InvalidArgumentError, match="dim"):
+        Index(0)
+    index = Index(8)
+    with pytest.raises(InvalidArgumentError, match="k"):
+        index.search(np.zeros((1, 8), np.float32), 0)
+    with pytest.raises(InvalidArgumentError, match="k"):
+        index.search(np.zeros((1, 8), np.float32), MAX_K + 1)
+    with pytest.raises(DimensionMismatchError, match=r"\(batch, 8\)"):
+        index.search(np.zeros((1, 9), np.float32), 1)
+    with pytest.raises(DimensionMismatchError, match=r"\(n, 8\)"):
+        index.add(np.arange(2), np.zeros((2, 7), np.float32))
+    with pytest.raises(UnknownOptionError, match="search parameters"):
+        index.set_params(bogus=1)
+
+
+def test_empty_index_search_is_all_missing():
+    scores, ids = Index(4).search(np.zeros((2, 4), np.float32), 3)
+    assert (ids == -1).all()
