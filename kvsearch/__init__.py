@@ -10,6 +10,7 @@ from kvsearch.attention import AdditiveScore, Candidates, KVAttention, attend, c
 from kvsearch.database import Answer, Database, Hit
 from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder, load_encoder
 from kvsearch.errors import (
+    BadFileError,
     ConfigMismatchError,
     CorruptDatabaseError,
     DatabaseClosedError,
@@ -21,17 +22,23 @@ from kvsearch.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
     KVSearchError,
+    MemoryLimitError,
+    MissingDependencyError,
     NonFiniteError,
     UnknownOptionError,
 )
 from kvsearch.index import Index
 from kvsearch.store import Record
+from kvsearch.streaming import streaming_attention
+from kvsearch.torch_index import TorchIndex
+from kvsearch.training import GaussianKernel, History, evaluate, finetune
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdditiveScore",
     "Answer",
+    "BadFileError",
     "Candidates",
     "ConfigMismatchError",
     "CorruptDatabaseError",
@@ -43,19 +50,27 @@ __all__ = [
     "EmptyDatabaseError",
     "EmptyKeyError",
     "Encoder",
+    "GaussianKernel",
+    "History",
     "Hit",
     "Index",
     "InvalidArgumentError",
     "KVAttention",
     "KVSearchError",
     "KeyNotFoundError",
+    "MemoryLimitError",
+    "MissingDependencyError",
     "NgramEncoder",
     "NonFiniteError",
     "Record",
     "SentenceEncoder",
+    "TorchIndex",
     "UnknownOptionError",
     "attend",
+    "streaming_attention",
     "compute_scores",
+    "evaluate",
+    "finetune",
     "load_encoder",
     "pool",
 ]

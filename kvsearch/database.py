@@ -13,10 +13,12 @@ was built at). Flat indexes are rebuilt from the store on open rather than saved
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -41,15 +43,22 @@ from kvsearch.errors import (
     NonFiniteError,
     UnknownOptionError,
 )
+from kvsearch.filters import check_where
 from kvsearch.index import MAX_K, Index
+from kvsearch.limits import MAX_BATCH, check_fits, index_bytes
+from kvsearch.locking import DEFAULT_LOCK_TIMEOUT
 from kvsearch.store import STORE_FILE, Record, Store
+from kvsearch.streaming import STREAMING_SCORES, streaming_attention
+from kvsearch.torch_index import TorchIndex, parse_torch_spec
 
-__all__ = ["Database", "Hit", "Answer", "DB_SCORES"]
+__all__ = ["Database", "Hit", "Answer", "LazyKeys", "DB_SCORES"]
 
 #: Score functions a database can use as its default (they decide the index metric).
 DB_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
 FORMAT = 1
 INDEX_FILE = "index.npz"
+#: A filtered search scans the matching records exactly when at most this many match (else FAISS selects).
+FILTER_SCAN_MAX = 4096
 MANIFEST_FILE = "manifest.json"
 _MISSING: Any = object()
 
@@ -82,7 +91,8 @@ class Answer:
         output: (value_dim,) or (batch, value_dim): ``sum_i weights_i * values_i``, differentiable.
         weights: (k,) or (batch, k): the attention weights, 0 on missing candidates.
         ids: (k,) or (batch, k): candidate ids, -1 where there was no candidate.
-        keys: the candidates' key texts (None where there is no candidate or no text), per query.
+        keys: the candidates' key texts (None where there is no candidate or no text), per query: a
+            :class:`LazyKeys` sequence that looks the texts up when read (``.tolist()`` for plain lists).
         value: the value of the highest-weight candidate (text, or a CPU tensor for embedding values);
             None where nothing was found.
         found: whether the query found anything (for ``pooling="exact"``: whether the key is stored).
@@ -91,9 +101,73 @@ class Answer:
     output: Tensor
     weights: Tensor
     ids: Tensor
-    keys: list[str | None] | list[list[str | None]]
+    keys: LazyKeys | list[str | None] | list[list[str | None]]
     value: str | Tensor | None | list[str | Tensor | None]
     found: bool | list[bool]
+
+    def plot(self, *, top: int | None = None, figsize: tuple[float, float] | None = None) -> Any:
+        """Draw this answer's candidates and their attention weights (see :func:`kvsearch.plot.plot_answer`).
+
+        Args:
+            top: show at most this many candidates per query; default all.
+            figsize: the figure size in inches.
+
+        Returns:
+            The matplotlib Figure.
+
+        Raises:
+            MissingDependencyError: matplotlib is not installed (``pip install kvsearch[plot]``).
+        """
+        from kvsearch.plot import plot_answer  # matplotlib stays optional: imported only when plotting
+
+        return plot_answer(self, top=top, figsize=figsize)
+
+
+class LazyKeys(Sequence):
+    """The candidates' key texts of an :class:`Answer`, looked up when read rather than built per row.
+
+    Indexing a batch gives one query's row (itself lazy); indexing a row gives a key text (None where the
+    candidate is missing or has no text). Compares equal to the list it stands for.
+
+    Args:
+        ids: (k,) or (batch, k) int64 CPU ids, -1 where there is no candidate.
+        key_of_id: id -> key text.
+    """
+
+    def __init__(self, ids: Tensor, key_of_id: Mapping[int, str]) -> None:
+        self._ids = ids
+        self._key_of_id = key_of_id
+
+    def __len__(self) -> int:
+        return int(self._ids.shape[0])
+
+    def __getitem__(self, index: int | slice) -> str | None | LazyKeys | list:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        row = self._ids[index]
+        if row.dim() == 0:
+            return self._key_of_id.get(int(row))
+        return LazyKeys(row, self._key_of_id)
+
+    def __iter__(self) -> Iterator:
+        if self._ids.dim() == 1:
+            get = self._key_of_id.get
+            return iter([get(i) for i in self._ids.tolist()])
+        return (LazyKeys(row, self._key_of_id) for row in self._ids)
+
+    def tolist(self) -> list:
+        """The plain list (a list of lists for a batch) of key texts."""
+        return [x.tolist() if isinstance(x, LazyKeys) else x for x in self]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyKeys):
+            other = other.tolist()
+        return isinstance(other, list) and self.tolist() == other
+
+    __hash__ = None  # compares by content, like a list
+
+    def __repr__(self) -> str:
+        return repr(self.tolist())
 
 
 class Database:
@@ -107,7 +181,10 @@ class Database:
         value_encoder: encodes value texts; by default the key encoder, when its dim fits ``value_dim``.
         dim: key dimension; needed only without an encoder.
         value_dim: value dimension; needed only without a value encoder.
-        index: a FAISS ``index_factory`` string; default ``"Flat"`` (exact) for a new database.
+        index: a FAISS ``index_factory`` string; default ``"Flat"`` (exact) for a new database. ``"torch"``
+            (or ``"torch:float16"`` / ``"torch:bfloat16"``) is exact search in torch over the store's own key
+            tensor (:class:`~kvsearch.TorchIndex`): no second copy of the keys, nothing to rebuild on open.
+            It is not chosen automatically; see benchmarks/RESULTS.md for where it is faster.
         score: the default score function, ``"cosine"`` for a new database; it decides the index metric
             (inner product for dot / scaled_dot / cosine, L2 for gaussian).
         device: the torch device of the embeddings and the pooling; CUDA when present, else CPU.
@@ -132,8 +209,10 @@ class Database:
         score: str | None = None,
         device: str | torch.device | None = None,
         search_params: Mapping[str, float] | None = None,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     ) -> None:
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        _check_path(path)
         self.path = None if path is None else Path(path)
         self._closed = False
         if self.path is not None:
@@ -141,6 +220,7 @@ class Database:
                 raise InvalidArgumentError(f"expected a folder for the database, got a file: {self.path}")
             self.path.mkdir(parents=True, exist_ok=True)
         self._store = Store(None if self.path is None else self.path / STORE_FILE, self.device)
+        self._store.write_lock.timeout = float(lock_timeout)
         try:
             saved = self._store.get_meta("config")
             if saved is None:
@@ -181,9 +261,10 @@ class Database:
             if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise InvalidArgumentError(f"expected a positive integer {name}, got {d!r}")
         self.dim, self.value_dim, self.score, self.index_spec = dim, value_dim, score, index
-        self._index = Index(dim, index, _metric(score), params=dict(search_params or {}))
+        self._index = self._new_index(dict(search_params or {}))
         self.encoder = None if encoder is None else encoder.to(self.device)
         self.value_encoder = None if value_encoder is None else value_encoder.to(self.device)
+        self._query_encoder: Encoder | None = None
         self._config = {
             "format": FORMAT,
             "dim": dim,
@@ -193,6 +274,7 @@ class Database:
             "search_params": dict(search_params or {}),
             "encoder": encoder is not None,
             "value_encoder": None if value_encoder is None else ("key" if value_encoder is encoder else "own"),
+            "query_encoder": False,
         }
         self.save_encoders()
         self._store.set_meta("config", self._config)
@@ -219,6 +301,8 @@ class Database:
             self.value_encoder = self.encoder
         else:
             self.value_encoder = self._reopen_encoder("value_encoder", saved["value_encoder"] == "own", value_encoder)
+        # databases made before query encoders existed have no "query_encoder" entry: they have none
+        self._query_encoder = self._reopen_encoder("query_encoder", bool(saved.get("query_encoder", False)), None)
         self._store.load(self.dim, self.value_dim)
         self._index = self._load_or_rebuild_index()
 
@@ -242,25 +326,64 @@ class Database:
             manifest_path, index_path = self.path / MANIFEST_FILE, self.path / INDEX_FILE
             try:
                 manifest = json.loads(manifest_path.read_text())
+                # Served only if it is exactly the index of this store version: same version, spec and
+                # size, the very bytes the manifest was written for (a torn, truncated or swapped file
+                # fails the hash before FAISS reads it), and the very ids the store holds.
                 if (
-                    manifest.get("version") == self._store.version
+                    manifest.get("version") == self._store.loaded_version
                     and manifest.get("spec") == self.index_spec
                     and manifest.get("ntotal") == len(self._store)
+                    and manifest.get("sha256") == _sha256(index_path)
                 ):
                     index = Index.load(index_path, self.dim, self.index_spec, metric, params)
-                    if index.ntotal == len(self._store):
+                    if index.ntotal == len(self._store) and np.array_equal(index.ids(), self._store.ids.numpy()):
                         return index
-            except (CorruptDatabaseError, ValueError, OSError, KeyError, AttributeError):
+            except (CorruptDatabaseError, ValueError, OSError, KeyError, AttributeError, TypeError):
                 pass  # a damaged or foreign side file: the store is the truth, rebuild from it
-        index = Index(self.dim, self.index_spec, metric, params=params)
+        index = self._new_index(params)
         self._rebuild_into(index)
+        return index
+
+    def _new_index(self, params: dict[str, float]) -> Index | TorchIndex:
+        """An empty index of ``self.index_spec``: FAISS, or for ``"torch[:dtype]"`` exact torch search.
+
+        A torch index reads the store's key tensor itself (no second copy; only a (n,) norm vector for
+        cosine or L2, or a half-precision copy for ``"torch:float16"`` / ``"torch:bfloat16"``).
+        """
+        dtype = parse_torch_spec(self.index_spec)
+        if dtype is None:
+            return Index(self.dim, self.index_spec, _metric(self.score), params=params)
+        index = TorchIndex(
+            self.dim, _metric(self.score), source=self._store, normalize=self.score == "cosine", dtype=dtype
+        )
+        index.set_params(**params)
         return index
 
     def _index_is_saved(self) -> bool:
         return (self.path / MANIFEST_FILE).exists() and (self.path / INDEX_FILE).exists()
 
-    def _rebuild_into(self, index: Index) -> None:
+    def _rebuild_into(self, index: Index | TorchIndex) -> None:
+        if isinstance(index, TorchIndex):
+            index.refresh()  # it searches the store's keys directly: nothing to copy
+            return
+        check_fits(index_bytes(self.index_spec, len(self._store), self.dim), f"building the {self.index_spec} index")
         index.build(self._store.ids.numpy(), self._index_vectors(self._store.keys))
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold this folder's write lock (bounded wait) and bring a stale mirror up to date first.
+
+        Another process may have committed since this one loaded the store: the in-memory tensors, the
+        key map and the index are then reloaded from the store before the write is checked and applied.
+
+        Raises:
+            DatabaseLockedError: another writer held the lock for longer than ``lock_timeout``.
+        """
+        with self._store.lock, self._store.write_lock:
+            if self.path is not None and self._store.is_stale():
+                self._store.load(self.dim, self.value_dim)
+                self._rebuild_into(self._index)
+            yield
 
     # ------------------------------------------------------------------ small things
 
@@ -344,8 +467,12 @@ class Database:
         value_texts, value_embs = self._prepare_side(values, "values", self.value_encoder, self.value_dim)
         if len(value_texts) != n:
             raise DimensionMismatchError(f"expected one value per key ({n}), got {len(value_texts)} values")
+        _check_batch(n, "records")
         metadata = _check_metadata(metadata, n)
-        with self._store.lock:
+        # Refused up front if the grown mirror (copied once by torch.cat) and the index additions cannot fit.
+        need = (len(self._store) + 2 * n) * (self.dim + self.value_dim) * 4 + index_bytes(self.index_spec, n, self.dim)
+        check_fits(need, f"adding {n:,} records")
+        with self._writing():
             existing: list[int | None] = [None] * n
             for i, key in enumerate(key_texts):
                 if key is not None and key in self._store.id_of_key:
@@ -377,7 +504,7 @@ class Database:
         """
         self._check_open()
         items = [key_or_keys] if isinstance(key_or_keys, (str, int, np.integer)) else list(key_or_keys)
-        with self._store.lock:
+        with self._writing():
             ids: list[int] = []
             for item in items:
                 if isinstance(item, str):
@@ -411,33 +538,102 @@ class Database:
             UnknownOptionError: a parameter that does not apply to this index type.
         """
         self._check_open()
-        self._index.set_params(**params)
-        self._config["search_params"] = {**self._config.get("search_params", {}), **params}
-        self._store.set_meta("config", self._config)
+        with self._writing():
+            self._index.set_params(**params)
+            self._config["search_params"] = {**self._config.get("search_params", {}), **params}
+            self._store.set_meta("config", self._config)
 
     def save_encoders(self) -> None:
-        """Write the encoders' configuration (and trained weights) into the database folder."""
+        """Write the encoders' configuration (and trained weights) into the database folder.
+
+        The key encoder goes under the prefix ``encoder``, a value encoder of its own under ``value_encoder``
+        and a query encoder (see :attr:`query_encoder`) under ``query_encoder``; the configuration records
+        which of them exist, so reopening the folder rebuilds the same encoders.
+        """
         if self.path is None:
             return
         if self.encoder is not None:
             self.encoder.save(self.path, "encoder")
         if self.value_encoder is not None and self.value_encoder is not self.encoder:
             self.value_encoder.save(self.path, "value_encoder")
+        if self._query_encoder is not None:
+            self._query_encoder.save(self.path, "query_encoder")
+        value_kind = None if self.value_encoder is None else ("key" if self.value_encoder is self.encoder else "own")
+        flags = {"value_encoder": value_kind, "query_encoder": self._query_encoder is not None}
+        if any(self._config.get(name) != flag for name, flag in flags.items()):
+            self._config.update(flags)
+            self._store.set_meta("config", self._config)
+
+    def refresh(self) -> None:
+        """Re-encode every key from its text with the key encoder and rebuild the index.
+
+        Call it after the key encoder changed (fine-tuning does, every ``refresh_every`` steps): the stored
+        key embeddings and the index are then those of the current encoder. Keys stored as embeddings (no
+        text) keep their embedding.
+
+        Raises:
+            DatabaseClosedError: the database was closed.
+        """
+        self._check_open()
+        with self._store.lock:
+            if len(self._store) == 0:
+                return
+            keys = self._store.keys.clone()  # (n, dim)
+            ids = self._store.ids.tolist()
+            rows = [row for row, id_ in enumerate(ids) if id_ in self._store.key_of_id]
+            if rows and self.encoder is not None:
+                texts = [self._store.key_of_id[ids[row]] for row in rows]
+                fresh = self._encode(texts, None, self.encoder, self.dim, "keys")  # (r, dim)
+                keys[torch.tensor(rows, dtype=torch.long, device=keys.device)] = fresh.to(keys.device)
+            self._store.replace_embeddings(keys=keys)
+            self._rebuild_into(self._index)
+
+    @property
+    def query_encoder(self) -> Encoder | None:
+        """The encoder of text queries when it differs from the key encoder (a fine-tuned query side), else None.
+
+        Text queries are encoded with it when it is set, with :attr:`encoder` otherwise. It is saved with the
+        database (prefix ``query_encoder``) by :meth:`save_encoders` and :meth:`close`.
+
+        Raises:
+            InvalidArgumentError: (on assignment) not an Encoder or None.
+            DimensionMismatchError: (on assignment) its dim differs from the database's.
+        """
+        return self._query_encoder
+
+    @query_encoder.setter
+    def query_encoder(self, encoder: Encoder | None) -> None:
+        if encoder is not None and not isinstance(encoder, Encoder):
+            got = type(encoder).__name__
+            raise InvalidArgumentError(f"expected a kvsearch Encoder or None as query_encoder, got {got}")
+        if encoder is not None and encoder.dim != self.dim:
+            raise DimensionMismatchError(f"expected a query encoder of dim {self.dim}, got dim {encoder.dim}")
+        self._query_encoder = None if encoder is None else encoder.to(self.device)
 
     def save(self) -> None:
         """Write the encoders and (for trained / graph index types) the index with the store version.
 
-        Flat indexes are not written: rebuilding them from the store is as fast as reading them.
+        Flat indexes are not written: rebuilding them from the store is as fast as reading them. The
+        manifest tags the index with the store version it reflects and the SHA-256 of its bytes; an index
+        that another process's writes made stale is not written (the next open rebuilds it).
+
+        Raises:
+            DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
         """
         self._check_open()
         if self.path is None:
             return
-        self.save_encoders()
-        if self.index_spec == "Flat":
-            return
-        with self._store.lock:
+        with self._store.lock, self._store.write_lock:
+            self.save_encoders()
+            if self.index_spec == "Flat" or isinstance(self._index, TorchIndex) or self._store.is_stale():
+                return
             self._index.save(self.path / INDEX_FILE)
-            manifest = {"version": self._store.version, "spec": self.index_spec, "ntotal": self._index.ntotal}
+            manifest = {
+                "version": self._store.loaded_version,
+                "spec": self.index_spec,
+                "ntotal": self._index.ntotal,
+                "sha256": _sha256(self.path / INDEX_FILE),
+            }
             tmp = self.path / (MANIFEST_FILE + ".tmp")
             tmp.write_text(json.dumps(manifest))
             os.replace(tmp, self.path / MANIFEST_FILE)
@@ -498,12 +694,17 @@ class Database:
             return default
         return self._values_of([id_])[id_]
 
-    def search(self, queries: Queries, k: int = 10) -> list[Hit] | list[list[Hit]]:
+    def search(
+        self, queries: Queries, k: int = 10, *, where: Mapping[str, Any] | None = None
+    ) -> list[Hit] | list[list[Hit]]:
         """The k nearest records to each query, best first.
 
         Args:
             queries: a text, a list of texts, a query embedding (dim,) or a batch (batch, dim).
             k: how many; fewer come back when the database holds fewer.
+            where: a metadata filter such as ``{"lang": "en", "year": {"$gte": 2000}}`` (operators
+                ``$eq $ne $gt $gte $lt $lte $in $nin``, see :mod:`kvsearch.filters`): k matching records
+                come back when k exist.
 
         Returns:
             A list of :class:`Hit` for one query, a list of lists for a batch.
@@ -513,10 +714,12 @@ class Database:
         """
         self._check_open()
         k = _check_k(k, allow_all=False)
+        if where is not None:
+            check_where(where)
         q, texts, single = self._prepare_queries(queries)
         with self._store.lock:
             self._check_not_empty()
-            cand = self.candidates(q, k)
+            cand = self.candidates(q, k, where=where)
             scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, k)
             scores = scores.masked_fill(~cand.mask, -math.inf)
             order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
@@ -541,6 +744,7 @@ class Database:
         score: str | ScoreFn | None = None,
         pooling: str = "softmax",
         temperature: float = 1.0,
+        where: Mapping[str, Any] | None = None,
     ) -> Answer:
         """Attention over the k candidates the index picks: ``output = sum_i weights_i * values_i``.
 
@@ -555,6 +759,7 @@ class Database:
                 ``exact`` is a database lookup: one-hot on the record whose key equals the query (text
                 equality, or equal embedding), else "not found" (zero output, value None, found False).
             temperature: softmax temperature (softmax and hard), > 0.
+            where: a metadata filter (as in :meth:`search`): only matching records are candidates.
 
         Returns:
             An :class:`Answer`, unbatched for one query.
@@ -570,6 +775,8 @@ class Database:
             raise UnknownOptionError(f"expected pooling among {POOLINGS}, got {pooling!r}")
         if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
             raise InvalidArgumentError(f"expected a finite temperature > 0, got {temperature!r}")
+        if where is not None:
+            check_where(where)
         q, texts, single = self._prepare_queries(queries)
         out_device = q.device
         with self._store.lock:
@@ -577,24 +784,36 @@ class Database:
             targets = None
             if pooling == "exact":
                 targets = self._exact_targets(q, texts)  # (b,)
-            cand = self.candidates(q, k, targets=targets)
-            output, weights = attend(
-                q.to(self.device),
-                cand.keys,
-                cand.values,
-                score=self.score if score is None else score,
-                pooling=pooling,
-                mask=cand.mask,
-                match=cand.match,
-                temperature=float(temperature),
-            )  # (b, value_dim), (b, k)
+            cand = self.candidates(q, k, targets=targets, where=where)
+            score_fn = self.score if score is None else score
+            if (
+                k == "all"
+                and pooling == "softmax"
+                and isinstance(score_fn, str)
+                and score_fn in STREAMING_SCORES
+                and cand.mask is None
+                and len(cand.keys) > 0
+            ):  # every record: chunked, memory O(b x chunk) instead of O(b x m) for the autograd graph
+                output, weights = self._attend_all_streaming(
+                    q.to(self.device), cand.keys, cand.values, score_fn, float(temperature)
+                )  # (b, value_dim), (b, m)
+            else:
+                output, weights = attend(
+                    q.to(self.device),
+                    cand.keys,
+                    cand.values,
+                    score=score_fn,
+                    pooling=pooling,
+                    mask=cand.mask,
+                    match=cand.match,
+                    temperature=float(temperature),
+                )  # (b, value_dim), (b, k)
             ids = cand.ids if cand.ids.dim() == 2 else cand.ids.unsqueeze(0).expand(weights.shape[0], -1)  # (b, k)
             found = weights.detach().sum(-1) > 0  # (b,)
             best = ids.gather(1, weights.detach().argmax(-1, keepdim=True)).squeeze(1)  # (b,)
             best = torch.where(found, best.to(found.device), -1).cpu()
             values = self._values_of(best[best >= 0].tolist())
-            key_of = self._store.key_of_id
-            keys = [[key_of.get(i) for i in row] for row in ids.cpu().tolist()]
+            keys = LazyKeys(ids.cpu(), self._store.key_of_id)  # texts looked up on access, not per row here
         answer = Answer(
             output=output.to(out_device),
             weights=weights.to(out_device),
@@ -614,7 +833,37 @@ class Database:
             )
         return answer
 
-    def candidates(self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None = None) -> Candidates:
+    def _attend_all_streaming(
+        self, q: Tensor, keys: Tensor, values: Tensor, score: str, temperature: float
+    ) -> tuple[Tensor, Tensor]:
+        """Softmax attention over every record with :func:`~kvsearch.streaming.streaming_attention`.
+
+        Args:
+            q: (b, dim). keys: (m, dim). values: (m, value_dim). score: one of ``STREAMING_SCORES``.
+
+        Returns:
+            output (b, value_dim), differentiable, whose autograd graph holds O(b x chunk) memory;
+            weights (b, m), detached — the answer's own size, filled a chunk at a time.
+        """
+        output, lse, _ = streaming_attention(
+            q, keys, values, score=score, temperature=temperature, return_stats=True
+        )  # (b, value_dim), (b,)
+        weights = torch.empty(q.shape[0], keys.shape[0], dtype=output.dtype, device=q.device)  # (b, m)
+        step = max(1024, (1 << 22) // q.shape[0])
+        with torch.no_grad():
+            for start in range(0, keys.shape[0], step):
+                scores = compute_scores(q.detach(), keys[start : start + step], score) / temperature  # (b, c)
+                weights[:, start : start + step] = torch.exp(scores - lse.unsqueeze(1))  # (b, c)
+        return output, weights
+
+    def candidates(
+        self,
+        queries: Tensor,
+        k: int | Literal["all"],
+        *,
+        targets: Tensor | None = None,
+        where: Mapping[str, Any] | None = None,
+    ) -> Candidates:
         """The candidates for a batch of query embeddings, gathered by id from the store.
 
         This is the seam :class:`~kvsearch.KVAttention` and the trainer use: FAISS picks ids without
@@ -626,6 +875,7 @@ class Database:
             k: candidates per query, or ``"all"``.
             targets: (batch,) ids that must be among the candidates (-1 for none); the worst candidate
                 makes room. ``match`` is then ``ids == targets``.
+            where: a metadata filter (see :mod:`kvsearch.filters`): only matching records are candidates.
 
         Returns:
             :class:`Candidates` with ids (batch, k), keys (batch, k, dim), values (batch, k, value_dim),
@@ -636,12 +886,24 @@ class Database:
         if queries.dim() != 2 or queries.shape[1] != self.dim:
             raise DimensionMismatchError(f"expected queries (batch, {self.dim}), got {tuple(queries.shape)}")
         with self._store.lock:
+            allowed = None if where is None else self._store.ids_where(where)  # (m,) sorted ids
+            if allowed is not None and targets is not None:
+                targets = torch.where(torch.isin(targets.cpu(), torch.from_numpy(allowed)), targets.cpu(), -1)
+            if k == "all" and allowed is not None:
+                rows = self._store.rows_of(torch.from_numpy(allowed)).to(self.device)  # (m,)
+                ids = torch.from_numpy(allowed).to(self.device)  # (m,)
+                match = None if targets is None else ids.unsqueeze(0) == targets.to(self.device).unsqueeze(1)
+                keys, values = self._store.keys[rows], self._store.values[rows]  # (m, dim), (m, value_dim)
+                return Candidates(ids=ids, keys=keys, values=values, mask=None, match=match)
             if k == "all":
                 ids = self._store.ids.to(self.device)  # (m,)
                 match = None if targets is None else ids.unsqueeze(0) == targets.to(self.device).unsqueeze(1)
                 return Candidates(ids=ids, keys=self._store.keys, values=self._store.values, mask=None, match=match)
             search = self._index_vectors(queries.detach())
-            _, found = self._index.search(search, int(k))
+            if allowed is None:
+                _, found = self._index.search(search, int(k))
+            else:
+                found = self._filtered_search(search, int(k), allowed)
             ids = torch.from_numpy(found)  # (b, k)
             if targets is not None:
                 targets = targets.cpu()
@@ -653,6 +915,40 @@ class Database:
             return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
 
     # ------------------------------------------------------------------ helpers
+
+    def _filtered_search(self, search: np.ndarray, k: int, allowed: np.ndarray) -> np.ndarray:
+        """Top-k ids among ``allowed`` only: min(k, len(allowed)) of them for every query.
+
+        Few matches: an exact scan of the matching rows. Many: the index searches with a FAISS
+        ``IDSelector`` admitting only them; a query that got fewer than min(k, matches) back (a graph index
+        can, under a selective filter) is redone exactly over the matching rows.
+
+        Args:
+            search: (b, dim) index-space queries. k: candidates per query. allowed: (m,) sorted ids.
+
+        Returns:
+            ids (b, k) int64, best first, -1 padded.
+        """
+        b, want = search.shape[0], min(k, len(allowed))
+        out = np.full((b, k), -1, dtype=np.int64)
+        if want == 0:
+            return out
+        redo = np.ones(b, dtype=bool)
+        if len(allowed) > max(8 * k, FILTER_SCAN_MAX):
+            _, found = self._index.search(search, k, allowed=allowed)
+            out[:] = found
+            redo = (found >= 0).sum(1) < want  # (b,)
+        if redo.any():
+            rows = self._store.rows_of(torch.from_numpy(allowed))  # (m,)
+            vectors = torch.from_numpy(self._index_vectors(self._store.keys[rows.to(self.device)]))  # (m, dim)
+            q = torch.from_numpy(search[redo])  # (r, dim)
+            if _metric(self.score) == "l2":
+                scores = -torch.cdist(q, vectors).square()  # (r, m)
+            else:
+                scores = q @ vectors.T  # (r, m)
+            top = torch.topk(scores, want, dim=1).indices  # (r, want)
+            out[redo, :want] = allowed[top.numpy()]
+        return out
 
     def _check_not_empty(self) -> None:
         if len(self._store) == 0:
@@ -697,12 +993,14 @@ class Database:
             texts = [queries] if isinstance(queries, str) else list(queries)
             if not texts:
                 raise InvalidArgumentError("expected at least one query, got an empty list")
+            _check_batch(len(texts), "queries")
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
                     raise InvalidArgumentError(f"expected query texts, got {type(t).__name__} at position {i}")
-            if self.encoder is None:
+            encoder = self.encoder if self._query_encoder is None else self._query_encoder
+            if encoder is None:
                 raise InvalidArgumentError("expected query embeddings: this database has no encoder for text")
-            q = self.encoder.encode(texts)  # (b, dim)
+            q = encoder.encode(texts)  # (b, dim)
             _check_finite(q, "query embeddings")
             return q, texts, isinstance(queries, str)
         q, single = self._as_query_tensor(queries)
@@ -725,6 +1023,7 @@ class Database:
             )
         if q.shape[0] == 0:
             raise InvalidArgumentError("expected at least one query, got an empty batch")
+        _check_batch(q.shape[0], "queries")
         _check_finite(q, "queries")
         return q.float() if q.dtype != torch.float32 else q, single
 
@@ -805,6 +1104,30 @@ def _check_k(k: object, *, allow_all: bool) -> int | Literal["all"]:
         allowed = f"an integer in [1, {MAX_K}]" + (' or "all"' if allow_all else "")
         raise InvalidArgumentError(f"expected k as {allowed}, got {k!r}")
     return int(k)
+
+
+def _check_path(path: object) -> None:
+    """A database path: None, str or PathLike, without NUL (which the OS would cut or refuse)."""
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"expected a folder path (str or PathLike) or None, got {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or "\x00" in text or not text.strip():
+        raise InvalidArgumentError(f"expected a non-empty folder path without NUL characters, got {text!r}")
+
+
+def _check_batch(n: int, name: str) -> None:
+    if n > MAX_BATCH:
+        raise InvalidArgumentError(f"expected at most {MAX_BATCH:,} {name} per call (MAX_BATCH), got {n:,}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _check_finite(t: Tensor, name: str) -> None:

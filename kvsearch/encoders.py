@@ -93,8 +93,10 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 def _check_prefix(prefix: object) -> str:
-    if not isinstance(prefix, str) or not prefix or prefix in (".", "..") or any(s in prefix for s in "/\\"):
-        raise InvalidArgumentError(f"prefix must be a non-empty file name without a path separator, got {prefix!r}")
+    if not isinstance(prefix, str) or not prefix or prefix in (".", "..") or any(s in prefix for s in "/\\\x00"):
+        raise InvalidArgumentError(
+            f"prefix must be a non-empty file name without a path separator or NUL, got {prefix!r}"
+        )
     return prefix
 
 

@@ -20,6 +20,9 @@ __all__ = [
     "ConfigMismatchError",
     "CorruptDatabaseError",
     "DatabaseLockedError",
+    "MissingDependencyError",
+    "BadFileError",
+    "MemoryLimitError",
 ]
 
 
@@ -76,3 +79,23 @@ class CorruptDatabaseError(KVSearchError, RuntimeError):
 
 class DatabaseLockedError(KVSearchError, RuntimeError):
     """Another process holds the write lock of this database."""
+
+
+class MissingDependencyError(KVSearchError, ImportError):
+    """An optional dependency (such as matplotlib for plots) is not installed; the message names the extra."""
+
+
+class BadFileError(KVSearchError, ValueError):
+    """An input file (CSV, TSV or JSONL) cannot be read or has bad rows; nothing was written from it.
+
+    Attributes:
+        problems: every bad row found, as ``(line number, what is wrong)``, in file order.
+    """
+
+    def __init__(self, message: str, problems: list[tuple[int, str]] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[tuple[int, str]] = list(problems or [])
+
+
+class MemoryLimitError(KVSearchError, MemoryError):
+    """An operation would need more memory than it may use; it is refused before anything is written."""

@@ -218,12 +218,16 @@ class Index:
 
     # ------------------------------------------------------------------ reading
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, k: int, *, allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` best ids for each query.
 
         Args:
             queries: float32 (batch, dim).
             k: candidates per query, 1 <= k <= MAX_K. Where fewer than k vectors exist, ids are -1.
+            allowed: if given, only these ids may come back (a FAISS ``IDSelector`` inside the search; a
+                graph index may then return fewer than k — the caller tops up, see ``Database.candidates``).
 
         Returns:
             scores (batch, k) float32 — inner product, or squared L2 distance for ``metric="l2"`` — and
@@ -245,7 +249,7 @@ class Index:
         I = np.full((batch, k), -1, dtype=np.int64)  # noqa: E741 - FAISS's own name, kept inside this module
         if search_k == 0 or batch == 0:
             return D, I
-        params = self._search_parameters()
+        params = self._search_parameters() if allowed is None else self._allowed_parameters(allowed, search_k)
         d, i = self._faiss.search(queries, search_k, params=params) if params else self._faiss.search(queries, search_k)
         if not self._removable_now:
             valid = i >= 0
@@ -253,6 +257,29 @@ class Index:
         D[:, :search_k] = d
         I[:, :search_k] = i
         return D, I
+
+    def _allowed_parameters(self, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
+        """Search parameters whose selector admits only ``allowed`` ids (live ones, for graph indexes).
+
+        A graph search under a selective filter explores ``efSearch`` nodes of which only a fraction pass:
+        efSearch is raised to ``4 k / fraction`` (at most the index size) to keep the recall.
+        """
+        allowed = np.ascontiguousarray(np.asarray(allowed, dtype=np.int64).reshape(-1))
+        if not self._removable_now:  # graphs search by label: map live ids to their labels
+            allowed = np.fromiter((self._label_of[i] for i in allowed.tolist() if i in self._label_of), dtype=np.int64)
+        selector = faiss.IDSelectorBatch(allowed)
+        inner = self._faiss.index if isinstance(self._faiss, (faiss.IndexPreTransform, faiss.IndexIDMap)) else None
+        target = faiss.downcast_index(inner if inner is not None else self._faiss)
+        if isinstance(target, faiss.IndexHNSW):
+            fraction = max(len(allowed), 1) / max(self.ntotal, 1)
+            ef = max(int(target.hnsw.efSearch), min(self.ntotal, int(4 * k / fraction)))
+            params = faiss.SearchParametersHNSW(sel=selector, efSearch=ef)
+        elif isinstance(target, faiss.IndexIVF):
+            params = faiss.SearchParametersIVF(sel=selector, nprobe=int(target.nprobe))
+        else:
+            params = faiss.SearchParameters(sel=selector)
+        params._keep = (selector, allowed)  # keep the selector and its ids alive as long as the parameters
+        return params
 
     def _search_parameters(self) -> faiss.SearchParameters | None:
         if self._removable_now or not self._dead.any():

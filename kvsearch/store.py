@@ -14,8 +14,10 @@ The store knows nothing of FAISS or autograd: its tensors are plain (no grad), o
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +28,14 @@ import torch
 from torch import Tensor
 
 from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, KeyNotFoundError
+from kvsearch.filters import where_sql
+from kvsearch.locking import LOCK_FILE, WriteLock
 
 __all__ = ["Record", "Store", "STORE_FILE"]
 
 STORE_FILE = "store.sqlite"
+#: Stores of at least this many records keep a memory-mapped copy of their embeddings (see Store.write_side).
+SIDE_MIN_ROWS = 50_000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -81,6 +87,12 @@ class Store:
         self.path = None if path is None else Path(path)
         self.device = torch.device(device)
         self.lock = threading.RLock()
+        self._timeout = timeout
+        self._pid = os.getpid()
+        self.loaded_version = 0  # the store version the in-memory mirror (and the index) reflect
+        # One writer at a time per folder, across processes; every transaction takes it (reentrant).
+        self.write_lock = WriteLock(None if path is None else self.path.parent / LOCK_FILE, timeout)
+        _open_stores.add(self)
         try:
             self._conn = sqlite3.connect(
                 ":memory:" if path is None else str(path),
@@ -100,6 +112,37 @@ class Store:
         self.values: Tensor | None = None
         self.id_of_key: dict[str, int] = {}
         self.key_of_id: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ fork safety
+
+    @property
+    def _conn(self) -> sqlite3.Connection:
+        """The SQLite connection of this process: a child of fork() opens its own (see ``_after_fork``)."""
+        if self._pid != os.getpid():
+            self._reconnect_after_fork()
+        return self._connection
+
+    @_conn.setter
+    def _conn(self, conn: sqlite3.Connection) -> None:
+        self._connection = conn
+
+    def _reconnect_after_fork(self) -> None:
+        # A SQLite connection must not cross fork(): the child's copy shares file locks and WAL state with
+        # the parent's. Keep the inherited object alive (closing it could disturb the parent's locks) and
+        # open a fresh connection; the in-memory mirror copied by fork() is kept and revalidated against
+        # the store version before any write.
+        inherited = self._connection
+        self._pid = os.getpid()
+        if self.path is None:
+            return  # an in-memory database was copied by fork(); the child owns its copy
+        _inherited_connections.append(inherited)
+        try:
+            self._connection = sqlite3.connect(
+                str(self.path), timeout=self._timeout, isolation_level=None, check_same_thread=False
+            )
+            self._connection.execute("PRAGMA synchronous=FULL")
+        except sqlite3.DatabaseError as exc:
+            raise CorruptDatabaseError(f"{self.path}: cannot reopen the store after fork(): {exc}") from None
 
     # ------------------------------------------------------------------ meta
 
@@ -133,21 +176,120 @@ class Store:
             CorruptDatabaseError: an embedding blob has the wrong size.
         """
         with self.lock:
-            rows = self._conn.execute("SELECT id, key, key_emb, value_emb FROM records ORDER BY id").fetchall()
-            n = len(rows)
-            ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=n)
+            conn = self._conn
+            own = not conn.in_transaction
+            if own:
+                conn.execute("BEGIN")  # one snapshot: the rows and the version they are at
             try:
-                keys = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32).reshape(n, dim)
-                values = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32).reshape(n, value_dim)
-            except ValueError:
-                raise CorruptDatabaseError(
-                    f"stored embeddings do not have the expected dims ({dim}, {value_dim})"
-                ) from None
-            self.ids = torch.from_numpy(ids)
-            self.keys = torch.from_numpy(keys.copy()).to(self.device)  # (n, dim)
-            self.values = torch.from_numpy(values.copy()).to(self.device)  # (n, value_dim)
+                version = self.version
+                side = self._read_side(version, dim, value_dim)  # memory-mapped (ids, keys, values) or None
+                if side is not None:
+                    rows = conn.execute("SELECT id, key FROM records ORDER BY id").fetchall()
+                    listed = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+                    if not np.array_equal(listed, side[0]):
+                        side = None  # not the rows SQLite holds: read the embeddings from SQLite
+                if side is None:
+                    rows = conn.execute("SELECT id, key, key_emb, value_emb FROM records ORDER BY id").fetchall()
+            finally:
+                if own:
+                    conn.execute("COMMIT")
+            n = len(rows)
+            if side is not None:
+                ids, keys, values = side  # copy-on-write maps: pages are read when first touched
+            else:
+                ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=n)
+                try:
+                    keys = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32).reshape(n, dim).copy()
+                    values = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32).reshape(n, value_dim).copy()
+                except ValueError:
+                    raise CorruptDatabaseError(
+                        f"stored embeddings do not have the expected dims ({dim}, {value_dim})"
+                    ) from None
+            self.ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+            self.keys = torch.from_numpy(keys).to(self.device)  # (n, dim)
+            self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
             self.id_of_key = {r[1]: r[0] for r in rows if r[1] is not None}
             self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
+            self.loaded_version = version
+
+    # ------------------------------------------------------------------ embeddings side file
+    #
+    # Reading every embedding blob from SQLite takes ~10 s per million records. A store of at least
+    # SIDE_MIN_ROWS records therefore also keeps its embeddings as three .npy files beside the SQLite file
+    # (``<store>.emb-<version>.{ids,keys,values}.npy``), written on close() from the mirror and named in a
+    # manifest ``<store>.emb.json`` = {"version", "n", "dim", "value_dim"} written last (atomically). SQLite
+    # stays the source of truth: load() uses the files only when the manifest's version equals the store's
+    # version read in the same snapshot, the shapes match, and the ids equal the ids SQLite lists; anything
+    # else (a crash before or during the write, a later commit by any process, a damaged file) falls back to
+    # SQLite. The files are memory-mapped copy-on-write, so writes to the mirror never reach them.
+
+    def _side_manifest(self) -> Path:
+        return self.path.with_name(self.path.name + ".emb.json")
+
+    def _side_file(self, version: int, part: str) -> Path:
+        return self.path.with_name(f"{self.path.name}.emb-{int(version)}.{part}.npy")
+
+    def _read_side(self, version: int, dim: int, value_dim: int) -> tuple[np.ndarray, ...] | None:
+        """(ids, keys, values) memory-mapped from the side files when they are exactly this version's, else None."""
+        if self.path is None or not self._side_manifest().exists():
+            return None
+        try:
+            manifest = json.loads(self._side_manifest().read_text())
+            expected = {"version": version, "dim": dim, "value_dim": value_dim}
+            if any(manifest.get(name) != value for name, value in expected.items()):
+                return None
+            n = int(manifest["n"])
+            ids = np.load(self._side_file(version, "ids"), mmap_mode="r")
+            keys = np.load(self._side_file(version, "keys"), mmap_mode="c")
+            values = np.load(self._side_file(version, "values"), mmap_mode="c")
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # missing, truncated or foreign: SQLite is read instead
+        shapes = (ids.shape, keys.shape, values.shape) == ((n,), (n, dim), (n, value_dim))
+        types = (ids.dtype, keys.dtype, values.dtype) == (np.int64, np.float32, np.float32)
+        return (np.array(ids), keys, values) if shapes and types else None
+
+    def write_side(self) -> bool:
+        """Write the embeddings side files for the mirror's version (see above); True if written.
+
+        Skipped (False) for in-memory and small stores, when the files are already this version's, and when
+        another process committed since the mirror was loaded. Never raises for an I/O problem: the side files
+        are an optimisation, and a failed write leaves the previous (then stale, hence unused) state.
+        """
+        if self.path is None or self.keys is None or len(self.ids) < SIDE_MIN_ROWS:
+            return False
+        version = self.loaded_version
+        try:
+            if self.version != version:
+                return False
+            manifest = self._side_manifest()
+            if manifest.exists() and json.loads(manifest.read_text()).get("version") == version:
+                return False
+            for part, tensor in (("ids", self.ids), ("keys", self.keys), ("values", self.values)):
+                final = self._side_file(version, part)
+                tmp = final.with_name(final.name + ".tmp")
+                with open(tmp, "wb") as f:
+                    np.save(f, tensor.detach().cpu().numpy())
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, final)
+            dims = {"dim": self.keys.shape[1], "value_dim": self.values.shape[1]}
+            info = {"version": version, "n": len(self.ids), **dims}
+            tmp = manifest.with_name(manifest.name + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(json.dumps(info))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, manifest)
+            for old in self.path.parent.glob(f"{self.path.name}.emb-*.npy*"):
+                if not old.name.startswith(f"{self.path.name}.emb-{version}."):
+                    old.unlink(missing_ok=True)
+            return True
+        except (OSError, ValueError, sqlite3.Error):
+            return False
+
+    def is_stale(self) -> bool:
+        """Whether another connection (another process) committed since this mirror was loaded."""
+        return self.version != self.loaded_version
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -269,7 +411,9 @@ class Store:
         self._conn.executemany("DELETE FROM records WHERE id = ?", ((int(i),) for i in ids))
 
     def _bump(self) -> None:
-        self._put_meta("version", self.version + 1)
+        version = self.version + 1
+        self._put_meta("version", version)
+        self.loaded_version = version  # callers reload a stale mirror before writing (Database._writing)
 
     def _drop_from_memory(self, ids: Sequence[int]) -> None:
         if not len(ids):
@@ -317,9 +461,12 @@ class Store:
         """
         rows = self.rows_of(ids).to(self.device)  # (*shape)
         mask = rows >= 0
-        safe = rows.clamp(min=0)
-        keys = self.keys[safe] * mask.unsqueeze(-1)  # (*shape, dim)
-        values = self.values[safe] * mask.unsqueeze(-1)  # (*shape, value_dim)
+        flat = rows.clamp(min=0).reshape(-1)  # (n,) index_select: far cheaper than fancy indexing for small n
+        keys = self.keys.index_select(0, flat).reshape(*rows.shape, -1)  # (*shape, dim)
+        values = self.values.index_select(0, flat).reshape(*rows.shape, -1)  # (*shape, value_dim)
+        if not bool(mask.all()):
+            keys = keys * mask.unsqueeze(-1)  # (*shape, dim) zeros where missing
+            values = values * mask.unsqueeze(-1)  # (*shape, value_dim)
         return keys, values, mask
 
     def fetch(self, ids: Iterable[int]) -> dict[int, Record]:
@@ -353,10 +500,49 @@ class Store:
             out.update(self._conn.execute(f"SELECT id, value FROM records WHERE id IN ({marks})", chunk).fetchall())
         return out
 
+    def ids_where(self, where: dict[str, Any]) -> np.ndarray:
+        """The ids of the records whose metadata satisfies a filter (see :mod:`kvsearch.filters`).
+
+        Args:
+            where: a filter such as ``{"lang": "en", "year": {"$gte": 2000}}``.
+
+        Returns:
+            int64 (m,) sorted ids.
+
+        Raises:
+            InvalidArgumentError, UnknownOptionError, NonFiniteError: a bad filter.
+        """
+        sql, params = where_sql(where)  # every user value is a bound parameter
+        rows = self._conn.execute(f"SELECT id FROM records WHERE {sql} ORDER BY id", params).fetchall()
+        return np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+
     def close(self) -> None:
-        """Close the SQLite connection."""
+        """Write the embeddings side file if due (see :meth:`write_side`), then close the SQLite connection.
+
+        In a child of fork(), only the child's own connection is closed.
+        """
         with self.lock:
-            self._conn.close()
+            if self._pid == os.getpid():
+                self.write_side()
+            if self._pid == os.getpid() or self.path is None:
+                self._connection.close()
+            self.write_lock.close()
+
+
+# Stores of this process, so that a child of fork() gets fresh thread locks (a lock held by another
+# thread at fork() time would otherwise stay held forever in the child), and the connections a child
+# inherited, kept open on purpose (closing them could release the parent's SQLite file locks).
+_open_stores: weakref.WeakSet[Store] = weakref.WeakSet()
+_inherited_connections: list[sqlite3.Connection] = []
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_open_stores):
+        store.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Transaction:
@@ -368,11 +554,16 @@ class _Transaction:
         conn = self.store._conn
         if conn.in_transaction:
             return
+        self.store.write_lock.acquire()  # bounded wait, then DatabaseLockedError
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
+            self.store.write_lock.release()
             if "locked" in str(exc):
                 raise DatabaseLockedError(f"another process is writing to {self.store.path}: {exc}") from None
+            raise
+        except BaseException:
+            self.store.write_lock.release()
             raise
         self.depth_owner = True
 
@@ -380,7 +571,10 @@ class _Transaction:
         if not self.depth_owner:
             return
         conn = self.store._conn
-        if exc_type is None:
-            conn.execute("COMMIT")
-        else:
-            conn.execute("ROLLBACK")
+        try:
+            if exc_type is None:
+                conn.execute("COMMIT")
+            else:
+                conn.execute("ROLLBACK")
+        finally:
+            self.store.write_lock.release()

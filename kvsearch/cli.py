@@ -1,0 +1,481 @@
+"""The ``kvsearch`` command line: build a database from a file, query it, inspect it, fine-tune it.
+
+    kvsearch build indexes/authors --from authors.csv --key last --value first
+    kvsearch query indexes/authors Li Lipto --k 3
+    kvsearch query indexes/authors Li --pooling exact --json
+    kvsearch info indexes/authors
+    kvsearch delete indexes/authors Li
+    kvsearch finetune indexes/authors --pairs pairs.csv --epochs 3
+    kvsearch demo
+
+Every command has ``--help``. Errors are one line on stderr: exit status 2 for a usage error, 1 for
+anything else (a bad file, a key that is not stored, "not found" in exact mode); ``--debug`` shows the
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["main", "build_parser"]
+
+PROG = "kvsearch"
+STORE_FILE = "store.sqlite"  # the file that marks a folder as a database (kvsearch.store.STORE_FILE)
+
+
+class CommandError(Exception):
+    """A failure to report on one line with exit status 1 (raised by the commands, caught in main)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _k(text: str) -> int | str:
+    return "all" if text == "all" else _positive_int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``kvsearch`` command (subcommands build, query, info, delete, finetune, demo)."""
+    parser = _Parser(
+        prog=PROG,
+        description="A differentiable key-value search engine: FAISS candidates, attention pooling in torch.",
+        epilog=f"Run '{PROG} COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    scores = ("dot", "scaled_dot", "cosine", "gaussian")
+    p = sub.add_parser(
+        "build",
+        help="create a database (or add to one) from a CSV, TSV or JSONL file",
+        description="Create the database DB (or add to it) from FILE, validated first, then encoded and indexed "
+        "in batches. Bad rows are reported with their line numbers and nothing is written.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder (created if missing)")
+    p.add_argument("--from", dest="source", metavar="FILE", required=True, help="a .csv, .tsv or .jsonl file")
+    p.add_argument("--key", default="key", metavar="COL", help="the column holding the keys (default: key)")
+    p.add_argument("--value", default="value", metavar="COL", help="the column holding the values (default: value)")
+    p.add_argument("--format", choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)")
+    p.add_argument(
+        "--encoder",
+        metavar="ngram|minilm|PATH",
+        help="key and value encoder for a new database: ngram (character n-grams, the default), minilm "
+        "(all-MiniLM-L6-v2, offline) or a sentence-transformers model folder",
+    )
+    p.add_argument("--index", metavar="SPEC", help='a FAISS index_factory string for a new database (default "Flat")')
+    p.add_argument("--score", choices=scores, help="the default score of a new database (default cosine)")
+    p.add_argument("--batch-size", type=_positive_int, default=1024, metavar="N", help="records per batch")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=_cmd_build)
+
+    p = sub.add_parser(
+        "query",
+        help="answer queries: the candidates and their attention weights",
+        description="Query DB with each TEXT: the index picks K candidates, attention pooling weighs them. "
+        "Prints a table (key, value, weight) per query, or JSON. In exact mode (--pooling exact) a key "
+        "that is not stored is reported as not found, with exit status 1.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="one or more queries")
+    p.add_argument("--k", type=_k, default=5, metavar="N", help='candidates per query, or "all" (default 5)')
+    p.add_argument(
+        "--pooling",
+        choices=("softmax", "normalize", "nonnegative", "hard", "exact", "average"),
+        default="softmax",
+        help="how scores become weights (default softmax)",
+    )
+    p.add_argument("--temperature", type=_positive_float, default=1.0, metavar="T", help="softmax temperature")
+    p.add_argument("--score", choices=scores, help="rescore the candidates with this score (default: the DB's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_cmd_query)
+
+    p = sub.add_parser(
+        "info",
+        help="what a database holds: counts, dims, encoders, index, score, size",
+        description="Describe the database DB: record count, dimensions, encoders, index type, score, size.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(run=_cmd_info)
+
+    p = sub.add_parser(
+        "delete",
+        help="delete records by key",
+        description="Delete the records with these keys from DB: all of them, or none if one is not stored.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("keys", nargs="+", metavar="KEY", help="the keys to delete")
+    p.set_defaults(run=_cmd_delete)
+
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune the query encoder on (query, target key) pairs",
+        description="Fine-tune DB's encoder end to end on the pairs of FILE (a CSV, TSV or JSONL file with a "
+        "query column and a target column naming a stored key), with kvsearch.finetune.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("--pairs", metavar="FILE", required=True, help="a .csv, .tsv or .jsonl file of training pairs")
+    p.add_argument("--eval", metavar="FILE", help="held-out pairs (same columns), measured before and after each epoch")
+    p.add_argument("--query", default="query", metavar="COL", help="the query column (default: query)")
+    p.add_argument("--target", default="target", metavar="COL", help="the target column (default: target)")
+    p.add_argument(
+        "--targets",
+        choices=("key", "value"),
+        help="the target column holds the right record's key, or the answer's value text "
+        "(default: key for the retrieval loss, value for the answer losses)",
+    )
+    p.add_argument("--format", choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)")
+    p.add_argument(
+        "--loss", choices=("retrieval", "answer", "answer_mse"), default="retrieval", help="default retrieval"
+    )
+    p.add_argument(
+        "--train",
+        choices=("query", "query+keys"),
+        default="query",
+        help="train a query-side copy of the encoder (default), or the shared encoder with index refreshes",
+    )
+    p.add_argument("--epochs", type=_positive_int, default=3, metavar="N", help="passes over the pairs (default 3)")
+    p.add_argument("--k", type=_positive_int, default=32, metavar="N", help="candidates per query (default 32)")
+    p.add_argument("--lr", type=_positive_float, default=None, metavar="LR", help="learning rate")
+    p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N", help="pairs per step (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the shuffling (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=_cmd_finetune)
+
+    p = sub.add_parser(
+        "demo",
+        help="the quickstart: build indexes/names and answer the example queries",
+        description="Build the authors database in PATH (default indexes/names) and answer the example queries.",
+    )
+    p.add_argument("--path", default="indexes/names", help="database folder (default: indexes/names)")
+    p.set_defaults(run=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvsearch`` command.
+
+    Args:
+        argv: the arguments after the program name; None -> ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 on success, 1 on an error or a "not found", 2 on a usage error (argparse exits
+        itself for those and for ``--help``).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"{PROG} {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    from kvsearch.errors import KVSearchError
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, (KVSearchError, CommandError)):
+        return text
+    return f"{type(exc).__name__}: {text}"  # an unexpected error: say what kind
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvsearch")
+    except Exception:  # not installed (run from a checkout)
+        return "unknown"
+
+
+# ---------------------------------------------------------------------- opening
+
+
+def _is_database(path: Path) -> bool:
+    return (path / STORE_FILE).is_file()
+
+
+def _open_existing(path_text: str):
+    """Open a database that must exist (never create one by accident)."""
+    path = Path(path_text)
+    if not _is_database(path):
+        raise CommandError(f"no kvsearch database at {path_text!r} (expected a folder with {STORE_FILE})")
+    from kvsearch.database import Database
+
+    return Database(path)
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from kvsearch.database import Database
+    from kvsearch.encoders import encoder_from_name
+    from kvsearch.ingest import ingest_file
+
+    path = Path(args.db)
+    source = Path(args.source)
+    if not source.is_file():
+        raise CommandError(f"no file at {args.source!r}")
+    created = not _is_database(path)
+    folder_existed = path.exists()
+    encoder = encoder_from_name(args.encoder) if args.encoder else None
+    if created and encoder is None:
+        encoder = encoder_from_name("ngram")
+    db = None
+    try:
+        db = Database(path, encoder=encoder, index=args.index, score=args.score)
+        added = ingest_file(
+            db,
+            source,
+            key=args.key,
+            value=args.value,
+            format=args.format,
+            batch_size=args.batch_size,
+            progress=not args.quiet,
+        )
+        total = len(db)
+        db.close()
+    except BaseException:
+        if db is not None:
+            db.close()
+        if created:  # nothing half-written stays behind: not even an empty new database
+            _remove_new_database(path, folder_existed)
+        raise
+    print(f"added {added} records from {args.source} to {args.db} ({total} records in all)")
+    return 0
+
+
+def _remove_new_database(path: Path, folder_existed: bool) -> None:
+    if not folder_existed:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for child in path.iterdir():  # the folder was there (empty or with other files): remove only ours
+        if child.name.startswith(("store.sqlite", "encoder", "value_encoder", "index.npz", "manifest.json")):
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    with _open_existing(args.db) as db:
+        answer = db.query(
+            list(args.texts), k=args.k, pooling=args.pooling, temperature=args.temperature, score=args.score
+        )
+        results = _answer_rows(db, args.texts, answer, only_weighted=args.pooling == "exact")
+    if args.json:
+        print(json.dumps(results, ensure_ascii=False, indent=2))
+    else:
+        print(_answer_table(results, args.pooling))
+    missing = [r["query"] for r in results if not r["found"]]
+    if missing:
+        why = "no record has the key" if args.pooling == "exact" else "no candidate for"
+        print(f"{PROG} query: not found: {why} " + ", ".join(repr(m) for m in missing), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _answer_rows(db, texts: Sequence[str], answer, *, only_weighted: bool = False) -> list[dict[str, Any]]:
+    """One dict per query: its answer and its candidates (best weight first), JSON-ready.
+
+    With ``only_weighted`` (exact mode) the candidates of weight 0 are left out: they are not answers.
+    """
+    ids = answer.ids.tolist()  # (batch, k)
+    weights = answer.weights.detach().cpu().tolist()  # (batch, k)
+    wanted = sorted({i for row in ids for i in row if i >= 0})
+    value_texts = db.store.value_texts(wanted)
+    results = []
+    for b, text in enumerate(texts):
+        rows = [
+            {
+                "id": i,
+                "key": answer.keys[b][j],
+                "value": value_texts.get(i),  # None for a value stored as an embedding
+                "weight": round(float(weights[b][j]), 6),
+            }
+            for j, i in enumerate(ids[b])
+            if i >= 0 and (weights[b][j] > 0 or not only_weighted)
+        ]
+        rows.sort(key=lambda r: -r["weight"])
+        value = answer.value[b]
+        results.append(
+            {
+                "query": text,
+                "found": bool(answer.found[b]),
+                "value": value if isinstance(value, str) or value is None else "<embedding>",
+                "candidates": rows,
+            }
+        )
+    return results
+
+
+def _answer_table(results: list[dict[str, Any]], pooling: str) -> str:
+    blocks = []
+    for r in results:
+        head = f"query {r['query']!r} ({pooling}): " + (f"answer {r['value']!r}" if r["found"] else "not found")
+        rows = [("key", "value", "weight")]
+        rows += [
+            (str(c["key"]), "<embedding>" if c["value"] is None else str(c["value"]), f"{c['weight']:.4f}")
+            for c in r["candidates"]
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = [f"  {a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
+        lines.insert(1, "  " + "  ".join("-" * w for w in widths))
+        blocks.append("\n".join([head, *lines]) if r["candidates"] else head)
+    return "\n\n".join(blocks)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    path = Path(args.db)
+    with _open_existing(args.db) as db:
+        encoder = None if db.encoder is None else db.encoder.config()
+        if db.value_encoder is None:
+            value_encoder: Any = None
+        elif db.value_encoder is db.encoder:
+            value_encoder = "the key encoder"
+        else:
+            value_encoder = db.value_encoder.config()
+        info = {
+            "path": str(path),
+            "records": len(db),
+            "dim": db.dim,
+            "value_dim": db.value_dim,
+            "encoder": encoder,
+            "value_encoder": value_encoder,
+            "index": db.index_spec,
+            "indexed": db.index.ntotal,
+            "score": db.score,
+            "store_version": db.store.version,
+        }
+    info["size_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(len(name) for name in info)
+    for name, value in info.items():
+        shown = _human_size(value) if name == "size_bytes" else value
+        if isinstance(shown, dict):
+            shown = ", ".join(f"{k}={v}" for k, v in shown.items())
+        print(f"{name.replace('_bytes', ' on disk'):<{width}}  {shown}")
+    return 0
+
+
+def _human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit} ({n} bytes)"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _cmd_delete(args: argparse.Namespace) -> int:
+    with _open_existing(args.db) as db:
+        ids = db.delete(list(args.keys))
+        left = len(db)
+    print(f"deleted {len(ids)} record{'s' if len(ids) != 1 else ''} from {args.db} ({left} left)")
+    return 0
+
+
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    try:
+        from kvsearch.training import finetune
+    except ImportError:
+        raise CommandError("fine-tuning is not available: this kvsearch has no kvsearch.training.finetune") from None
+
+    pairs = _read_pairs(args.pairs, args)
+    eval_pairs = None if args.eval is None else _read_pairs(args.eval, args)
+    options: dict[str, Any] = {
+        "epochs": args.epochs,
+        "k": args.k,
+        "loss": args.loss,
+        "train": args.train,
+        "seed": args.seed,
+        "verbose": not args.quiet,
+    }
+    for name in ("targets", "lr", "batch_size"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    with _open_existing(args.db) as db:
+        history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
+    for m in history.metrics:
+        print("  ".join(f"{k}={int(v)}" if k in ("epoch", "step") else f"{k}={v:.4f}" for k, v in m.items()))
+    print(
+        f"fine-tuned {args.db} on {len(pairs)} pairs for {args.epochs} epochs in {history.seconds:.1f} s "
+        f"(final training loss {history.losses[-1]:.4f}); the encoder is saved with the database"
+    )
+    return 0
+
+
+def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(query, target) pairs from a CSV, TSV or JSONL file; bad rows reported with their line numbers."""
+    from kvsearch.errors import BadFileError
+    from kvsearch.ingest import read_rows
+
+    pairs: list[tuple[str, str]] = []
+    problems: list[tuple[int, str]] = []
+    for row in read_rows(path, (args.query, args.target), format=args.format):
+        if row.problem is not None:
+            problems.append((row.line, row.problem))
+        elif not row.fields[0].strip() or not row.fields[1].strip():
+            problems.append((row.line, "empty query or target"))
+        else:
+            pairs.append((row.fields[0], row.fields[1]))
+    if problems:
+        shown = "; ".join(f"line {line}: {problem}" for line, problem in problems[:5])
+        raise BadFileError(f"{path!r} has {len(problems)} bad rows, nothing was trained: {shown}", problems)
+    if not pairs:
+        raise CommandError(f"{path!r} holds no pairs")
+    return pairs
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvsearch.demo import main as demo_main
+
+    return demo_main(["--path", args.path])
+
+
+if __name__ == "__main__":  # python -m kvsearch.cli
+    raise SystemExit(main())

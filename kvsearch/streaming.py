@@ -1,0 +1,204 @@
+"""Streaming dense softmax attention over every record: memory O(batch x chunk), not O(batch x m).
+
+``output = softmax(score(queries, keys) / temperature) @ values`` over all m keys, computed a chunk of keys at
+a time with an online (log-sum-exp) softmax — the running maximum and normaliser are rescaled as each chunk
+arrives, as FlashAttention does. A custom :class:`torch.autograd.Function` saves only the inputs, the output
+and the per-query log-sum-exp (batch,); its backward recomputes each chunk's probabilities from them, so
+neither pass ever holds a (batch, m) tensor.
+
+Scores supported (the database's): ``dot``, ``scaled_dot`` (/ sqrt(dim)), ``cosine`` (unit query and keys) and
+``gaussian`` (-||q - k||^2 / 2, computed as ``q.k - |k|^2 / 2``: the ``-|q|^2 / 2`` term is the same for every
+key of a query, so the softmax, and its gradient, do not see it). Gradients flow to queries, keys and values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+
+__all__ = ["streaming_attention", "STREAMING_SCORES", "default_chunk"]
+
+#: Score functions streaming attention computes.
+STREAMING_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
+
+_COSINE_EPS = 1e-12  # as F.normalize: a key of norm below this is divided by it
+_CHUNK_ELEMENTS = 1 << 22  # batch x chunk scores per step: 4M float32 = 16 MiB per (batch, chunk) buffer
+
+
+def default_chunk(batch: int) -> int:
+    """Keys per chunk for a batch size: about 4M scores at once, at least 256 keys."""
+    return max(256, _CHUNK_ELEMENTS // max(1, batch))
+
+
+def _chunk_keys(keys: Tensor, normalize: bool) -> tuple[Tensor, Tensor | None]:
+    """The keys as scored (unit rows for cosine) and their norms (clamped as F.normalize does), or None."""
+    if not normalize:
+        return keys, None
+    norms = keys.norm(dim=-1, keepdim=True).clamp(min=_COSINE_EPS)  # (c, 1)
+    return keys / norms, norms  # (c, dim), (c, 1)
+
+
+def _chunk_scores(
+    q: Tensor, unit: Tensor, raw: Tensor, scale: float, gaussian: bool, shift: Tensor | None = None
+) -> Tensor:
+    """Scores (batch, c) of queries (batch, dim) against one chunk of keys (c, dim), minus ``shift`` (batch, 1)."""
+    if shift is None:
+        scores = torch.mm(q, unit.T).mul_(scale)  # (batch, c)
+    else:
+        scores = torch.addmm(shift, q, unit.T, beta=-1.0, alpha=scale)  # (batch, c): one pass, no temporaries
+    if gaussian:
+        scores -= (0.5 * scale) * raw.pow(2).sum(-1)  # (batch, c): - |k|^2 / 2, scaled
+    return scores
+
+
+class _StreamingSoftmaxAttention(torch.autograd.Function):
+    """softmax(scale * score(q, k)) @ v over all keys, chunked; the backward recomputes per chunk."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        scale: float,
+        normalize: bool,
+        gaussian: bool,
+        chunk: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        batch, m = queries.shape[0], keys.shape[0]
+        dtype = queries.dtype
+        running_max = torch.full((batch, 1), -math.inf, dtype=dtype, device=queries.device)  # (batch, 1)
+        total = torch.zeros(batch, 1, dtype=dtype, device=queries.device)  # (batch, 1)
+        acc = torch.zeros(batch, values.shape[1], dtype=dtype, device=queries.device)  # (batch, value_dim)
+        best_score = torch.full((batch,), -math.inf, dtype=dtype, device=queries.device)  # (batch,)
+        best_row = torch.zeros(batch, dtype=torch.long, device=queries.device)  # (batch,)
+        for start in range(0, m, chunk):
+            raw = keys[start : start + chunk]  # (c, dim)
+            unit, _ = _chunk_keys(raw, normalize)  # (c, dim)
+            scores = _chunk_scores(queries, unit, raw, scale, gaussian)  # (batch, c)
+            chunk_max, chunk_arg = scores.max(dim=1)  # (batch,), (batch,)
+            better = chunk_max > best_score  # (batch,) first maximum wins ties, as argmax does
+            best_row = torch.where(better, chunk_arg + start, best_row)  # (batch,)
+            best_score = torch.where(better, chunk_max, best_score)  # (batch,)
+            new_max = torch.maximum(running_max, chunk_max.unsqueeze(1))  # (batch, 1)
+            rescale = torch.exp(running_max - new_max)  # (batch, 1); exp(-inf) = 0 on the first chunk
+            probs = scores.sub_(new_max).exp_()  # (batch, c) unnormalised, in place
+            total = total * rescale + probs.sum(dim=1, keepdim=True)  # (batch, 1)
+            acc.mul_(rescale).addmm_(probs, values[start : start + chunk])  # (batch, value_dim)
+            running_max = new_max
+        output = acc / total  # (batch, value_dim)
+        lse = (running_max + total.log()).squeeze(1)  # (batch,)
+        ctx.save_for_backward(queries, keys, values, output, lse)
+        ctx.scale, ctx.normalize, ctx.gaussian, ctx.chunk = scale, normalize, gaussian, chunk
+        ctx.mark_non_differentiable(lse, best_row)
+        return output, lse, best_row
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor, _grad_lse: Tensor, _grad_best: Tensor) -> tuple:
+        queries, keys, values, output, lse = ctx.saved_tensors
+        scale, normalize, gaussian, chunk = ctx.scale, ctx.normalize, ctx.gaussian, ctx.chunk
+        want_q, want_k, want_v = ctx.needs_input_grad[:3]
+        grad_q = torch.zeros_like(queries) if want_q else None  # (batch, dim)
+        grad_k = torch.empty_like(keys) if want_k else None  # (m, dim)
+        grad_v = torch.empty_like(values) if want_v else None  # (m, value_dim)
+        delta = (grad_output * output).sum(dim=1, keepdim=True)  # (batch, 1): sum_j p_j (dO . v_j)
+        lse = lse.unsqueeze(1)  # (batch, 1)
+        for start in range(0, keys.shape[0], chunk):
+            stop = start + chunk
+            raw = keys[start:stop]  # (c, dim)
+            unit, norms = _chunk_keys(raw, normalize)  # (c, dim), (c, 1) | None
+            probs = _chunk_scores(queries, unit, raw, scale, gaussian, shift=lse).exp_()  # (batch, c)
+            if want_v:
+                grad_v[start:stop] = probs.T @ grad_output  # (c, value_dim)
+            if not (want_q or want_k):
+                continue
+            grad_probs = torch.addmm(delta, grad_output, values[start:stop].T, beta=-1.0)  # (batch, c): dP - delta
+            grad_scores = grad_probs.mul_(probs)  # (batch, c): softmax backward, in place
+            if want_q:
+                grad_q.addmm_(grad_scores, unit, alpha=scale)  # (batch, dim)
+            if want_k:
+                grad_unit = (grad_scores.T @ queries) * scale  # (c, dim)
+                if normalize:
+                    # d(k / max(|k|, eps)): project out the radial part, divide by the norm (not below eps).
+                    radial = (grad_unit * unit).sum(-1, keepdim=True)  # (c, 1)
+                    tiny = raw.norm(dim=-1, keepdim=True) < _COSINE_EPS  # (c, 1)
+                    grad_unit = torch.where(tiny, grad_unit, grad_unit - unit * radial) / norms  # (c, dim)
+                if gaussian:
+                    grad_unit = grad_unit - scale * grad_scores.sum(0).unsqueeze(1) * raw  # (c, dim)
+                grad_k[start:stop] = grad_unit
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def streaming_attention(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    *,
+    score: str = "scaled_dot",
+    temperature: float = 1.0,
+    chunk: int | None = None,
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """Softmax attention of every query over every key, in chunks: memory O(batch x chunk).
+
+    Equal (up to rounding) to ``attend(queries, keys, values, score=score, pooling="softmax",
+    temperature=temperature)[0]`` with shared keys, in value and in gradient.
+
+    Args:
+        queries: (batch, dim) floating point; may require grad.
+        keys: (m, dim), m >= 1; may require grad.
+        values: (m, value_dim); may require grad.
+        score: one of ``STREAMING_SCORES``.
+        temperature: divides the scores; finite and > 0.
+        chunk: keys per step; default :func:`default_chunk` of the batch size.
+        return_stats: also return the log-sum-exp of the scaled scores (batch,) and the row of the best key
+            (batch,) — the argmax of the weights — both without gradient.
+
+    Returns:
+        output (batch, value_dim); with ``return_stats``, ``(output, lse, best_row)``.
+
+    Raises:
+        UnknownOptionError: a score not in ``STREAMING_SCORES``.
+        InvalidArgumentError: a bad temperature or chunk, non-float inputs, or no keys.
+        DimensionMismatchError: shapes that do not line up.
+    """
+    if score not in STREAMING_SCORES:
+        raise UnknownOptionError(f"expected score among {STREAMING_SCORES} for streaming attention, got {score!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+        raise InvalidArgumentError(f"expected a finite temperature > 0, got {temperature!r}")
+    if temperature <= 0:
+        raise InvalidArgumentError(f"expected a finite temperature > 0, got {temperature!r}")
+    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() != 2:
+            got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise InvalidArgumentError(f"expected {name} as a 2-D floating-point tensor, got {got}")
+    if queries.shape[1] != keys.shape[1]:
+        raise DimensionMismatchError(f"expected keys of the queries' dim {queries.shape[1]}, got {keys.shape[1]}")
+    if values.shape[0] != keys.shape[0]:
+        raise DimensionMismatchError(f"expected one value per key ({keys.shape[0]}), got {values.shape[0]} values")
+    if keys.shape[0] == 0:
+        raise InvalidArgumentError("expected at least one key, got none")
+    if chunk is None:
+        chunk = default_chunk(queries.shape[0])
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InvalidArgumentError(f"expected a positive integer chunk, got {chunk!r}")
+    dtype = torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), values.dtype)
+    device = queries.device
+    queries = queries.to(dtype)  # (batch, dim)
+    keys = keys.to(device, dtype)  # (m, dim)
+    values = values.to(device, dtype)  # (m, value_dim)
+    scale = 1.0 / float(temperature)
+    if score == "scaled_dot":
+        scale /= math.sqrt(queries.shape[1])
+    if score == "cosine":
+        queries = F.normalize(queries, dim=-1, eps=_COSINE_EPS)  # (batch, dim), differentiable
+    output, lse, best_row = _StreamingSoftmaxAttention.apply(
+        queries, keys, values, scale, score == "cosine", score == "gaussian", int(chunk)
+    )  # (batch, value_dim), (batch,), (batch,)
+    return (output, lse, best_row) if return_stats else output

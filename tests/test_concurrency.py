@@ -1,0 +1,212 @@
+"""Requirement 5, concurrency: threads, processes and fork().
+
+- Many threads query while one thread writes: no error, and no torn read (each batch all or nothing).
+- Two processes on one folder: one writer at a time (a file lock with a bounded wait, then
+  DatabaseLockedError), readers keep working while another process holds the lock, no write is lost when
+  two processes write at once, and a writer whose view is stale reloads the store before it writes.
+- fork(): a child uses the parent's open database safely (its own SQLite connection and lock).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvsearch
+from kvsearch import DatabaseLockedError
+
+DIM, BATCH = 8, 25
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def batch(b: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """BATCH random keys whose values carry the batch number (value[:, 0] == b)."""
+    keys = rng.standard_normal((BATCH, DIM)).astype(np.float32)
+    values = np.full((BATCH, 2), float(b), dtype=np.float32)
+    return keys, values
+
+
+@pytest.mark.parametrize("index", ["Flat", "IVF4,Flat"])  # exact searches (IVF: all lists probed)
+def test_readers_never_see_a_torn_batch(tmp_path, index):
+    rng = np.random.default_rng(0)
+    params = {"nprobe": 4} if index.startswith("IVF") else None  # IVF trains at 156 records, mid-run
+    db = kvsearch.Database(tmp_path / "db", dim=DIM, value_dim=2, index=index, score="dot", search_params=params)
+    db.add(*batch(0, rng))
+    n_batches, errors, reads = 40, [], [0]
+    done = threading.Event()
+
+    def reader(seed: int) -> None:
+        r = np.random.default_rng(seed)
+        try:
+            while not done.is_set():
+                q = torch.from_numpy(r.standard_normal((2, DIM)).astype(np.float32))
+                hits = db.search(q, k=2000)
+                for row in hits:
+                    counts = np.bincount([int(h.value[0]) for h in row], minlength=n_batches)
+                    if not set(counts.tolist()) <= {0, BATCH}:
+                        errors.append(f"torn read: batch sizes {counts.tolist()}")
+                    seen = np.flatnonzero(counts)  # added in order, oldest deleted first: a contiguous run
+                    if len(seen) and seen.max() - seen.min() + 1 != len(seen):
+                        errors.append(f"batches seen out of order: {seen.tolist()}")
+                answer = db.query(q, k=16)
+                if not torch.isfinite(answer.output).all():
+                    errors.append("non-finite answer")
+                reads[0] += 1
+        except Exception as exc:  # any error in a reader fails the test
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for b in range(1, n_batches):
+        db.add(*batch(b, rng))
+        if b % 10 == 0:
+            db.delete(db.store.ids[:BATCH].tolist())  # delete the whole oldest batch (ids are in batch order)
+    done.set()
+    for t in threads:
+        t.join(timeout=60)
+    print(f"{index}: 4 reader threads, {reads[0]} reads during {n_batches - 1} batch adds + 3 batch deletes")
+    assert not errors, errors[:5]
+    assert reads[0] >= 20, f"only {reads[0]} reads overlapped the writes"
+    assert len(db) == (n_batches - 3) * BATCH
+    db.close()
+
+
+def _python(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO},
+    )
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.pwrite(fd, str(os.getpid()).encode(), 0)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_second_writer_gets_locked_error_and_readers_keep_working(tmp_path):
+    rng = np.random.default_rng(1)
+    db = kvsearch.Database(tmp_path / "db", dim=DIM, value_dim=2, score="dot", lock_timeout=0.3)
+    db.add(*batch(0, rng))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "db" / "write.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        q = torch.from_numpy(rng.standard_normal((3, DIM)).astype(np.float32))
+        before = [[h.id for h in row] for row in db.search(q, k=5)]
+        start = time.monotonic()
+        with pytest.raises(DatabaseLockedError, match=f"pid {holder.pid}"):
+            db.add(*batch(1, rng))
+        waited = time.monotonic() - start
+        assert 0.3 <= waited < 5  # a bounded wait, not a hang
+        with pytest.raises(DatabaseLockedError):
+            db.delete(db.store.ids[:1].tolist())
+        assert [[h.id for h in row] for row in db.search(q, k=5)] == before  # readers are never blocked
+        assert len(db) == BATCH
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    db.add(*batch(1, rng))  # the holder died / released: writes go through again
+    assert len(db) == 2 * BATCH
+    db.close()
+
+
+WRITER = """
+import sys, json, numpy as np, torch, kvsearch
+torch.set_num_threads(1)
+path, who, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+db = kvsearch.Database(path, lock_timeout=60)
+rng = np.random.default_rng(who)
+for b in range(n):
+    keys = rng.standard_normal((5, 8)).astype(np.float32)
+    db.add(keys=keys, values=np.full((5, 2), who * 1000 + b, dtype=np.float32), metadata=[{"w": who, "b": b}] * 5)
+db.close()
+print(json.dumps({"who": who, "done": n}))
+"""
+
+
+def test_two_writer_processes_lose_nothing(tmp_path):
+    path = tmp_path / "db"
+    db = kvsearch.Database(path, dim=DIM, value_dim=2, index="HNSW16", score="dot")
+    db.add(np.ones((1, DIM), dtype=np.float32), np.zeros((1, 2), dtype=np.float32))
+    writers = [_python(WRITER, str(path), str(w), "15") for w in (1, 2)]
+    outs = [w.communicate(timeout=120) for w in writers]
+    for w, (_, err) in zip(writers, outs):
+        assert w.returncode == 0, err[-2000:]
+    # This process's view is stale: its next write reloads the store first, then nothing is lost.
+    db.add(np.full((1, DIM), 2, dtype=np.float32), np.zeros((1, 2), dtype=np.float32))
+    assert len(db) == 2 + 2 * 15 * 5
+    for who in (1, 2):
+        for b in range(15):
+            assert len(db.store.ids_where({"w": who, "b": b})) == 5
+    ids = db.store.ids.numpy()
+    assert np.array_equal(db.index.ids(), ids)
+    db.close()
+    again = kvsearch.Database(path)
+    keys = again.store.keys.numpy()
+    q = np.random.default_rng(3).standard_normal((10, DIM)).astype(np.float32)
+    for qv, row in zip(q, again.search(torch.from_numpy(q), k=10)):
+        truth = set(ids[np.argsort(-(keys @ qv))[:10]].tolist())
+        assert len(truth & {h.id for h in row}) >= 9  # HNSW recall on 302 records
+    again.close()
+
+
+FORK = """
+import os, sys, json, numpy as np, torch, kvsearch
+torch.set_num_threads(1)
+db = kvsearch.Database(sys.argv[1], dim=8, value_dim=2, score="dot")
+db.add(np.eye(8, dtype=np.float32), np.zeros((8, 2), dtype=np.float32))
+db.search(torch.ones(8), k=3)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child uses the parent's open database object
+    try:
+        hits = db.search(torch.ones(8), k=3)
+        db.add(np.full((2, 8), 5, dtype=np.float32), np.ones((2, 2), dtype=np.float32))
+        os.write(w, json.dumps({"hits": len(hits), "len": len(db)}).encode())
+        db.close()
+    finally:
+        os._exit(0)
+os.close(w)
+_, status = os.waitpid(pid, 0)
+child = json.loads(os.read(r, 1000) or b"{}")
+db.add(np.full((1, 8), 7, dtype=np.float32), np.ones((1, 2), dtype=np.float32))  # reloads: sees the child's
+print(json.dumps({"status": status, "child": child, "parent_len": len(db)}))
+db.close()
+again = kvsearch.Database(sys.argv[1])
+print(json.dumps({"reopened_len": len(again)}))
+"""
+
+
+def test_database_used_after_fork(tmp_path):
+    proc = _python(FORK, str(tmp_path / "db"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    first, second = (json.loads(line) for line in out.strip().splitlines()[-2:])
+    assert first["status"] == 0
+    assert first["child"] == {"hits": 3, "len": 10}
+    assert first["parent_len"] == 11
+    assert second["reopened_len"] == 11

@@ -1,0 +1,205 @@
+"""Requirement 2, corrupt or foreign files: a clear error or a rebuild from the store, never a crash, never an
+empty or stale index served as if it were right, and never a pickle loaded.
+
+Each damage (truncated, zeroed, garbage, empty, a pickle payload, an older copy) is applied to each file of
+a saved database; reopening must either rebuild the derived file from the store (index, manifest) or raise
+CorruptDatabaseError (the store itself, the encoder files). A pickle payload whose unpickling would create a
+marker file is planted wherever a file is read: the marker must never appear.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvsearch
+from kvsearch import CorruptDatabaseError
+
+DIM = 16
+
+
+class Payload:
+    """Unpickling this creates a marker file: proof that a pickle was executed."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def pickle_bytes(marker: Path) -> bytes:
+    return pickle.dumps(Payload(marker))
+
+
+def npz_with_pickle(marker: Path) -> bytes:
+    """An .npz whose arrays are object arrays (numpy stores those with pickle)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name in ("faiss", "labels", "dead", "fallback"):
+            arr = np.empty(1, dtype=object)
+            arr[0] = Payload(marker)
+            inner = io.BytesIO()
+            np.save(inner, arr, allow_pickle=True)
+            z.writestr(f"{name}.npy", inner.getvalue())
+    return buf.getvalue()
+
+
+def damage(path: Path, kind: str, marker: Path, older: bytes | None = None) -> None:
+    data = path.read_bytes()
+    rng = np.random.default_rng(len(data))
+    out = {
+        "truncated": lambda: data[: len(data) // 2],
+        "zeroed": lambda: bytes(len(data)),
+        "garbage": lambda: rng.integers(0, 256, len(data), dtype=np.uint8).tobytes(),
+        "empty": lambda: b"",
+        "pickle": lambda: npz_with_pickle(marker) if path.suffix == ".npz" else pickle_bytes(marker),
+        "one byte flipped": lambda: data[:-40] + bytes([data[-40] ^ 0xFF]) + data[-39:],
+        "older copy": lambda: older,
+    }[kind]()
+    path.write_bytes(out)
+
+
+def build(folder: Path, index: str) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """A saved database; returns ids, keys and the bytes of an older saved index file."""
+    encoder = kvsearch.NgramEncoder(dim=DIM, num_buckets=512)
+    with torch.no_grad():  # "fine-tuned" weights, so that encoder.safetensors is written too
+        next(encoder.parameters()).add_(0.01)
+    params = {"nprobe": 4} if index.startswith("IVF") else None  # IVF: every list probed, exact
+    db = kvsearch.Database(folder, encoder=encoder, index=index, score="dot", search_params=params)
+    db.add([f"k{i}" for i in range(150)], [f"v{i}" for i in range(150)])
+    db.save()
+    older = (folder / "index.npz").read_bytes() if index != "Flat" else b""
+    db.add([f"late{i}" for i in range(100)], [f"w{i}" for i in range(100)])
+    ids, keys = db.store.ids.numpy().copy(), db.store.keys.numpy().copy()
+    db.close()
+    return ids, keys, older
+
+
+_BUILT: dict[str, tuple[Path, np.ndarray, np.ndarray, bytes]] = {}
+
+
+@pytest.fixture
+def saved(tmp_path_factory, tmp_path):
+    """``saved(index)``: a fresh copy (under tmp_path / "db") of a database built once per index type."""
+
+    def copy(index: str) -> tuple[np.ndarray, np.ndarray, bytes]:
+        if index not in _BUILT:
+            folder = tmp_path_factory.mktemp("built") / "db"
+            _BUILT[index] = (folder, *build(folder, index))
+        folder, ids, keys, older = _BUILT[index]
+        shutil.copytree(folder, tmp_path / "db")
+        return ids, keys, older
+
+    return copy
+
+
+def check_rebuilt(folder: Path, ids: np.ndarray, keys: np.ndarray) -> None:
+    """Reopen: the index serves exactly the store, as a brute-force search does."""
+    with kvsearch.Database(folder) as db:
+        assert len(db) == len(ids) and db.index.ntotal == len(ids)
+        assert np.array_equal(db.index.ids(), ids)
+        q = np.random.default_rng(1).standard_normal((8, DIM)).astype(np.float32)
+        for qv, row in zip(q, db.search(torch.from_numpy(q), k=5)):
+            truth = set(ids[np.argsort(-(keys @ qv))[:5]].tolist())
+            assert len(truth & {h.id for h in row}) >= 4  # HNSW: approximate; IVF with nprobe=all: exact
+
+
+KINDS = ["truncated", "zeroed", "garbage", "empty", "pickle", "one byte flipped"]
+
+
+@pytest.mark.parametrize("index", ["HNSW16", "IVF4,Flat"])
+@pytest.mark.parametrize("target", ["index.npz", "manifest.json"])
+@pytest.mark.parametrize("kind", KINDS + ["older copy", "deleted"])
+def test_damaged_index_files_are_rebuilt_from_the_store(tmp_path, saved, index, target, kind):
+    if kind == "older copy" and target != "index.npz":
+        pytest.skip("an older copy applies to the index file")
+    folder, marker = tmp_path / "db", tmp_path / "PICKLE_RAN"
+    ids, keys, older = saved(index)
+    if kind == "deleted":
+        (folder / target).unlink()
+    else:
+        damage(folder / target, kind, marker, older)
+    check_rebuilt(folder, ids, keys)
+    assert not marker.exists(), "a pickle payload was executed"
+    check_rebuilt(folder, ids, keys)  # and the rebuilt index, saved at close, loads again
+
+
+# A byte flipped inside the encoder's float weights still loads (no checksum on encoder files yet; see
+# docs/RELIABILITY.md, "known limits"), so that damage is tried on encoder.json only.
+@pytest.mark.parametrize("target", ["encoder.json", "encoder.safetensors"])
+@pytest.mark.parametrize("kind", KINDS[:-1] + ["json: one byte flipped"])
+def test_damaged_encoder_files_give_a_clear_error(tmp_path, saved, target, kind):
+    if kind.startswith("json: "):
+        if target != "encoder.json":
+            pytest.skip("a flipped byte in the float weights is not detected (known limit)")
+        kind = kind[len("json: ") :]
+    folder, marker = tmp_path / "db", tmp_path / "PICKLE_RAN"
+    saved("HNSW16")
+    damage(folder / target, kind, marker)
+    if target == "encoder.json" and kind == "one byte flipped":
+        # a flipped byte may still be valid JSON of the same config: then it must open as before
+        try:
+            kvsearch.Database(folder).close()
+        except CorruptDatabaseError:
+            pass
+    else:
+        with pytest.raises(CorruptDatabaseError, match="encoder"):
+            kvsearch.Database(folder)
+    assert not marker.exists(), "a pickle payload was executed"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "zeroed", "garbage", "empty-header", "pickle"])
+def test_damaged_store_gives_a_clear_error(tmp_path, saved, kind):
+    folder, marker = tmp_path / "db", tmp_path / "PICKLE_RAN"
+    saved("Flat")
+    store = folder / "store.sqlite"
+    for side in ("store.sqlite-wal", "store.sqlite-shm"):
+        (folder / side).unlink(missing_ok=True)
+    if kind == "empty-header":
+        store.write_bytes(b"SQLite format 3\x00" + bytes(84))
+    else:
+        damage(store, kind, marker)
+    with pytest.raises(CorruptDatabaseError, match="store|SQLite|expected"):
+        kvsearch.Database(folder)
+    assert not marker.exists()
+
+
+def test_foreign_folder_files_are_refused(tmp_path):
+    folder = tmp_path / "db"
+    folder.mkdir()
+    (folder / "store.sqlite").write_text("just some text, not a database")
+    with pytest.raises(CorruptDatabaseError):
+        kvsearch.Database(folder, dim=4, value_dim=4)
+    other = tmp_path / "file"
+    other.write_text("x")
+    with pytest.raises(kvsearch.InvalidArgumentError, match="folder"):
+        kvsearch.Database(other, dim=4, value_dim=4)
+
+
+def test_no_pickle_anywhere_in_the_package():
+    """Nothing in kvsearch loads pickles: no pickle / torch.load / allow_pickle=True in the source."""
+    package = Path(kvsearch.__file__).parent
+    for source in package.glob("*.py"):
+        text = source.read_text()
+        for banned in ("import pickle", "pickle.load", "torch.load(", "allow_pickle=True", "import dill"):
+            assert banned not in text, f"{source.name} uses {banned}"
+
+
+def test_index_with_wrong_dimension_is_rebuilt(tmp_path, saved):
+    folder = tmp_path / "db"
+    ids, keys, _ = saved("HNSW16")
+    other = tmp_path / "other"
+    db = kvsearch.Database(other, dim=DIM * 2, value_dim=4, index="HNSW16")
+    db.add(torch.randn(300, DIM * 2), torch.randn(300, 4))
+    db.close()
+    os.replace(other / "index.npz", folder / "index.npz")  # a foreign index under our manifest
+    check_rebuilt(folder, ids, keys)

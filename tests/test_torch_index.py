@@ -1,0 +1,201 @@
+"""torch_index.py: the same ids as FAISS Flat (ties aside), standalone and bound to a database's store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsearch import Database
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.index import Index
+from kvsearch.torch_index import TorchIndex, parse_torch_spec
+
+
+def assert_same_as_flat(scores, ids, ref_scores, ref_ids, atol=1e-4):
+    """Same ids as FAISS Flat except where neighbouring scores tie within atol; same scores."""
+    valid = ref_ids >= 0
+    np.testing.assert_array_equal(ids >= 0, valid)
+    np.testing.assert_allclose(scores[valid], ref_scores[valid], atol=atol, rtol=1e-5)
+    differ = ids != ref_ids
+    for row, col in zip(*np.nonzero(differ)):
+        # a swapped pair is only allowed where FAISS's own scores tie
+        assert abs(ref_scores[row, col] - scores[row, col]) <= atol
+        assert ids[row, col] in set(ref_ids[row].tolist()) or col == ids.shape[1] - 1
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("k", [1, 10, 101])
+@pytest.mark.parametrize("chunk_elements", [7, 1 << 25])
+def test_standalone_matches_faiss_flat(rng, metric, k, chunk_elements):
+    vectors = rng.standard_normal((300, 16)).astype(np.float32)
+    ids = np.arange(300) * 7 + 5
+    queries = rng.standard_normal((9, 16)).astype(np.float32)
+    ours = TorchIndex(16, metric, chunk_elements=chunk_elements)
+    ours.build(ids, vectors)
+    flat = Index(16, "Flat", metric)
+    flat.build(ids, vectors)
+    assert_same_as_flat(*ours.search(queries, k), *flat.search(queries, k))
+
+
+def test_fewer_vectors_than_k_are_padded(rng):
+    ours = TorchIndex(4)
+    ours.add(np.array([3, 9]), rng.standard_normal((2, 4)).astype(np.float32))
+    scores, ids = ours.search(rng.standard_normal((2, 4)).astype(np.float32), 5)
+    assert (ids[:, 2:] == -1).all() and np.isnan(scores[:, 2:]).all()
+    assert sorted(ids[0, :2].tolist()) == [3, 9]
+    empty = TorchIndex(4)
+    _, none = empty.search(np.zeros((1, 4), dtype=np.float32), 3)
+    assert (none == -1).all()
+
+
+def test_add_remove_and_allowed_match_faiss(rng):
+    vectors = rng.standard_normal((200, 8)).astype(np.float32)
+    ids = np.arange(200)
+    ours, flat = TorchIndex(8, chunk_elements=64), Index(8, "Flat")
+    for index in (ours, flat):
+        index.add(ids[:150], vectors[:150])
+        index.add(ids[150:], vectors[150:])
+        index.remove(np.array([0, 5, 77, 12345]))
+    assert ours.ntotal == flat.ntotal == 197
+    np.testing.assert_array_equal(ours.ids(), flat.ids())
+    queries = vectors[[0, 5, 10]] + 0.01  # the removed ids would be the nearest
+    assert_same_as_flat(*ours.search(queries, 12), *flat.search(queries, 12))
+    allowed = np.arange(0, 200, 3)
+    assert_same_as_flat(*ours.search(queries, 12, allowed=allowed), *flat.search(queries, 12, allowed=allowed))
+    _, few = ours.search(queries, 12, allowed=np.array([3, 6]))
+    assert (few[:, 2:] == -1).all() and set(few[:, :2].ravel().tolist()) == {3, 6}
+
+
+@pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("bfloat16", 2e-2)])
+def test_half_precision_keys_find_the_clear_winners(rng, dtype, tol):
+    vectors = rng.standard_normal((500, 32)).astype(np.float32)
+    ids = np.arange(500)
+    queries = vectors[:20] + 0.05 * rng.standard_normal((20, 32)).astype(np.float32)
+    ours = TorchIndex(32, dtype=dtype)
+    ours.build(ids, vectors)
+    assert ours._vectors.dtype == getattr(torch, dtype)
+    scores, found = ours.search(queries, 1)
+    np.testing.assert_array_equal(found[:, 0], ids[:20])  # the perturbed point is far ahead
+    np.testing.assert_allclose(scores[:, 0], (queries * vectors[:20]).sum(1), rtol=tol)
+
+
+class _Source:
+    def __init__(self, ids, keys):
+        self.ids, self.keys, self.version = ids, keys, 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_bound_to_a_source_reads_its_keys_without_copying(rng, dtype):
+    keys = torch.from_numpy(rng.standard_normal((100, 8)).astype(np.float32))
+    source = _Source(torch.arange(100) * 2, keys)
+    ours = TorchIndex(8, source=source, normalize=True, dtype=dtype)
+    queries = torch.nn.functional.normalize(keys[:4] + 0.01, dim=-1)
+    flat = Index(8, "Flat")
+    flat.build(source.ids.numpy(), torch.nn.functional.normalize(keys, dim=-1).numpy())
+    scores, ids = ours.search(queries.numpy(), 5)
+    np.testing.assert_array_equal(ids[:, 0], [0, 2, 4, 6])
+    if dtype == "float32":
+        assert ours._current()[1] is keys  # the source's own tensor, no second copy
+        assert_same_as_flat(scores, ids, *flat.search(queries.numpy(), 5))
+    # the source changes (a new version): the norms are recomputed
+    source.keys = torch.cat([keys, 100 * keys[:1]])
+    source.ids = torch.arange(101) * 2
+    source.version = 2
+    _, ids = ours.search(queries.numpy(), 5)
+    assert ours.ntotal == 101 and 200 in ids[0].tolist()  # same direction as key 0: cosine ties it
+
+
+def test_database_with_torch_index_matches_flat(tmp_path, rng):
+    keys = torch.from_numpy(rng.standard_normal((300, 16)).astype(np.float32))
+    values = torch.from_numpy(rng.standard_normal((300, 4)).astype(np.float32))
+    queries = keys[:7] + 0.1 * torch.from_numpy(rng.standard_normal((7, 16)).astype(np.float32))
+    for score in ("cosine", "dot", "gaussian"):
+        ours = Database(tmp_path / f"t-{score}", dim=16, value_dim=4, index="torch", score=score)
+        flat = Database(tmp_path / f"f-{score}", dim=16, value_dim=4, index="Flat", score=score)
+        for db in (ours, flat):
+            db.add(keys, values)
+            db.delete([3, 4])
+        a, b = ours.query(queries, k=8), flat.query(queries, k=8)
+        torch.testing.assert_close(a.output, b.output)
+        assert torch.equal(a.ids, b.ids) and a.keys == b.keys
+        ours.close()
+        reopened = Database(tmp_path / f"t-{score}")
+        assert isinstance(reopened.index, TorchIndex) and not (tmp_path / f"t-{score}" / "index.npz").exists()
+        assert torch.equal(reopened.query(queries, k=8).ids, b.ids)
+        reopened.close()
+        flat.close()
+
+
+def test_specs_and_arguments_are_checked():
+    assert parse_torch_spec("Flat") is None
+    assert parse_torch_spec("torch") is torch.float32 and parse_torch_spec("torch:bfloat16") is torch.bfloat16
+    with pytest.raises(UnknownOptionError, match="torch:float16"):
+        parse_torch_spec("torch:int8")
+    with pytest.raises(InvalidArgumentError):
+        TorchIndex(0)
+    with pytest.raises(UnknownOptionError):
+        TorchIndex(4, "cos")
+    with pytest.raises(InvalidArgumentError):
+        TorchIndex(4, "l2", normalize=True)
+    index = TorchIndex(4)
+    with pytest.raises(DimensionMismatchError):
+        index.add(np.arange(2), np.zeros((2, 5), dtype=np.float32))
+    with pytest.raises(DimensionMismatchError):
+        index.search(np.zeros((1, 3), dtype=np.float32), 1)
+    with pytest.raises(InvalidArgumentError):
+        index.search(np.zeros((1, 4), dtype=np.float32), 0)
+    with pytest.raises(UnknownOptionError):
+        index.set_params(nprobe=4)
+
+
+# ----------------------------------------------------------------------------- the embeddings side file
+
+
+def _side_db(path, n=30, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    db = Database(path, dim=8, value_dim=3, score="dot", index="torch")
+    db.add(torch.randn(n, 8, generator=gen), torch.randn(n, 3, generator=gen))
+    return db
+
+
+def test_reopen_uses_the_side_file_only_when_it_is_this_versions(tmp_path, monkeypatch):
+    import kvsearch.store as store_module
+
+    monkeypatch.setattr(store_module, "SIDE_MIN_ROWS", 10)
+    path = tmp_path / "db"
+    db = _side_db(path)
+    keys, values, ids = db.store.keys.clone(), db.store.values.clone(), db.store.ids.clone()
+    db.close()
+    assert (path / "store.sqlite.emb.json").exists()
+    db = Database(path)
+    assert torch.equal(db.store.keys, keys) and torch.equal(db.store.values, values)
+    assert torch.equal(db.store.ids, ids)
+    # a write after the side file was made; the process "crashes" (no close): the file is stale
+    db.delete([1, 2])
+    new = db.add(torch.ones(2, 8), torch.ones(2, 3))
+    expect_keys = db.store.keys.clone()
+    db._store._connection.close()  # gone without writing the side file
+    db._closed = True
+    reopened = Database(path)
+    assert torch.equal(reopened.store.keys, expect_keys) and reopened.store.ids[-2:].tolist() == new
+    assert 1 not in reopened.store.ids.tolist()
+    reopened.close()  # writes the side file of the new version and removes the old one
+    assert len(list(path.glob("store.sqlite.emb-*.keys.npy"))) == 1
+    # a damaged side file: SQLite is read instead
+    keys_file = next(path.glob("store.sqlite.emb-*.keys.npy"))
+    keys_file.write_bytes(keys_file.read_bytes()[:100])
+    again = Database(path)
+    assert torch.equal(again.store.keys, expect_keys)
+    again.close()
+
+
+def test_answer_keys_are_lazy_and_compare_as_lists(names_db):
+    ans = names_db.query(["Li", "Lipton"], k=3)
+    plain = [[names_db.store.key_of_id.get(i) for i in row] for row in ans.ids.tolist()]
+    assert ans.keys == plain and ans.keys.tolist() == plain and len(ans.keys) == 2
+    assert ans.keys[1] == plain[1] and ans.keys[1][0] == plain[1][0] and ans.keys[-1][-1] == plain[-1][-1]
+    assert list(ans.keys[0]) == plain[0] and ans.keys[0:1] == [plain[0]]
+    single = names_db.query("Li", k=2)
+    expected = [names_db.store.key_of_id.get(i) for i in single.ids.tolist()]
+    assert single.keys == expected and "Li" in expected

@@ -1,0 +1,417 @@
+"""End-to-end fine-tuning: losses, the loop, index refresh, persistence, metrics, Nadaraya-Watson."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvsearch import Database, GaussianKernel, NgramEncoder, evaluate, finetune
+from kvsearch.attention import compute_scores
+from kvsearch.errors import (
+    DimensionMismatchError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    UnknownOptionError,
+)
+from kvsearch.training import Batch, History, answer_loss, answer_mse_loss, retrieval_loss
+
+names = pytest.importorskip("names")
+
+from kvsearch.datasets import noisy_queries, split_names, surname_directory  # noqa: E402
+
+
+def small_encoder() -> NgramEncoder:
+    return NgramEncoder(dim=32, num_buckets=4096, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def directory():
+    """600 surnames -> first names, a train / held-out split of the names and Cyrillic queries for both."""
+    keys, values = surname_directory(600)
+    train, held = split_names(keys, 0.25, seed=0)
+    stored = set(keys)
+    return {
+        "keys": keys,
+        "values": values,
+        "train": noisy_queries(train, "cyrillic", avoid=stored),
+        "held": noisy_queries(held, "cyrillic", avoid=stored),
+        "train_edit": noisy_queries(train, "edit", avoid=stored),
+        "value_of": dict(zip(keys, values)),
+    }
+
+
+def make_db(path, directory, **kwargs) -> Database:
+    db = Database(path, encoder=small_encoder(), device="cpu", **kwargs)
+    db.add(keys=directory["keys"], values=directory["values"])
+    return db
+
+
+def top_ids(db: Database, queries: list[str], k: int = 5) -> list[list[int]]:
+    return [[hit.id for hit in hits] for hits in db.search(queries, k=k)]
+
+
+# ----------------------------------------------------------------------------- the real task, small
+
+
+def test_held_out_accuracy_rises_on_cyrillic_queries():
+    """The benchmark's pipeline in small: 3000 names, Cyrillic queries, a short run, held-out names."""
+    keys, values = surname_directory(2000)
+    train, held = split_names(keys, 0.2, seed=0)
+    stored = set(keys)
+    train_pairs = noisy_queries(train, "cyrillic", avoid=stored)
+    held_pairs = noisy_queries(held, "cyrillic", avoid=stored)
+    db = Database(None, encoder=NgramEncoder(dim=64, num_buckets=2**13, device="cpu"), device="cpu")
+    db.add(keys=keys, values=values)
+    history = finetune(db, train_pairs, eval_pairs=held_pairs, loss="retrieval", k=16, epochs=3, verbose=False)
+    before, after = history.metrics[0], history.metrics[-1]
+    assert before["recall@1"] < 0.05  # Latin keys share no n-gram with Cyrillic queries
+    assert after["recall@1"] > 0.5  # 0.755 when written
+    assert after["recall@k"] > 0.8  # 0.97 when written
+    assert evaluate(db, held_pairs, k=16) == pytest.approx({k: after[k] for k in ("recall@1", "recall@k", "mrr")})
+
+
+# ----------------------------------------------------------------------------- losses against references
+
+
+def make_batch(rng: np.random.Generator, b: int = 4, k: int = 5, value_dim: int = 3) -> Batch:
+    scores = torch.from_numpy(rng.standard_normal((b, k)).astype(np.float32)).requires_grad_()
+    mask = torch.ones(b, k, dtype=torch.bool)
+    mask[0, -1] = False
+    match = torch.zeros(b, k, dtype=torch.bool)
+    match[torch.arange(b), torch.tensor([0, 2, 4, 1])] = True
+    match[3] = False  # no target among this query's candidates
+    weights = torch.softmax(scores.detach(), -1)
+    values = torch.from_numpy(rng.standard_normal((b, k, value_dim)).astype(np.float32))
+    output = (weights.unsqueeze(1) @ values).squeeze(1)
+    return Batch(
+        queries=torch.zeros(b, 2),
+        scores=scores,
+        weights=weights,
+        output=output,
+        ids=torch.arange(b * k).reshape(b, k),
+        mask=mask,
+        match=match,
+        target_values=torch.from_numpy(rng.standard_normal((b, value_dim)).astype(np.float32)),
+        temperature=0.5,
+    )
+
+
+def test_retrieval_loss_is_cross_entropy_over_kept_candidates(rng):
+    batch = make_batch(rng)
+    expected = []
+    for row, target in ((0, 0), (1, 2), (2, 4)):
+        logits = batch.scores[row].detach() / 0.5
+        keep = batch.mask[row]
+        expected.append(-(logits[target] - torch.logsumexp(logits[keep], 0)))
+    assert float(retrieval_loss(batch).detach()) == pytest.approx(float(torch.stack(expected).mean()), rel=1e-5)
+    retrieval_loss(batch).backward()
+    assert torch.isfinite(batch.scores.grad).all()
+    assert float(batch.scores.grad[3].abs().sum()) == 0.0  # the query without a target takes no part
+
+
+def test_answer_losses_match_their_formulas(rng):
+    batch = make_batch(rng)
+    cos = (batch.output * batch.target_values).sum(-1) / (batch.output.norm(dim=-1) * batch.target_values.norm(dim=-1))
+    assert float(answer_loss(batch)) == pytest.approx(float((1 - cos).mean()), rel=1e-5)
+    mse = ((batch.output - batch.target_values) ** 2).mean()
+    assert float(answer_mse_loss(batch)) == pytest.approx(float(mse), rel=1e-5)
+
+
+def test_retrieval_loss_needs_key_targets(rng):
+    batch = make_batch(rng)
+    batch.match = None
+    with pytest.raises(InvalidArgumentError, match="key targets"):
+        retrieval_loss(batch)
+
+
+# ----------------------------------------------------------------------------- what trains
+
+
+def test_train_query_leaves_keys_and_key_encoder_alone(directory, tmp_path):
+    db = make_db(tmp_path / "db", directory)
+    keys_before = db.store.keys.clone()
+    weights_before = db.encoder.embedding.weight.detach().clone()
+    history = finetune(db, directory["train"], loss="retrieval", k=8, epochs=1, batch_size=32, verbose=False)
+    assert isinstance(history, History) and history.refreshes == 0
+    assert len(history.losses) == math.ceil(len(directory["train"]) / 32)
+    assert torch.equal(db.store.keys, keys_before)
+    assert torch.equal(db.encoder.embedding.weight, weights_before)
+    assert db.query_encoder is not None and db.query_encoder is not db.encoder
+    assert db.query_encoder.weights_changed()
+    assert not db.query_encoder.training and not db.encoder.training
+    db.close()
+
+
+def test_train_query_and_keys_refreshes_the_index(directory, tmp_path):
+    db = make_db(tmp_path / "db", directory)
+    values_before = db.store.values.clone()
+    pairs = directory["train"][:200]
+    history = finetune(
+        db, pairs, loss="retrieval", k=8, epochs=2, batch_size=20, refresh_every=4, train="query+keys", verbose=False
+    )
+    assert history.refreshes == 6  # 10 steps per epoch: after steps 4, 8, 10 (end of epoch 1), 12, 16, 20
+    assert db.encoder.weights_changed()
+    assert db.query_encoder is None
+    expected = db.encoder.encode(directory["keys"])
+    assert torch.allclose(db.store.keys, expected, atol=1e-6)  # the stored keys are the trained encoder's
+    _, ids = db.index.search(db._index_vectors(expected[:50]), 1)
+    assert ids[:, 0].tolist() == db.store.ids[:50].tolist()  # the index holds the refreshed keys
+    assert torch.equal(db.store.values, values_before)  # values keep the untrained encoder's embeddings
+    assert db.value_encoder is not db.encoder and not db.value_encoder.weights_changed()
+    db.close()
+    reopened = Database(tmp_path / "db")
+    assert reopened.value_encoder is not reopened.encoder
+    assert torch.allclose(reopened.store.keys, expected, atol=1e-6)
+    reopened.close()
+
+
+def test_train_values_writes_them_to_the_store(directory, tmp_path):
+    db = make_db(tmp_path / "db", directory)
+    before = db.store.values.clone()
+    pairs = [(q, directory["value_of"][t]) for q, t in directory["train"][:120]]
+    finetune(db, pairs, loss="answer", k=8, epochs=1, batch_size=30, train_values=True, verbose=False)
+    after = db.store.values.clone()
+    assert not torch.equal(after, before)
+    db.close()
+    reopened = Database(tmp_path / "db")
+    assert torch.equal(reopened.store.values, after)
+    reopened.close()
+
+
+@pytest.mark.parametrize("train", ["query", "query+keys"])
+def test_reopening_the_folder_gives_the_same_answers(directory, tmp_path, train):
+    db = make_db(tmp_path / "db", directory)
+    finetune(db, directory["train"][:150], loss="retrieval", k=8, epochs=1, batch_size=25, train=train, verbose=False)
+    queries = [q for q, _ in directory["held"][:40]]
+    hits = top_ids(db, queries)
+    outputs = db.query(queries, k=8).output
+    db.close()
+    reopened = Database(tmp_path / "db")
+    assert (reopened.query_encoder is not None) == (train == "query")
+    assert top_ids(reopened, queries) == hits
+    assert torch.allclose(reopened.query(queries, k=8).output, outputs, atol=1e-6)
+    reopened.close()
+
+
+def test_answer_loss_learns_without_key_labels(directory):
+    """(query, value text) pairs: the gradient reaches the query encoder only through the attention weights."""
+    db = make_db(None, directory)
+    value_of = directory["value_of"]
+    stored = set(directory["keys"])
+    train_names = [t for _, t in directory["train"]]
+    held_names = [t for _, t in directory["held"]]
+    train = [(q, value_of[t]) for q, t in noisy_queries(train_names, "phonetic", avoid=stored)]
+    held = [(q, value_of[t]) for q, t in noisy_queries(held_names, "phonetic", avoid=stored)]
+    history = finetune(db, train, eval_pairs=held, loss="answer", k=16, epochs=3, batch_size=32, verbose=False)
+    assert history.epoch_losses[-1] < 0.5 * history.epoch_losses[0]  # 0.27 -> 0.07 when written
+    assert history.metrics[-1]["mrr"] > history.metrics[0]["mrr"]  # a small gain: 0.688 -> 0.706 (k=16)
+    assert db.query_encoder.weights_changed() and not db.encoder.weights_changed()
+
+
+def test_a_custom_loss_sees_the_forced_target(directory):
+    db = make_db(None, directory)
+    seen = []
+
+    def loss(batch: Batch) -> torch.Tensor:
+        seen.append(bool(batch.match.any(-1).all()))
+        return retrieval_loss(batch)
+
+    finetune(db, directory["train"][:64], loss=loss, k=2, epochs=1, batch_size=16, verbose=False)
+    assert seen == [True] * 4  # with k=2 the index misses most Cyrillic targets: they are forced in
+
+    with pytest.raises(InvalidArgumentError, match="0-dim"):
+        finetune(db, directory["train"][:8], loss=lambda batch: batch.scores, k=2, epochs=1, verbose=False)
+
+
+def test_progress_bar_and_its_silence(directory, capsys):
+    db = make_db(None, directory)
+    pairs, held = directory["train"][:40], directory["held"][:20]
+    finetune(db, pairs, eval_pairs=held, loss="retrieval", k=4, epochs=1, batch_size=20, verbose=False)
+    assert capsys.readouterr().err == ""
+    history = finetune(db, pairs, eval_pairs=held, loss="retrieval", k=4, epochs=1, batch_size=20, verbose=True)
+    err = capsys.readouterr().err
+    assert "finetune" in err and "loss" in err and "recall@1" in err
+    assert [m["epoch"] for m in history.metrics] == [0.0, 1.0]
+    assert set(history.metrics[0]) == {"epoch", "step", "recall@1", "recall@k", "mrr"}
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_evaluate_matches_a_brute_force_ranking(directory):
+    db = make_db(None, directory)
+    pairs = directory["train_edit"][:100]
+    k = 5
+    got = evaluate(db, pairs, k=k)
+    q = db.encoder.encode([p[0] for p in pairs])
+    scores = compute_scores(q, db.store.keys, "cosine")  # (n, m) against every key
+    target_rows = torch.tensor([directory["keys"].index(t) for _, t in pairs])
+    target_scores = scores[torch.arange(len(pairs)), target_rows]
+    rank = (scores > target_scores.unsqueeze(1)).sum(1)  # 0-based rank of the target
+    expected = {
+        "recall@1": float((rank == 0).float().mean()),
+        "recall@k": float((rank < k).float().mean()),
+        "mrr": float(torch.where(rank < k, 1.0 / (rank + 1), 0.0).mean()),
+    }
+    assert got == pytest.approx(expected, abs=1e-6)
+    by_value = evaluate(db, [(q, directory["value_of"][t]) for q, t in pairs], k=k, targets="value")
+    assert by_value["recall@1"] >= got["recall@1"]  # a record with the same value also counts
+
+
+# ----------------------------------------------------------------------------- Database.refresh and query_encoder
+
+
+def test_refresh_reencodes_text_keys_and_keeps_embedding_keys(tmp_path):
+    db = Database(tmp_path / "db", encoder=small_encoder(), device="cpu")
+    db.add(keys=["Zhang", "Lipton", "Li"], values=["Aston", "Zachary", "Mu"])
+    loose = torch.nn.functional.normalize(torch.randn(1, 32, generator=torch.Generator().manual_seed(0)), dim=-1)
+    db.add(keys=loose, values=["Nobody"])
+    with torch.no_grad():
+        db.encoder.embedding.weight.mul_(-1).add_(0.1)
+    db.refresh()
+    assert torch.allclose(db.store.keys[:3], db.encoder.encode(["Zhang", "Lipton", "Li"]), atol=1e-6)
+    assert torch.equal(db.store.keys[3:], loose)
+    assert db.search("Lipton", k=1)[0].key == "Lipton"
+    db.close()
+    reopened = Database(tmp_path / "db")
+    assert torch.allclose(reopened.store.keys[:3], reopened.encoder.encode(["Zhang", "Lipton", "Li"]), atol=1e-6)
+    reopened.close()
+
+
+def test_query_encoder_is_used_for_text_queries_and_checked(names_db):
+    other = NgramEncoder(seed=7)
+    assert names_db.search("Lipton", k=1)[0].key == "Lipton"
+    names_db.query_encoder = other
+    hits = names_db.search(["Lipton", "Li"], k=6)
+    expected = compute_scores(other.encode(["Lipton", "Li"]), names_db.store.keys, "cosine")
+    assert [h.score for h in hits[0]] == pytest.approx(sorted(expected[0].tolist(), reverse=True), abs=1e-5)
+    with pytest.raises(DimensionMismatchError):
+        names_db.query_encoder = NgramEncoder(dim=8)
+    with pytest.raises(InvalidArgumentError):
+        names_db.query_encoder = "ngram"
+    names_db.query_encoder = None
+    assert names_db.search("Lipton", k=1)[0].key == "Lipton"
+
+
+def test_databases_without_a_query_encoder_entry_still_open(tmp_path):
+    db = Database(tmp_path / "db", encoder=small_encoder(), device="cpu")
+    db.add(keys=["Li"], values=["Mu"])
+    config = dict(db.store.get_meta("config"))
+    del config["query_encoder"]  # as written before query encoders existed
+    db.store.set_meta("config", config)
+    db.close()
+    reopened = Database(tmp_path / "db")
+    assert reopened.query_encoder is None
+    assert reopened.lookup("Li") == "Mu"
+    reopened.close()
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"loss": "hinge"}, UnknownOptionError),
+        ({"train": "keys"}, UnknownOptionError),
+        ({"targets": "record"}, UnknownOptionError),
+        ({"optimizer": "lbfgs"}, UnknownOptionError),
+        ({"loss": "retrieval", "targets": "value"}, InvalidArgumentError),
+        ({"k": 0}, InvalidArgumentError),
+        ({"epochs": 0}, InvalidArgumentError),
+        ({"temperature": 0.0}, InvalidArgumentError),
+        ({"lr": -1.0}, InvalidArgumentError),
+    ],
+)
+def test_bad_arguments_are_refused(names_db, kwargs, error):
+    with pytest.raises(error):
+        finetune(names_db, [("Lipton", "Lipton")], verbose=False, **{"loss": "retrieval", **kwargs})
+
+
+def test_bad_pairs_are_refused(names_db):
+    with pytest.raises(InvalidArgumentError, match="at least one"):
+        finetune(names_db, [], verbose=False)
+    with pytest.raises(InvalidArgumentError, match="train_pairs"):
+        finetune(names_db, [("Lipton",)], verbose=False)
+    with pytest.raises(KeyNotFoundError, match="Nobody"):
+        finetune(names_db, [("Lipton", "Nobody")], loss="retrieval", verbose=False)
+    with pytest.raises(DimensionMismatchError):
+        finetune(names_db, (torch.zeros(3, 5), torch.zeros(3, 5)), loss="answer_mse", verbose=False)
+
+
+# ----------------------------------------------------------------------------- Nadaraya-Watson
+
+
+def f(x: torch.Tensor) -> torch.Tensor:
+    return 2 * torch.sin(x) + x**0.8
+
+
+def test_gaussian_kernel_matches_the_gaussian_score(rng):
+    queries = torch.from_numpy(rng.standard_normal((4, 3)).astype(np.float32))
+    keys = torch.from_numpy(rng.standard_normal((6, 3)).astype(np.float32))
+    kernel = GaussianKernel(1.0)
+    assert torch.allclose(kernel(queries, keys), compute_scores(queries, keys, "gaussian"), atol=1e-5)
+    kernel = GaussianKernel(2.5)
+    brute = torch.tensor([[-0.5 * float(((q - k) * 2.5).pow(2).sum()) for k in keys] for q in queries])
+    assert torch.allclose(kernel(queries, keys), brute, atol=1e-4)
+    with pytest.raises(InvalidArgumentError):
+        GaussianKernel(math.inf)
+
+
+def test_nadaraya_watson_bandwidth_is_learned_end_to_end():
+    """Kernel regression as attention: 50 keys x, values y = 2 sin(x) + x^0.8 + noise, a learnable bandwidth."""
+    gen = torch.Generator().manual_seed(0)
+    x_train = torch.sort(torch.rand(50, generator=gen) * 5).values  # (50,)
+    y_train = f(x_train) + 0.5 * torch.randn(50, generator=gen)  # (50,)
+    db = Database(None, dim=1, value_dim=1, score="gaussian", device="cpu")
+    db.add(keys=x_train.unsqueeze(1), values=y_train)
+    x_query = torch.rand(200, generator=gen) * 5  # training queries: a second sample of the same law
+    y_query = f(x_query) + 0.5 * torch.randn(200, generator=gen)
+    grid = torch.arange(0, 5, 0.1).unsqueeze(1)  # (50, 1)
+    kernel = GaussianKernel(1.0)
+    history = finetune(
+        db,
+        (x_query.unsqueeze(1), y_query.unsqueeze(1)),
+        eval_pairs=(grid, f(grid)),
+        loss="answer_mse",
+        score=kernel,
+        k=50,
+        epochs=10,
+        batch_size=50,
+        temperature=1.0,
+        lr=0.1,
+        verbose=False,
+    )
+    assert history.epoch_losses[-1] < history.epoch_losses[0] - 0.1  # the training loss falls
+    assert float(kernel.w) > 1.5  # a sharper kernel than the start fits this curve better
+    assert history.metrics[-1]["loss"] < history.metrics[0]["loss"]  # and so does the fit on the grid
+    answer = db.query(grid, k=50, score=kernel)
+    weights = torch.softmax(kernel(grid, x_train.unsqueeze(1)), -1)  # (50, 50) by hand, every key a candidate
+    assert torch.allclose(answer.output.squeeze(1), weights @ y_train, atol=1e-5)
+    average = db.query(grid[:3], k="all", pooling="average")
+    assert torch.allclose(average.output, y_train.mean().expand(3, 1), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- sentence encoder
+
+
+def test_sentence_encoder_finetunes_and_persists(tmp_path):
+    from kvsearch import SentenceEncoder
+
+    db = Database(tmp_path / "db", encoder=SentenceEncoder(device="cpu"), device="cpu")
+    keys = ["Zhang", "Lipton", "Li", "Smola", "Hu", "Werness", "Smith", "Johnson"]
+    db.add(keys=keys, values=["Aston", "Zachary", "Mu", "Alex", "Rachel", "Brent", "John", "Mary"])
+    pairs = [("Зханг", "Zhang"), ("Липтон", "Lipton"), ("Смола", "Smola"), ("Вернесс", "Werness"), ("Смит", "Smith")]
+    history = finetune(db, pairs, eval_pairs=pairs, loss="retrieval", k=4, epochs=4, batch_size=5, verbose=False)
+    assert history.epoch_losses[-1] < history.epoch_losses[0]
+    assert history.metrics[-1]["mrr"] >= history.metrics[0]["mrr"]
+    hits = top_ids(db, [q for q, _ in pairs], k=3)
+    db.close()
+    reopened = Database(tmp_path / "db")
+    assert reopened.query_encoder is not None and reopened.query_encoder.trained
+    assert top_ids(reopened, [q for q, _ in pairs], k=3) == hits
+    reopened.close()
