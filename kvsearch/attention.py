@@ -128,14 +128,31 @@ def _check_float_tensor(x: object, name: str) -> None:
         raise InvalidArgumentError(f"{name} must be a floating-point tensor, got {_describe(x)}")
 
 
-def _check_finite(queries: Tensor) -> None:
-    """Raise NonFiniteError if ``queries`` hold NaN or Inf."""
-    finite = torch.isfinite(queries)  # queries' shape
+def _check_finite(x: Tensor, name: str = "queries") -> None:
+    """Raise NonFiniteError if ``x`` holds NaN or Inf."""
+    finite = torch.isfinite(x)  # x's shape
     if not bool(finite.all()):
         bad = int((~finite).sum())
         raise NonFiniteError(
-            f"queries must be finite: expected no NaN or Inf, got {bad} non-finite entries "
-            f"in queries of shape {tuple(queries.shape)}"
+            f"{name} must be finite: expected no NaN or Inf, got {bad} non-finite entries "
+            f"in {name} of shape {tuple(x.shape)}"
+        )
+
+
+def _check_pairing(score: object, pooling: str) -> None:
+    """Refuse a score whose values the pooling would turn into all-zero weights.
+
+    The gaussian score ``-|q - k|^2 / 2`` is never positive, and ``normalize`` / ``nonnegative`` keep only the
+    positive part of the scores: every weight would be 0 and every answer "nothing found".
+
+    Raises:
+        InvalidArgumentError: ``score="gaussian"`` with ``pooling`` ``normalize`` or ``nonnegative``.
+    """
+    if isinstance(score, str) and score == "gaussian" and pooling in ("normalize", "nonnegative"):
+        raise InvalidArgumentError(
+            f"pooling {pooling!r} keeps the non-negative part of the scores, but the gaussian score "
+            "-|q - k|^2 / 2 is never positive, so every weight would be 0; expected softmax (Nadaraya-Watson), "
+            "hard, exact or average pooling with the gaussian score, or a score that can be positive"
         )
 
 
@@ -391,9 +408,9 @@ def attend(
 
     Raises:
         DimensionMismatchError: the shapes fit no layout, or batch, m or dim disagree.
-        NonFiniteError: the queries hold NaN or Inf.
-        InvalidArgumentError: a bad option value, non-float embeddings, or a valid_lens,
-            mask or match of the wrong dtype or shape.
+        NonFiniteError: the queries, keys or values hold NaN or Inf.
+        InvalidArgumentError: a bad option value, non-float embeddings, a valid_lens, mask or match of the
+            wrong dtype or shape, or the gaussian score with normalize / nonnegative pooling (all weights 0).
         UnknownOptionError: an unknown score or pooling name.
     """
     _check_score(score)
@@ -427,7 +444,10 @@ def attend(
             )
         if queries.shape[-1] == 0:
             raise DimensionMismatchError("embeddings must have dim >= 1, got 0")
+    _check_pairing(score, pooling)
     _check_finite(queries)
+    _check_finite(keys, "keys")
+    _check_finite(values, "values")
 
     device = queries.device
     dtype = torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), values.dtype)
@@ -565,6 +585,7 @@ class KVAttention(nn.Module):
             _check_score(score)
             score_fn = score
         self.pooling = _check_option(pooling, POOLINGS, "pooling")
+        _check_pairing(score, self.pooling)
         self.temperature = _check_temperature(temperature)
         self.dropout = _check_dropout(dropout)
         self.db = db

@@ -34,6 +34,7 @@ from kvsearch.errors import (
     ConfigMismatchError,
     CorruptDatabaseError,
     DatabaseClosedError,
+    DatabaseLockedError,
     DimensionMismatchError,
     DuplicateKeyError,
     EmptyDatabaseError,
@@ -211,16 +212,24 @@ class Database:
         search_params: Mapping[str, float] | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     ) -> None:
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = _check_device(device)
         _check_path(path)
+        if isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float)) or not lock_timeout >= 0:
+            raise InvalidArgumentError(f"expected lock_timeout as a number of seconds >= 0, got {lock_timeout!r}")
         self.path = None if path is None else Path(path)
         self._closed = False
+        made: list[Path] = []  # what a failed creation leaves behind is removed again
         if self.path is not None:
             if self.path.exists() and not self.path.is_dir():
                 raise InvalidArgumentError(f"expected a folder for the database, got a file: {self.path}")
+            if not (self.path / STORE_FILE).exists():
+                made = [d for d in (self.path, *self.path.parents) if not d.exists()][::-1] or [self.path]
+                made = [*made, *(self.path / name for name in _CREATED_FILES)]
             self.path.mkdir(parents=True, exist_ok=True)
         self._store = Store(None if self.path is None else self.path / STORE_FILE, self.device)
         self._store.write_lock.timeout = float(lock_timeout)
+        self._index_dirty = False  # the index differs from the saved one (written by save / close)
+        self._encoder_marks: tuple = ()  # the encoders' state when last loaded or saved (see _encoder_state)
         try:
             saved = self._store.get_meta("config")
             if saved is None:
@@ -229,6 +238,7 @@ class Database:
                 self._reopen(saved, encoder, value_encoder, dim, value_dim, index, score, search_params)
         except BaseException:
             self._store.close()
+            _remove_created(made)
             raise
 
     # ------------------------------------------------------------------ opening
@@ -276,8 +286,8 @@ class Database:
             "value_encoder": None if value_encoder is None else ("key" if value_encoder is encoder else "own"),
             "query_encoder": False,
         }
-        self.save_encoders()
         self._store.set_meta("config", self._config)
+        self.save_encoders()
         self._store.load(dim, value_dim)
 
     def _reopen(self, saved, encoder, value_encoder, dim, value_dim, index, score, search_params) -> None:
@@ -303,6 +313,7 @@ class Database:
             self.value_encoder = self._reopen_encoder("value_encoder", saved["value_encoder"] == "own", value_encoder)
         # databases made before query encoders existed have no "query_encoder" entry: they have none
         self._query_encoder = self._reopen_encoder("query_encoder", bool(saved.get("query_encoder", False)), None)
+        self._encoder_marks = self._encoder_state()
         self._store.load(self.dim, self.value_dim)
         self._index = self._load_or_rebuild_index()
 
@@ -337,11 +348,13 @@ class Database:
                 ):
                     index = Index.load(index_path, self.dim, self.index_spec, metric, params)
                     if index.ntotal == len(self._store) and np.array_equal(index.ids(), self._store.ids.numpy()):
+                        self._index_dirty = False
                         return index
             except (CorruptDatabaseError, ValueError, OSError, KeyError, AttributeError, TypeError):
                 pass  # a damaged or foreign side file: the store is the truth, rebuild from it
         index = self._new_index(params)
         self._rebuild_into(index)
+        self._index_dirty = True  # differs from what is saved (if anything is): close() writes it if it can
         return index
 
     def _new_index(self, params: dict[str, float]) -> Index | TorchIndex:
@@ -371,33 +384,90 @@ class Database:
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
-        """Hold this folder's write lock (bounded wait) and bring a stale mirror up to date first.
-
-        Another process may have committed since this one loaded the store: the in-memory tensors, the
-        key map and the index are then reloaded from the store before the write is checked and applied.
+        """Hold this folder's write lock (bounded wait) and bring a stale view up to date first.
 
         Raises:
             DatabaseLockedError: another writer held the lock for longer than ``lock_timeout``.
         """
         with self._store.lock, self._store.write_lock:
-            if self.path is not None and self._store.is_stale():
-                self._store.load(self.dim, self.value_dim)
-                self._rebuild_into(self._index)
+            self._sync()
             yield
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """A consistent read: one store snapshot, this process's view brought up to date with it first.
+
+        Every read runs in a SQLite read transaction (WAL: it never blocks a writer), so the texts and metadata
+        it fetches are those of the same committed state as the in-memory tensors and the index it searches.
+
+        Raises:
+            DatabaseClosedError: the database was closed.
+        """
+        with self._store.lock:
+            self._check_open()
+            with self._store.snapshot():
+                self._sync()
+                yield
+
+    def _sync(self) -> None:
+        """Reload what another process changed since this view was loaded (callers hold the store lock).
+
+        One small SQL read of the store version. When it moved, the in-memory tensors and key maps are
+        reloaded, the encoders too if another process saved new ones (their weights are loaded into this
+        process's encoder objects), and the index is loaded if a saved one is that version's, else rebuilt.
+        """
+        if self.path is None or not self._store.is_stale():
+            return
+        config = self._store.get_meta("config") or self._config
+        encoders_moved = config.get("encoders_version", 0) != self._config.get("encoders_version", 0)
+        self._config = dict(config)
+        if encoders_moved:
+            for prefix, encoder in self._encoders().items():
+                if encoder is not None and (self.path / f"{prefix}.json").exists():
+                    encoder.load_state_dict(load_encoder(self.path, prefix, device=self.device).state_dict())
+            if self._config.get("query_encoder") and self._query_encoder is None:
+                self._query_encoder = load_encoder(self.path, "query_encoder", device=self.device)
+            self._encoder_marks = self._encoder_state()
+        self._store.load(self.dim, self.value_dim)
+        self._index = self._load_or_rebuild_index()
+
+    def _encoders(self) -> dict[str, Encoder | None]:
+        """The encoders by file prefix (a value encoder that is the key encoder is listed once)."""
+        own_values = self.value_encoder is not None and self.value_encoder is not self.encoder
+        return {
+            "encoder": self.encoder,
+            "value_encoder": self.value_encoder if own_values else None,
+            "query_encoder": self._query_encoder,
+        }
+
+    def _encoder_state(self) -> tuple:
+        """A cheap mark of the encoders' weights: each tensor's storage and its in-place-write counter.
+
+        Every optimizer step, ``load_state_dict`` or in-place change bumps a tensor's ``_version``; a new tensor
+        has a new storage. Comparing marks tells whether an encoder changed since it was loaded or saved,
+        without hashing its weights.
+        """
+        marks = []
+        for prefix, encoder in self._encoders().items():
+            if encoder is None:
+                continue
+            tensors = encoder.state_dict(keep_vars=True)
+            marks.append((prefix, id(encoder), tuple((n, t.data_ptr(), t._version) for n, t in tensors.items())))
+        return tuple(marks)
 
     # ------------------------------------------------------------------ small things
 
     def __len__(self) -> int:
-        self._check_open()
-        return len(self._store)
+        with self._reading():
+            return len(self._store)
 
     def __contains__(self, key: object) -> bool:
-        self._check_open()
-        if isinstance(key, str):
-            return key in self._store.id_of_key
-        if isinstance(key, (Tensor, np.ndarray)):
-            return bool((self._exact_targets(self._as_query_tensor(key)[0]) >= 0).all())
-        return False
+        with self._reading():
+            if isinstance(key, str):
+                return key in self._store.id_of_key
+            if isinstance(key, (Tensor, np.ndarray)):
+                return bool((self._exact_targets(self._as_query_tensor(key)[0]) >= 0).all())
+            return False
 
     def __enter__(self) -> Database:
         return self
@@ -503,6 +573,11 @@ class Database:
             InvalidArgumentError: an item is neither str nor int.
         """
         self._check_open()
+        if isinstance(key_or_keys, (Tensor, np.ndarray)):  # ids as an integer tensor or array
+            array = key_or_keys.detach().cpu().numpy() if isinstance(key_or_keys, Tensor) else key_or_keys
+            if array.dtype.kind not in "iu":
+                raise InvalidArgumentError(f"expected integer ids, got an array of {array.dtype}")
+            key_or_keys = [int(i) for i in array.reshape(-1).tolist()]
         items = [key_or_keys] if isinstance(key_or_keys, (str, int, np.integer)) else list(key_or_keys)
         with self._writing():
             ids: list[int] = []
@@ -524,10 +599,20 @@ class Database:
         return ids
 
     def _sync_index(self, removed: list[int], added: list[int], key_embs: Tensor | None) -> None:
-        """Mirror a committed store write in the index; rebuild from the store when the index asks."""
-        self._index.remove(np.asarray(removed, dtype=np.int64))
-        if added:
-            self._index.add(np.asarray(added, dtype=np.int64), self._index_vectors(key_embs))
+        """Mirror a committed store write in the index; rebuild from the store when the index asks.
+
+        The store has committed: should the index fail to follow, it is rebuilt from the store (the truth)
+        rather than left behind it.
+        """
+        self._index_dirty = True
+        try:
+            self._index.remove(np.asarray(removed, dtype=np.int64))
+            if added:
+                self._index.add(np.asarray(added, dtype=np.int64), self._index_vectors(key_embs))
+        except (RuntimeError, ValueError):
+            self._index = self._new_index(dict(self._config.get("search_params") or {}))
+            self._rebuild_into(self._index)
+            return
         if self._index.needs_rebuild:
             self._rebuild_into(self._index)
 
@@ -548,21 +633,27 @@ class Database:
 
         The key encoder goes under the prefix ``encoder``, a value encoder of its own under ``value_encoder``
         and a query encoder (see :attr:`query_encoder`) under ``query_encoder``; the configuration records
-        which of them exist, so reopening the folder rebuilds the same encoders.
+        which of them exist (and a counter other processes watch to reload them), so reopening the folder
+        rebuilds the same encoders. :meth:`close` calls it when an encoder changed since it was loaded.
+
+        Raises:
+            DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
         """
         if self.path is None:
             return
-        if self.encoder is not None:
-            self.encoder.save(self.path, "encoder")
-        if self.value_encoder is not None and self.value_encoder is not self.encoder:
-            self.value_encoder.save(self.path, "value_encoder")
-        if self._query_encoder is not None:
-            self._query_encoder.save(self.path, "query_encoder")
-        value_kind = None if self.value_encoder is None else ("key" if self.value_encoder is self.encoder else "own")
-        flags = {"value_encoder": value_kind, "query_encoder": self._query_encoder is not None}
-        if any(self._config.get(name) != flag for name, flag in flags.items()):
-            self._config.update(flags)
+        with self._store.lock, self._store.write_lock:
+            for prefix, encoder in self._encoders().items():
+                if encoder is not None:
+                    encoder.save(self.path, prefix)
+            value_kind = (
+                None if self.value_encoder is None else ("key" if self.value_encoder is self.encoder else "own")
+            )
+            flags = {"value_encoder": value_kind, "query_encoder": self._query_encoder is not None}
+            latest = self._store.get_meta("config") or {}
+            counter = max(int(latest.get("encoders_version", 0)), int(self._config.get("encoders_version", 0))) + 1
+            self._config.update(flags, encoders_version=counter)
             self._store.set_meta("config", self._config)
+            self._encoder_marks = self._encoder_state()
 
     def refresh(self) -> None:
         """Re-encode every key from its text with the key encoder and rebuild the index.
@@ -575,7 +666,7 @@ class Database:
             DatabaseClosedError: the database was closed.
         """
         self._check_open()
-        with self._store.lock:
+        with self._writing():
             if len(self._store) == 0:
                 return
             keys = self._store.keys.clone()  # (n, dim)
@@ -587,6 +678,7 @@ class Database:
                 keys[torch.tensor(rows, dtype=torch.long, device=keys.device)] = fresh.to(keys.device)
             self._store.replace_embeddings(keys=keys)
             self._rebuild_into(self._index)
+            self._index_dirty = True
 
     @property
     def query_encoder(self) -> Encoder | None:
@@ -611,39 +703,68 @@ class Database:
         self._query_encoder = None if encoder is None else encoder.to(self.device)
 
     def save(self) -> None:
-        """Write the encoders and (for trained / graph index types) the index with the store version.
+        """Write what changed since it was loaded or saved: the encoders, and a trained / graph index.
 
-        Flat indexes are not written: rebuilding them from the store is as fast as reading them. The
-        manifest tags the index with the store version it reflects and the SHA-256 of its bytes; an index
+        Flat and torch indexes are not written: rebuilding them from the store is as fast as reading them.
+        The manifest tags the index with the store version it reflects and the SHA-256 of its bytes; an index
         that another process's writes made stale is not written (the next open rebuilds it).
 
         Raises:
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
         """
         self._check_open()
+        self._save(wait=True)
+
+    def _save(self, *, wait: bool) -> None:
+        """Write the changed encoders (waiting for the lock) and the changed index (waiting only if ``wait``).
+
+        Nothing changed, nothing is written and no lock is taken: a process that only read never blocks on,
+        or overwrites, what another process wrote. The index is derived data: ``close`` writes it only if the
+        lock is free at once (else the next open rebuilds it from the store).
+        """
         if self.path is None:
             return
-        with self._store.lock, self._store.write_lock:
+        if self._encoder_state() != self._encoder_marks:
             self.save_encoders()
-            if self.index_spec == "Flat" or isinstance(self._index, TorchIndex) or self._store.is_stale():
+        saved_kind = self.index_spec != "Flat" and not isinstance(self._index, TorchIndex)
+        if not (self._index_dirty and saved_kind):
+            return
+        with self._store.lock:
+            try:
+                self._store.write_lock.acquire(timeout=None if wait else 0.0)
+            except DatabaseLockedError:
+                if wait:
+                    raise
                 return
-            self._index.save(self.path / INDEX_FILE)
-            manifest = {
-                "version": self._store.loaded_version,
-                "spec": self.index_spec,
-                "ntotal": self._index.ntotal,
-                "sha256": _sha256(self.path / INDEX_FILE),
-            }
-            tmp = self.path / (MANIFEST_FILE + ".tmp")
-            tmp.write_text(json.dumps(manifest))
-            os.replace(tmp, self.path / MANIFEST_FILE)
+            try:
+                if self._store.is_stale():
+                    return
+                self._index.save(self.path / INDEX_FILE)
+                manifest = {
+                    "version": self._store.loaded_version,
+                    "spec": self.index_spec,
+                    "ntotal": self._index.ntotal,
+                    "sha256": _sha256(self.path / INDEX_FILE),
+                }
+                tmp = self.path / (MANIFEST_FILE + f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(manifest))
+                os.replace(tmp, self.path / MANIFEST_FILE)
+                self._index_dirty = False
+            finally:
+                self._store.write_lock.release()
 
     def close(self) -> None:
-        """Save what is derived (encoders, index) and close the store. Closing twice is harmless."""
+        """Save what changed (see :meth:`save`) and close the store. Closing twice is harmless.
+
+        A process that only read writes nothing and takes no lock.
+
+        Raises:
+            DatabaseLockedError: an encoder changed and another writer held the lock past ``lock_timeout``.
+        """
         if self._closed:
             return
         try:
-            self.save()
+            self._save(wait=False)
         finally:
             self._closed = True
             self._store.close()
@@ -656,10 +777,10 @@ class Database:
         Raises:
             KeyNotFoundError: no record has this id.
         """
-        self._check_open()
         if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
             raise InvalidArgumentError(f"expected an int id, got {type(id).__name__}")
-        record = self._store.fetch([int(id)]).get(int(id))
+        with self._reading():
+            record = self._store.fetch([int(id)]).get(int(id))
         if record is None:
             raise KeyNotFoundError(f"expected a stored id, got {int(id)}")
         return record
@@ -677,22 +798,21 @@ class Database:
         Raises:
             KeyNotFoundError: the key is not stored and no default was given.
         """
-        self._check_open()
-        if isinstance(key, str):
-            id_ = self._store.id_of_key.get(key, -1)
-        elif isinstance(key, (Tensor, np.ndarray)):
+        q = None
+        if isinstance(key, (Tensor, np.ndarray)):
             q, _ = self._as_query_tensor(key)
             if q.shape[0] != 1:
                 raise InvalidArgumentError(f"expected one key embedding (dim,), got shape {tuple(q.shape)}")
-            id_ = int(self._exact_targets(q)[0])
-        else:
+        elif not isinstance(key, str):
             raise InvalidArgumentError(f"expected a key text or a key embedding, got {type(key).__name__}")
-        if id_ < 0:
-            if default is _MISSING:
-                shown = key if isinstance(key, str) else "<embedding>"
-                raise KeyNotFoundError(f"no record has the key {shown!r}")
-            return default
-        return self._values_of([id_])[id_]
+        with self._reading():
+            id_ = self._store.id_of_key.get(key, -1) if q is None else int(self._exact_targets(q)[0])
+            if id_ >= 0:
+                return self._values_of([id_])[id_]
+        if default is _MISSING:
+            shown = key if isinstance(key, str) else "<embedding>"
+            raise KeyNotFoundError(f"no record has the key {shown!r}")
+        return default
 
     def search(
         self, queries: Queries, k: int = 10, *, where: Mapping[str, Any] | None = None
@@ -717,7 +837,7 @@ class Database:
         if where is not None:
             check_where(where)
         q, texts, single = self._prepare_queries(queries)
-        with self._store.lock:
+        with self._reading():
             self._check_not_empty()
             cand = self.candidates(q, k, where=where)
             scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, k)
@@ -728,7 +848,7 @@ class Database:
             values = self._values_of(ids[ids >= 0].tolist())
             hits = [
                 [
-                    Hit(id=i, key=self._store.key_of_id.get(i), value=values[i], score=s)
+                    Hit(id=i, key=self._store.key_of_id.get(i), value=values.get(i), score=s)
                     for i, s in zip(row_ids, row_scores)
                     if i >= 0
                 ]
@@ -779,7 +899,7 @@ class Database:
             check_where(where)
         q, texts, single = self._prepare_queries(queries)
         out_device = q.device
-        with self._store.lock:
+        with self._reading():
             self._check_not_empty()
             targets = None
             if pooling == "exact":
@@ -798,6 +918,10 @@ class Database:
                     q.to(self.device), cand.keys, cand.values, score_fn, float(temperature)
                 )  # (b, value_dim), (b, m)
             else:
+                if k == "all":  # dense over every record: scores, weights and their gradients, (b, m) each
+                    check_fits(
+                        q.shape[0] * len(cand.keys) * 16, f"attention of {q.shape[0]:,} queries over every record"
+                    )
                 output, weights = attend(
                     q.to(self.device),
                     cand.keys,
@@ -808,7 +932,10 @@ class Database:
                     match=cand.match,
                     temperature=float(temperature),
                 )  # (b, value_dim), (b, k)
-            ids = cand.ids if cand.ids.dim() == 2 else cand.ids.unsqueeze(0).expand(weights.shape[0], -1)  # (b, k)
+            ids = cand.ids if cand.ids.dim() == 2 else cand.ids.unsqueeze(0).expand(weights.shape[0], -1)  # (b, t)
+            if k != "all" and weights.shape[1] < k:  # fewer records than k: pad as "no candidate"
+                weights = F.pad(weights, (0, k - weights.shape[1]))  # (b, k) zeros
+                ids = F.pad(ids, (0, k - ids.shape[1]), value=-1)  # (b, k)
             found = weights.detach().sum(-1) > 0  # (b,)
             best = ids.gather(1, weights.detach().argmax(-1, keepdim=True)).squeeze(1)  # (b,)
             best = torch.where(found, best.to(found.device), -1).cpu()
@@ -878,14 +1005,17 @@ class Database:
             where: a metadata filter (see :mod:`kvsearch.filters`): only matching records are candidates.
 
         Returns:
-            :class:`Candidates` with ids (batch, k), keys (batch, k, dim), values (batch, k, value_dim),
-            mask (batch, k); for ``k="all"`` ids (m,), keys (m, dim), values (m, value_dim), mask None.
+            :class:`Candidates` with ids (batch, t), keys (batch, t, dim), values (batch, t, value_dim),
+            mask (batch, t), where t = min(k, records) (no more candidates than records are gathered); for
+            ``k="all"`` ids (m,), keys (m, dim), values (m, value_dim), mask None.
+
+        Raises:
+            MemoryLimitError: the gathered candidates would not fit in memory (refused before any work).
         """
-        self._check_open()
         k = _check_k(k, allow_all=True)
         if queries.dim() != 2 or queries.shape[1] != self.dim:
             raise DimensionMismatchError(f"expected queries (batch, {self.dim}), got {tuple(queries.shape)}")
-        with self._store.lock:
+        with self._reading():
             allowed = None if where is None else self._store.ids_where(where)  # (m,) sorted ids
             if allowed is not None and targets is not None:
                 targets = torch.where(torch.isin(targets.cpu(), torch.from_numpy(allowed)), targets.cpu(), -1)
@@ -899,17 +1029,21 @@ class Database:
                 ids = self._store.ids.to(self.device)  # (m,)
                 match = None if targets is None else ids.unsqueeze(0) == targets.to(self.device).unsqueeze(1)
                 return Candidates(ids=ids, keys=self._store.keys, values=self._store.values, mask=None, match=match)
+            # never gather more candidates than there are records (k may be far larger than the database)
+            take = max(1, min(int(k), len(self._store) if allowed is None else len(allowed)))
+            per_candidate = (self.dim + self.value_dim) * 4 * 3 + 24  # gathered, scored, their gradients; ids
+            check_fits(queries.shape[0] * take * per_candidate, f"gathering {queries.shape[0]:,} x {take:,} candidates")
             search = self._index_vectors(queries.detach())
             if allowed is None:
-                _, found = self._index.search(search, int(k))
+                _, found = self._index.search(search, take)
             else:
-                found = self._filtered_search(search, int(k), allowed)
-            ids = torch.from_numpy(found)  # (b, k)
+                found = self._filtered_search(search, take, allowed)
+            ids = torch.from_numpy(found)  # (b, take)
             if targets is not None:
                 targets = targets.cpu()
                 missing = (targets >= 0) & ~(ids == targets.unsqueeze(1)).any(1)  # (b,)
                 ids[missing, -1] = targets[missing]
-            keys, values, mask = self._store.gather(ids)  # (b, k, dim), (b, k, value_dim), (b, k)
+            keys, values, mask = self._store.gather(ids)  # (b, take, dim), (b, take, value_dim), (b, take)
             ids = ids.to(self.device)
             match = None if targets is None else (ids == targets.to(self.device).unsqueeze(1)) & (ids >= 0)
             return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
@@ -997,6 +1131,11 @@ class Database:
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
                     raise InvalidArgumentError(f"expected query texts, got {type(t).__name__} at position {i}")
+            if not all(t.strip() for t in texts):
+                blank = next(i for i, t in enumerate(texts) if not t.strip())
+                raise InvalidArgumentError(f"expected non-empty query texts, got {texts[blank]!r} at position {blank}")
+            with self._reading():
+                pass  # picks up encoders another process fine-tuned before this one encodes with them
             encoder = self.encoder if self._query_encoder is None else self._query_encoder
             if encoder is None:
                 raise InvalidArgumentError("expected query embeddings: this database has no encoder for text")
@@ -1104,6 +1243,52 @@ def _check_k(k: object, *, allow_all: bool) -> int | Literal["all"]:
         allowed = f"an integer in [1, {MAX_K}]" + (' or "all"' if allow_all else "")
         raise InvalidArgumentError(f"expected k as {allowed}, got {k!r}")
     return int(k)
+
+
+#: Files a database folder may hold; a creation that fails removes those it made (and folders it made).
+_CREATED_FILES = (
+    STORE_FILE,
+    STORE_FILE + "-wal",
+    STORE_FILE + "-shm",
+    STORE_FILE + "-journal",
+    "write.lock",
+    "encoder.json",
+    "encoder.safetensors",
+    "value_encoder.json",
+    "value_encoder.safetensors",
+)
+
+
+def _remove_created(made: list[Path]) -> None:
+    """Remove the files, then the (then empty) folders, that a failed creation made."""
+    for path in reversed(made):
+        try:
+            if path.is_dir():
+                path.rmdir()  # only if empty: never anything that was there before
+            else:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _check_device(device: object) -> torch.device:
+    """The torch device to use: the given one if it exists here, else CUDA when present, else the CPU.
+
+    Raises:
+        InvalidArgumentError: not a device name, or a device this machine does not have.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        got = f"{device!r} ({exc})"
+        raise InvalidArgumentError(f"expected a torch device such as 'cpu' or 'cuda:0', got {got}") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise InvalidArgumentError(f"expected an available device, got {device!r}: no such CUDA device here")
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"expected device 'cpu' or 'cuda[:n]', got {device!r}")
+    return dev
 
 
 def _check_path(path: object) -> None:

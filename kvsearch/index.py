@@ -29,7 +29,7 @@ from kvsearch.errors import (
     UnknownOptionError,
 )
 
-__all__ = ["Index", "Metric", "MAX_K", "tune_faiss"]
+__all__ = ["Index", "Metric", "MAX_K", "tune_faiss", "check_search_param"]
 
 Metric = Literal["ip", "l2"]
 
@@ -57,6 +57,24 @@ def tune_faiss() -> None:
             _tuned = True
 
 
+def check_search_param(name: object, value: object) -> int:
+    """A search parameter's value, checked: a known name and an integer >= 1 (``ht``: >= 0).
+
+    Raises:
+        UnknownOptionError: an unknown name.
+        InvalidArgumentError: a value that is not such an integer (bool, float with a fraction, NaN, str...).
+    """
+    if name not in _SEARCH_PARAMS:
+        raise UnknownOptionError(f"expected search parameters among {_SEARCH_PARAMS}, got {name!r}")
+    low = 0 if name == "ht" else 1
+    ok = isinstance(value, (int, np.integer, float)) and not isinstance(value, bool)
+    if ok and isinstance(value, float):
+        ok = value.is_integer()
+    if not ok or not low <= int(value) <= 1 << 30:
+        raise InvalidArgumentError(f"expected {name} as an integer in [{low}, 2^30], got {value!r}")
+    return int(value)
+
+
 def _parse_spec(dim: int, spec: str, metric: Metric) -> faiss.Index:
     if not isinstance(spec, str) or not spec.strip():
         raise UnknownOptionError(f"expected an index_factory string such as 'Flat' or 'HNSW32', got {spec!r}")
@@ -72,9 +90,28 @@ def _parse_spec(dim: int, spec: str, metric: Metric) -> faiss.Index:
         ) from None
 
 
+def _inner(index: faiss.Index) -> faiss.Index:
+    """The index under a pre-transform (PCA, OPQ...), or the index itself."""
+    return faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
+
+
+def _check_supported(index: faiss.Index, spec: str) -> None:
+    """Refuse index types that cannot grow by id and lose records (NSG is built once; refine wrappers cannot
+    add by id or remove); a database adds and deletes records one batch at a time.
+
+    Raises:
+        UnknownOptionError: the type is not one of the flat-coded (Flat, PQ, SQ, RQ), IVF or HNSW families.
+    """
+    if not isinstance(_inner(index), (faiss.IndexFlatCodes, faiss.IndexIVF, faiss.IndexHNSW)):
+        raise UnknownOptionError(
+            f"index spec {spec!r} builds a {type(_inner(index)).__name__}, which cannot add and delete records by "
+            "id; expected a flat-coded, IVF or HNSW spec such as 'Flat', 'PQ16', 'IVF256,Flat', 'IVF256,PQ16', "
+            "'OPQ16,IVF256,PQ16' or 'HNSW32'"
+        )
+
+
 def _can_remove(index: faiss.Index) -> bool:
-    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
-    return not isinstance(inner, (faiss.IndexHNSW, faiss.IndexNSG))
+    return not isinstance(_inner(index), faiss.IndexHNSW)
 
 
 def _min_train(index: faiss.Index, spec: str) -> int:
@@ -118,6 +155,8 @@ class Index:
         self.metric: Metric = metric
         self.params: dict[str, float] = {}
         template = _parse_spec(dim, spec, metric)
+        _check_supported(template, spec)
+        self._template = template  # what search parameters are checked against (never holds vectors)
         self.removable = _can_remove(template)
         self.min_train = _min_train(template, spec)
         self._faiss: faiss.Index = template
@@ -161,9 +200,9 @@ class Index:
             else:
                 index = faiss.IndexFlat(self.dim, _METRICS[self.metric])
                 self._fallback = True
-        if (self.removable or self._fallback) and not isinstance(index, (faiss.IndexIVF, faiss.IndexPreTransform)):
-            # Flat / PQ / SQ codes renumber on removal, which is what IndexIDMap2 expects; IVF and
-            # pre-transformed IVF indexes store ids themselves.
+        if (self.removable or self._fallback) and not isinstance(_inner(index), faiss.IndexIVF):
+            # Flat / PQ / SQ codes (pre-transformed or not) renumber on removal, which is what IndexIDMap2
+            # expects; IVF indexes (pre-transformed or not) store ids themselves.
             index = faiss.IndexIDMap2(index)
         return index
 
@@ -298,13 +337,21 @@ class Index:
     def set_params(self, **params: float) -> None:
         """Set search parameters, e.g. ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW).
 
+        Every parameter is checked before any is kept: its name, its value (an integer >= 1; ``ht`` >= 0) and
+        that it applies to this spec's index type (even while an untrained spec is served by a flat fallback).
+
         Raises:
-            UnknownOptionError: a parameter name FAISS does not know for this index type.
+            UnknownOptionError: a parameter name FAISS does not know, or one that does not apply to this type.
+            InvalidArgumentError: a value that is not a positive integer.
         """
-        for name in params:
-            if name not in _SEARCH_PARAMS:
-                raise UnknownOptionError(f"expected search parameters among {_SEARCH_PARAMS}, got {name!r}")
-        self.params.update(params)
+        checked = {name: check_search_param(name, value) for name, value in params.items()}
+        space = faiss.ParameterSpace()
+        for name, value in checked.items():
+            try:
+                space.set_index_parameter(self._template, name, value)
+            except RuntimeError:
+                raise UnknownOptionError(f"search parameter {name!r} does not apply to index {self.spec!r}") from None
+        self.params.update(checked)
         self._apply_params()
 
     def _apply_params(self) -> None:
@@ -313,10 +360,7 @@ class Index:
         space = faiss.ParameterSpace()
         target = self._faiss.index if isinstance(self._faiss, faiss.IndexIDMap) else self._faiss
         for name, value in self.params.items():
-            try:
-                space.set_index_parameter(target, name, value)
-            except RuntimeError:
-                raise UnknownOptionError(f"search parameter {name!r} does not apply to index {self.spec!r}") from None
+            space.set_index_parameter(target, name, value)  # checked against the same type by set_params
 
     # ------------------------------------------------------------------ persistence
 

@@ -64,22 +64,23 @@ class WriteLock:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         return self._fd
 
-    def acquire(self) -> None:
-        """Take the lock, waiting at most ``timeout`` seconds.
+    def acquire(self, timeout: float | None = None) -> None:
+        """Take the lock, waiting at most ``timeout`` seconds (default: the lock's own ``timeout``).
 
         Raises:
             DatabaseLockedError: another process holds it after ``timeout`` seconds.
         """
+        wait = self.timeout if timeout is None else float(timeout)
         if self._pid != os.getpid() and self.path is not None:
             self._file()  # reset the fork-inherited state before touching the thread lock
-        if not self._thread_lock.acquire(timeout=max(self.timeout, 0.0)):
-            raise DatabaseLockedError(f"expected the write lock within {self.timeout}s; another thread holds it")
+        if not self._thread_lock.acquire(timeout=max(wait, 0.0)):
+            raise DatabaseLockedError(f"expected the write lock within {wait}s; another thread holds it")
         if self._depth > 0 or self.path is None or fcntl is None:
             self._depth += 1
             return
         try:
             fd = self._file()
-            deadline = time.monotonic() + self.timeout
+            deadline = time.monotonic() + wait
             delay = 0.001
             while True:
                 try:
@@ -89,7 +90,7 @@ class WriteLock:
                     if time.monotonic() >= deadline:
                         holder = self._holder()
                         raise DatabaseLockedError(
-                            f"expected to take the write lock of {self.path.parent} within {self.timeout}s, "
+                            f"expected to take the write lock of {self.path.parent} within {wait}s, "
                             f"but another writer{holder} holds it; retry later or raise lock_timeout"
                         ) from None
                     time.sleep(delay)

@@ -18,7 +18,9 @@ import os
 import sqlite3
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,9 +219,10 @@ class Store:
     # Reading every embedding blob from SQLite takes ~10 s per million records. A store of at least
     # SIDE_MIN_ROWS records therefore also keeps its embeddings as three .npy files beside the SQLite file
     # (``<store>.emb-<version>.{ids,keys,values}.npy``), written on close() from the mirror and named in a
-    # manifest ``<store>.emb.json`` = {"version", "n", "dim", "value_dim"} written last (atomically). SQLite
-    # stays the source of truth: load() uses the files only when the manifest's version equals the store's
-    # version read in the same snapshot, the shapes match, and the ids equal the ids SQLite lists; anything
+    # manifest ``<store>.emb.json`` = {"version", "n", "dim", "value_dim", "crc32"} written last (atomically).
+    # SQLite stays the source of truth: load() uses the files only when the manifest's version equals the
+    # store's version read in the same snapshot, the shapes match, every file's CRC-32 matches the manifest
+    # (a zeroed or damaged file is not served) and the ids equal the ids SQLite lists; anything
     # else (a crash before or during the write, a later commit by any process, a damaged file) falls back to
     # SQLite. The files are memory-mapped copy-on-write, so writes to the mirror never reach them.
 
@@ -242,11 +245,17 @@ class Store:
             ids = np.load(self._side_file(version, "ids"), mmap_mode="r")
             keys = np.load(self._side_file(version, "keys"), mmap_mode="c")
             values = np.load(self._side_file(version, "values"), mmap_mode="c")
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # missing, truncated or foreign: SQLite is read instead
-        shapes = (ids.shape, keys.shape, values.shape) == ((n,), (n, dim), (n, value_dim))
-        types = (ids.dtype, keys.dtype, values.dtype) == (np.int64, np.float32, np.float32)
-        return (np.array(ids), keys, values) if shapes and types else None
+            shapes = (ids.shape, keys.shape, values.shape) == ((n,), (n, dim), (n, value_dim))
+            types = (ids.dtype, keys.dtype, values.dtype) == (np.int64, np.float32, np.float32)
+            if not (shapes and types):
+                return None
+            sums = manifest["crc32"]
+            for part, array in (("ids", ids), ("keys", keys), ("values", values)):
+                if _crc32(array) != sums[part]:
+                    return None  # damaged contents (zeroed, garbage, flipped bits): SQLite is read instead
+        except (OSError, ValueError, KeyError, TypeError, EOFError):
+            return None  # missing, empty, truncated or foreign: SQLite is read instead
+        return np.array(ids), keys, values
 
     def write_side(self) -> bool:
         """Write the embeddings side files for the mirror's version (see above); True if written.
@@ -264,17 +273,20 @@ class Store:
             manifest = self._side_manifest()
             if manifest.exists() and json.loads(manifest.read_text()).get("version") == version:
                 return False
+            sums = {}
             for part, tensor in (("ids", self.ids), ("keys", self.keys), ("values", self.values)):
                 final = self._side_file(version, part)
-                tmp = final.with_name(final.name + ".tmp")
+                tmp = final.with_name(f"{final.name}.{os.getpid()}.tmp")  # two processes never share a file
+                array = np.ascontiguousarray(tensor.detach().cpu().numpy())
+                sums[part] = _crc32(array)
                 with open(tmp, "wb") as f:
-                    np.save(f, tensor.detach().cpu().numpy())
+                    np.save(f, array)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, final)
             dims = {"dim": self.keys.shape[1], "value_dim": self.values.shape[1]}
-            info = {"version": version, "n": len(self.ids), **dims}
-            tmp = manifest.with_name(manifest.name + ".tmp")
+            info = {"version": version, "n": len(self.ids), **dims, "crc32": sums}
+            tmp = manifest.with_name(f"{manifest.name}.{os.getpid()}.tmp")
             with open(tmp, "w") as f:
                 f.write(json.dumps(info))
                 f.flush()
@@ -295,6 +307,23 @@ class Store:
         return len(self.ids)
 
     # ------------------------------------------------------------------ writing
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """``with store.snapshot():`` — a read transaction: every read inside sees one committed state.
+
+        In WAL mode a reader never blocks a writer; nested in a transaction already open, it adds nothing.
+        """
+        with self.lock:
+            conn = self._conn
+            if conn.in_transaction:
+                yield
+                return
+            conn.execute("BEGIN")
+            try:
+                yield
+            finally:
+                conn.execute("COMMIT")  # ends the read; nothing was written
 
     def transaction(self) -> _Transaction:
         """``with store.transaction():`` — BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
@@ -527,6 +556,11 @@ class Store:
             if self._pid == os.getpid() or self.path is None:
                 self._connection.close()
             self.write_lock.close()
+
+
+def _crc32(array: np.ndarray) -> int:
+    """CRC-32 of an array's bytes (zlib: ~5 GB/s), read in place (memory-mapped files are not copied)."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
 # Stores of this process, so that a child of fork() gets fresh thread locks (a lock held by another

@@ -116,6 +116,19 @@ BAD_CALLS = {
     "unknown pooling": (lambda db: db.query("Li", pooling="max"), UnknownOptionError, "pooling"),
     "unknown score": (lambda db: db.query("Li", score="manhattan"), UnknownOptionError, "score"),
     "unknown search param": (lambda db: db.set_search_params(bogus=3), UnknownOptionError, "search parameters"),
+    "search param zero": (lambda db: db.set_search_params(nprobe=0), InvalidArgumentError, "integer"),
+    "search param negative": (lambda db: db.set_search_params(efSearch=-1), InvalidArgumentError, "integer"),
+    "search param nan": (lambda db: db.set_search_params(nprobe=NAN), InvalidArgumentError, "integer"),
+    "search param text": (lambda db: db.set_search_params(nprobe="4"), InvalidArgumentError, "integer"),
+    "search param of another type": (lambda db: db.set_search_params(nprobe=4), UnknownOptionError, "does not apply"),
+    "blank query text": (lambda db: db.query(["Li", "  "]), InvalidArgumentError, "non-empty query"),
+    "empty query text": (lambda db: db.search(""), InvalidArgumentError, "non-empty query"),
+    "gaussian with normalize": (
+        lambda db: db.query("Li", score="gaussian", pooling="normalize"),
+        InvalidArgumentError,
+        "never positive",
+    ),
+    "float ids to delete": (lambda db: db.delete(torch.tensor([1.0])), InvalidArgumentError, "integer ids"),
     "unknown filter operator": (lambda db: db.search("Li", where={"n": {"$regex": "."}}), UnknownOptionError, "$in"),
     "bad filter type": (lambda db: db.search("Li", where=["n"]), InvalidArgumentError, "dict"),
     "filter int over 64 bits": (lambda db: db.search("Li", where={"n": 10**20}), InvalidArgumentError, "64 bits"),
@@ -220,3 +233,55 @@ def test_nonfinite_numpy_inputs(tmp_path):
     with pytest.raises(NonFiniteError):
         db.add(keys, np.zeros((3, 2), dtype=np.float32))
     assert len(db) == 0
+
+
+@pytest.mark.parametrize(
+    "options,error",
+    [
+        ({"index": "Bogus"}, UnknownOptionError),
+        ({"index": "NSG16,Flat"}, UnknownOptionError),  # cannot grow by id: refused, not half-built
+        ({"index": "IVF4,Flat,RFlat"}, UnknownOptionError),
+        ({"score": "manhattan"}, UnknownOptionError),
+        ({"search_params": {"efSearch": 8}, "index": "IVF4,Flat"}, UnknownOptionError),
+        ({"search_params": {"nprobe": 0}, "index": "IVF4,Flat"}, InvalidArgumentError),
+        ({"dim": None}, InvalidArgumentError),
+        ({"device": "tpu"}, InvalidArgumentError),
+        ({"device": "cuda:7"}, InvalidArgumentError),
+        ({"lock_timeout": "soon"}, InvalidArgumentError),
+        ({"lock_timeout": -1}, InvalidArgumentError),
+    ],
+)
+def test_a_failed_creation_leaves_nothing_behind(tmp_path, options, error):
+    """Bad creation options raise a typed error, and no folder or file is left where the database would be."""
+    target = tmp_path / "parent" / "db"
+    with pytest.raises(error):
+        kvsearch.Database(target, **{"dim": 4, "value_dim": 4, **options})
+    assert not (tmp_path / "parent").exists()
+    existing = tmp_path / "existing"  # a folder that was there before keeps what it had, and only that
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    with pytest.raises(error):
+        kvsearch.Database(existing, **{"dim": 4, "value_dim": 4, **options})
+    assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+
+
+def test_a_query_that_cannot_fit_is_refused_up_front(db, monkeypatch):
+    """k far above the database size gathers only what exists; a batch x k that cannot fit is refused."""
+    before = snapshot(db)
+    answer = db.query(["Li"] * 50, k=MAX_K)  # 6 records: 6 candidates gathered, padded to k in the answer
+    assert answer.weights.shape == (50, MAX_K) and answer.ids.shape == (50, MAX_K)
+    assert (answer.ids[:, 6:] == -1).all() and (answer.weights[:, 6:] == 0).all()
+    torch.testing.assert_close(answer.weights.sum(-1), torch.ones(50))
+    monkeypatch.setenv("KVSEARCH_MEMORY_LIMIT", str(1 << 16))  # 64 KiB
+    with pytest.raises(kvsearch.MemoryLimitError, match="candidates"):
+        db.query(["Li"] * 1000, k=6)
+    with pytest.raises(kvsearch.MemoryLimitError, match="every record"):
+        db.query(q(5000, DIM), k="all", pooling="average")
+    monkeypatch.delenv("KVSEARCH_MEMORY_LIMIT")
+    assert snapshot(db) == before
+
+
+def test_ids_to_delete_may_come_as_an_integer_tensor(db):
+    ids = db.store.ids[:2].clone()
+    assert db.delete(ids) == ids.tolist() and len(db) == 4
+    assert db.delete(np.array([int(db.store.ids[0])], dtype=np.int32)) and len(db) == 3

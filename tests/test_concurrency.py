@@ -210,3 +210,96 @@ def test_database_used_after_fork(tmp_path):
     assert first["child"] == {"hits": 3, "len": 10}
     assert first["parent_len"] == 11
     assert second["reopened_len"] == 11
+
+
+def _run(code: str, *args: str) -> None:
+    """Run a snippet in another Python process (as another program using the same folder would)."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_reader_sees_another_process_writes_consistently(tmp_path):
+    """Process A keeps its database open while process B deletes and upserts: A's next reads see B's state
+    whole — no stale key answered from a changed record, no KeyError for a record B deleted."""
+    path = tmp_path / "db"
+    a = kvsearch.Database(path, encoder=kvsearch.NgramEncoder(dim=32, num_buckets=512))
+    a.add(["Li", "Lipton", "Smola"], ["Mu", "Zachary", "Alex"])
+    assert a.lookup("Li") == "Mu"
+    _run(
+        """
+        import sys, kvsearch
+        b = kvsearch.Database(sys.argv[1])
+        b.delete("Li")
+        b.upsert(["Smola", "Hu"], ["CHANGED", "Rachel"])
+        b.close()
+        """,
+        str(path),
+    )
+    assert len(a) == 3 and "Li" not in a and "Hu" in a
+    assert a.lookup("Li", default=None) is None and a.lookup("Smola") == "CHANGED"
+    assert [(h.key, h.value) for h in a.search("Li", k=3)][0] == ("Lipton", "Zachary")
+    assert a.query("Li", k=3, pooling="exact").found is False
+    fresh = a.encoder.encode(["Smola"])[0]
+    row = a.store.ids.tolist().index(a.store.id_of_key["Smola"])
+    torch.testing.assert_close(a.store.values[row], a.encoder.encode(["CHANGED"])[0])  # the new value embedding
+    torch.testing.assert_close(a.store.keys[row], fresh)
+    a.close()
+
+
+def test_a_stale_process_never_overwrites_another_process_fine_tuned_encoder(tmp_path):
+    """A opens, B fine-tunes the key encoder and re-encodes the keys, then A closes: B's encoder stays, and A
+    itself answers with it once it notices the change."""
+    path = tmp_path / "db"
+    first = kvsearch.Database(path, encoder=kvsearch.NgramEncoder(dim=32, num_buckets=512))
+    first.add(["Li", "Lipton", "Smola"], ["Mu", "Zachary", "Alex"])
+    first.close()
+    a = kvsearch.Database(path)
+    _run(
+        """
+        import sys, torch, kvsearch
+        b = kvsearch.Database(sys.argv[1])
+        with torch.no_grad():
+            next(b.encoder.parameters()).mul_(-1.0).add_(0.3)  # stands for a fine-tuning step
+        b.refresh()  # keys re-encoded with the trained encoder
+        b.close()  # saves the changed encoder
+        """,
+        str(path),
+    )
+    assert a.search("Li", k=1)[0].key == "Li"  # A reloaded B's encoder and keys before answering
+    a.close()  # A changed nothing: it writes nothing
+    c = kvsearch.Database(path)
+    stored = c.store.keys[c.store.ids.tolist().index(c.store.id_of_key["Li"])]
+    torch.testing.assert_close(c.encoder.encode(["Li"])[0], stored)  # the trained encoder, not A's old one
+    c.close()
+
+
+def test_a_process_that_only_reads_closes_without_the_write_lock(tmp_path):
+    """close() of a reader writes nothing, so another process holding the write lock never delays it."""
+    path = tmp_path / "db"
+    db = kvsearch.Database(path, dim=DIM, value_dim=2, score="dot", index="HNSW8")
+    db.add(*batch(0, np.random.default_rng(0)))
+    db.close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(path / "write.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    derived = ("index.npz", "manifest.json")  # what a close() that saved would rewrite
+
+    def stamps() -> dict[str, int]:
+        return {name: (path / name).stat().st_mtime_ns for name in derived}
+
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = stamps()
+        start = time.monotonic()
+        reader = kvsearch.Database(path, lock_timeout=30)
+        reader.search(torch.zeros(DIM), k=3)
+        reader.close()
+        assert time.monotonic() - start < 5  # no 30 s wait for the lock
+        assert stamps() == before
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(timeout=10)

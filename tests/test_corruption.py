@@ -203,3 +203,40 @@ def test_index_with_wrong_dimension_is_rebuilt(tmp_path, saved):
     db.close()
     os.replace(other / "index.npz", folder / "index.npz")  # a foreign index under our manifest
     check_rebuilt(folder, ids, keys)
+
+
+@pytest.mark.parametrize("part", ["ids", "keys", "values", "manifest"])
+@pytest.mark.parametrize("kind", KINDS + ["zeroed data, header kept", "older copy"])
+def test_damaged_embedding_side_files_are_not_served(tmp_path, monkeypatch, part, kind):
+    """The embeddings side files (kept beside the store of a big database to open fast) are checked by shape,
+    version and CRC-32: any damage makes the open read the embeddings from SQLite, never serve the damage."""
+    import kvsearch.store as store_module
+
+    monkeypatch.setattr(store_module, "SIDE_MIN_ROWS", 10)
+    folder, marker = tmp_path / "db", tmp_path / "PICKLE_RAN"
+    gen = torch.Generator().manual_seed(0)
+    db = kvsearch.Database(folder, dim=DIM, value_dim=3, score="dot")
+    db.add(torch.randn(40, DIM, generator=gen), torch.randn(40, 3, generator=gen))
+    db.close()
+    older = {p.name: p.read_bytes() for p in folder.glob("store.sqlite.emb*")}
+    db = kvsearch.Database(folder)
+    db.delete([5])
+    db.add(torch.randn(1, DIM, generator=gen), torch.randn(1, 3, generator=gen))
+    ids, keys, values = db.store.ids.clone(), db.store.keys.clone(), db.store.values.clone()
+    db.close()  # the side files of the new version
+    target = folder / "store.sqlite.emb.json" if part == "manifest" else next(folder.glob(f"*.emb-*.{part}.npy"))
+    if kind == "older copy":
+        old_name = next(n for n in older if n.endswith(f".{part}.npy") or (part == "manifest" and n.endswith(".json")))
+        target.write_bytes(older[old_name])
+    elif kind == "zeroed data, header kept":
+        data = target.read_bytes()
+        head = min(128, len(data) // 2)  # a .npy header is 128 bytes here; the manifest keeps its first half
+        target.write_bytes(data[:head] + bytes(len(data) - head))
+    else:
+        damage(target, kind, marker)
+    with kvsearch.Database(folder) as again:
+        assert torch.equal(again.store.ids, ids)
+        assert torch.equal(again.store.keys, keys) and torch.equal(again.store.values, values)
+        probe = keys[[0, 7, -1]]
+        assert [row[0].id for row in again.search(probe, k=1)] == [int(ids[(keys @ p).argmax()]) for p in probe]
+    assert not marker.exists()

@@ -141,3 +141,67 @@ def test_errors():
 def test_empty_index_search_is_all_missing():
     scores, ids = Index(4).search(np.zeros((2, 4), np.float32), 3)
     assert (ids == -1).all()
+
+
+# ------------------------------------------------------------------ index families and search parameters
+
+SUPPORTED = ["Flat", "HNSW16", "IVF4,Flat", "PCA8,Flat", "PQ4", "SQ8", "PCA8,IVF4,Flat", "IVF4,SQ8", "HNSW16,SQ8"]
+
+
+@pytest.mark.parametrize("spec", SUPPORTED)
+def test_every_supported_family_adds_deletes_and_never_returns_deleted(tmp_path, rng, spec):
+    """Add in batches, delete, reopen: the index holds exactly the store's ids; deleted ids never come back."""
+    from kvsearch import Database
+
+    db = Database(tmp_path / "db", dim=16, value_dim=2, index=spec, score="dot")
+    keys = rng.standard_normal((400, 16)).astype(np.float32)
+    ids = db.add(keys[:150], np.zeros((150, 2), np.float32)) + db.add(keys[150:], np.zeros((250, 2), np.float32))
+    gone = ids[::3]
+    db.delete(gone)
+    db.close()
+    db = Database(tmp_path / "db")
+    np.testing.assert_array_equal(db.index.ids(), db.store.ids.numpy())
+    found = db.query(keys[:40], k=10).ids.numpy()
+    assert not np.isin(found, gone).any()
+    assert ((found >= 0).sum(1) == 10).all()
+    db.close()
+
+
+@pytest.mark.parametrize("spec", ["NSG16,Flat", "IVF4,Flat,RFlat", "Flat,RFlat", "PQ4x4fs"])
+def test_families_that_cannot_grow_by_id_are_refused_up_front(spec):
+    with pytest.raises(UnknownOptionError, match="cannot add and delete"):
+        Index(16, spec)
+
+
+def test_search_params_set_during_the_fallback_apply_once_trained(rng):
+    """nprobe given while an untrained IVF serves exact results is checked then, and applied after training."""
+    index = Index(16, "IVF4,Flat")
+    vectors = rng.standard_normal((400, 16)).astype(np.float32)
+    index.add(np.arange(10), vectors[:10])
+    assert index.is_fallback
+    with pytest.raises(UnknownOptionError, match="efSearch"):
+        index.set_params(efSearch=64)  # HNSW's parameter: refused although nothing is applied yet
+    index.set_params(nprobe=3)
+    index.build(np.arange(400), vectors)
+    assert not index.is_fallback and index.params == {"nprobe": 3}
+    import faiss
+
+    assert faiss.extract_index_ivf(index._faiss).nprobe == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, float("nan"), "4", True, 2**40])
+def test_a_rejected_search_param_changes_nothing(rng, bad):
+    index = Index(16, "HNSW8", "l2")  # under l2 each vector's nearest is itself
+    vectors = rng.standard_normal((300, 16)).astype(np.float32)
+    index.add(np.arange(300), vectors)
+    index.set_params(efSearch=40)
+    before = index.search(vectors[:5], 5)
+    with pytest.raises(InvalidArgumentError):
+        index.set_params(efSearch=bad)
+    with pytest.raises(UnknownOptionError):
+        index.set_params(nprobe=4)
+    assert index.params == {"efSearch": 40}
+    index.remove(np.arange(250))  # a rebuild-triggering delete still works afterwards
+    index.build(np.arange(250, 300), vectors[250:])
+    np.testing.assert_array_equal(before[1][:, 0], np.arange(5))
+    assert set(index.search(vectors[250:255], 1)[1][:, 0]) == set(range(250, 255))
