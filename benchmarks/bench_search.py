@@ -21,62 +21,106 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import numpy as np  # noqa: E402
 
 K = 10
-METHODS = ("torch", "torch:bfloat16", "faiss", "faiss-default", "st")
+METHODS = ("torch", "torch:bfloat16", "torch:float16", "faiss", "faiss-default", "st")
 METHOD_NAMES = {
-    "torch": "ours: TorchIndex (float32)",
-    "torch:bfloat16": "ours: TorchIndex (bfloat16 keys)",
+    "torch": "ours: TorchIndex float32",
+    "torch:bfloat16": "ours: TorchIndex bfloat16 scan + exact rescoring",
+    "torch:float16": "ours: TorchIndex float16 scan + exact rescoring",
     "faiss": "FAISS IndexFlatIP, BLAS threshold 20 (kvsearch's)",
     "faiss-default": "FAISS IndexFlatIP, default threshold",
     "st": "sentence_transformers.util.semantic_search",
 }
+FAISS_DEFAULT_THRESHOLD = 128_000
 
 
-def w_exact(method: str, m: int, nq: int) -> dict:
-    """Time one exact-search method at (m, nq); peak extra memory of one search call."""
+def _methods(data, nq: int, only: str | None = None) -> dict:
+    """Each method's (index, search function) on the same data, for nq queries per call (or just ``only``)."""
     import faiss
-    import numpy as np
+    import torch
+
+    from kvsearch.torch_index import TorchIndex
+
+    keys = torch.from_numpy(data)
+    out = {}
+    for method in ("torch", "torch:bfloat16", "torch:float16"):
+        if only is not None and method != only:
+            continue
+        if method == "torch:float16" and nq > 64:
+            continue  # this CPU has no float16 matmul: a batch runs a slow generic loop (shown at nq <= 64)
+        index = TorchIndex(common.DIM, dtype=method.partition(":")[2] or "float32")
+        index.build(np.arange(len(data)), keys)  # float32: this very tensor, no copy; half: + a half copy
+        out[method] = (index, lambda q, index=index: index.search_tensors(torch.from_numpy(q), K)[1].numpy())
+    if only is not None and only.startswith("torch"):
+        return out
+    flat = faiss.IndexFlatIP(common.DIM)
+    flat.add(data)
+
+    def faiss_with(threshold: int):
+        def run(q):
+            faiss.cvar.distance_compute_blas_threshold = threshold
+            return flat.search(q, K)[1]
+
+        return run
+
+    out["faiss"] = (flat, faiss_with(20))
+    if nq * common.DIM <= FAISS_DEFAULT_THRESHOLD:  # above it the default takes the same BLAS path
+        out["faiss-default"] = (flat, faiss_with(FAISS_DEFAULT_THRESHOLD))
+
+    def st(q):
+        from sentence_transformers import util
+
+        hits = util.semantic_search(torch.from_numpy(q), keys, top_k=K)
+        return np.array([[h["corpus_id"] for h in row] for row in hits])
+
+    out["st"] = (None, st)
+    return out
+
+
+def w_exact(m: int, nq: int, rounds: int) -> dict:
+    """Every exact method on the same m vectors and nq queries, timed in interleaved rounds (the order rotates
+    each round), so that other work on the machine perturbs them alike; ids checked against FAISS Flat."""
     import torch
 
     data = np.array(common.random_vectors(m))  # (m, d) in memory
     queries = common.random_queries(nq)
-    if method.startswith("torch"):
-        from kvsearch.torch_index import TorchIndex
+    methods = _methods(data, nq)
+    truth = methods["faiss"][1](queries)
+    checks = {}
+    for name, (index, run) in methods.items():
+        found = run(queries)  # also the warm-up (first touch, half copy built)
+        same = float(np.mean([set(a.tolist()) == set(b.tolist()) for a, b in zip(found, truth)]))
+        checks[name] = {"same_ids": same, "rechecked": getattr(index, "last_rechecked", None)}
+    times = {name: [] for name in methods}
+    names = list(methods)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            methods[name][1](queries)
+            times[name].append(time.perf_counter() - start)
+    # memory read bandwidth in the same process: a reduction over the same keys, 2 threads (the best of 5)
+    keys = torch.from_numpy(data)
+    bandwidth = data.nbytes / min(common.timeit(lambda: keys.sum(), repeat=1, warmup=0) for _ in range(5)) / 1e9
+    return {
+        "seconds": {name: float(np.median(t)) for name, t in times.items()},
+        "checks": checks,
+        "bandwidth_gbs": bandwidth,
+        "key_bytes": data.nbytes,
+    }
 
-        index = TorchIndex(common.DIM, dtype="float32" if method == "torch" else method.split(":")[1])
-        index.build(np.arange(m), torch.from_numpy(data))
-        del data  # the float32 index holds this very tensor; a half index its own copy
-        q = torch.from_numpy(queries)
 
-        def run():
-            return index.search_tensors(q, K)[1]
-    elif method.startswith("faiss"):
-        from kvsearch.index import tune_faiss
-
-        if method == "faiss":
-            tune_faiss()
-        index = faiss.IndexFlatIP(common.DIM)
-        index.add(data)
-        del data
-
-        def run():
-            return index.search(queries, K)[1]
-    else:
-        from sentence_transformers import util
-
-        corpus, q = torch.from_numpy(data), torch.from_numpy(queries)
-
-        def run():
-            return util.semantic_search(q, corpus, top_k=K)
-
-    run()  # warm-up (first touch of the data, lazy set-up) outside the measurement
+def w_exact_memory(method: str, m: int, nq: int) -> dict:
+    """Peak extra memory of one search call of one method (a fresh process per method)."""
+    data = np.array(common.random_vectors(m))
+    queries = common.random_queries(nq)
+    methods = _methods(data, nq, only=method)
+    index, run = methods[method] if method in methods else methods["faiss"]
+    run(queries)  # warm-up: lazily built parts (a half copy) are part of the index, not of a search
     with common.PeakMemory() as peak:
-        start = time.perf_counter()
-        run()
-        first = time.perf_counter() - start
-    seconds = first if first > 3 else common.timeit(run, repeat=3, warmup=0)
-    return {"seconds": seconds, "qps": nq / seconds, "peak_extra_mib": peak.extra_mib}
+        run(queries)
+    return {"peak_extra_mib": peak.extra_mib}
 
 
 def w_ann(dataset: str, m: int, nq: int, hnsw: bool = True) -> dict:
@@ -84,7 +128,7 @@ def w_ann(dataset: str, m: int, nq: int, hnsw: bool = True) -> dict:
     import faiss
     import numpy as np
 
-    from kvsearch.index import tune_faiss
+    from kvsearch.index import default_search_params, tune_faiss
 
     tune_faiss()
     if dataset == "clustered":
@@ -108,12 +152,12 @@ def w_ann(dataset: str, m: int, nq: int, hnsw: bool = True) -> dict:
     ivf.train(data[rng.choice(m, min(m, 64 * nlist), replace=False)])
     ivf.add(data)
     build = time.perf_counter() - start
-    for nprobe in (1, 4, 16, 64):
+    default = default_search_params(ivf)["nprobe"]
+    for nprobe in sorted({1, 4, 16, 64, default}):
         ivf.nprobe = nprobe
         s = common.timeit(lambda: ivf.search(queries, K), repeat=1, warmup=1)
-        rows.append(
-            [f"IVF{nlist},Flat", f"nprobe={nprobe}", build, nq / s, common.recall_at(ivf.search(queries, K)[1], truth)]
-        )
+        setting = f"nprobe={nprobe}" + (" (kvsearch default)" if nprobe == default else "")
+        rows.append([f"IVF{nlist},Flat", setting, build, nq / s, common.recall_at(ivf.search(queries, K)[1], truth)])
     ivf.reset()
     if not hnsw:
         return {"rows": rows, "m": m, "flat_qps": nq / flat_s}
@@ -121,51 +165,84 @@ def w_ann(dataset: str, m: int, nq: int, hnsw: bool = True) -> dict:
     hnsw = faiss.IndexHNSWFlat(common.DIM, 32, faiss.METRIC_INNER_PRODUCT)
     hnsw.add(data)
     build = time.perf_counter() - start
-    for ef in (16, 32, 64, 128, 256):
+    default = default_search_params(hnsw)["efSearch"]
+    for ef in sorted({16, 32, 64, 128, 256, default}):
         hnsw.hnsw.efSearch = ef
         s = common.timeit(lambda: hnsw.search(queries, K), repeat=1, warmup=1)
-        rows.append(["HNSW32", f"efSearch={ef}", build, nq / s, common.recall_at(hnsw.search(queries, K)[1], truth)])
+        setting = f"efSearch={ef}" + (" (kvsearch default)" if ef == default else "")
+        rows.append(["HNSW32", setting, build, nq / s, common.recall_at(hnsw.search(queries, K)[1], truth)])
     return {"rows": rows, "m": m, "flat_qps": nq / flat_s}
 
 
-WORKERS = {"exact": w_exact, "ann": w_ann}
+WORKERS = {"exact": w_exact, "exact_memory": w_exact_memory, "ann": w_ann}
 
 
-def exact_section(sizes: list[int], nqs: list[int]) -> tuple[str, str]:
-    """Every method at every (m, nq) in fresh processes; a table and the ratios to FAISS."""
-    rows, got = [], {}
+def exact_section(sizes: list[int], nqs: list[int], rounds: int) -> tuple[str, str]:
+    """All exact methods at every (m, nq), interleaved in one process; peak memory per method in its own."""
+    rows, ratios, notes = [], [], []
     for m in sizes:
         for nq in nqs:
-            for method in METHODS:
-                if method == "faiss-default" and nq * common.DIM > 128_000:
-                    continue  # the same BLAS path as the tuned threshold
-                if method == "torch:bfloat16" and nq > 64:
-                    continue  # converted a chunk at a time on a CPU without bf16 matmul: slower, shown at 1 and 64
-                r = common.run_fresh(__file__, "exact", {"method": method, "m": m, "nq": nq})
-                got[(method, m, nq)] = r
+            r = common.run_fresh(__file__, "exact", {"m": m, "nq": nq, "rounds": rounds}, timeout=3600)
+            if "error" in r:
+                rows.append([f"{m:,}", nq, "all", "-", "-", "-", "-", "-", r["error"]])
+                continue
+            seconds = r["seconds"]
+            for name, sec in seconds.items():
+                mem = common.run_fresh(__file__, "exact_memory", {"method": name, "m": m, "nq": nq})
+                check = r["checks"][name]
+                rechecked = check["rechecked"]
                 rows.append(
                     [
                         f"{m:,}",
                         nq,
-                        METHOD_NAMES[method],
-                        r.get("seconds", float("nan")) * 1000,
-                        r.get("qps", float("nan")),
-                        r.get("peak_extra_mib", float("nan")),
-                        r.get("error", ""),
+                        METHOD_NAMES[name],
+                        sec * 1000,
+                        nq / sec,
+                        seconds["faiss"] / sec,
+                        mem.get("peak_extra_mib", float("nan")),
+                        check["same_ids"],
+                        "-" if rechecked is None else f"{rechecked}/{nq}",
                     ]
                 )
                 print(rows[-1], flush=True)
-    ratios = []
-    for m in sizes:
-        for nq in nqs:
-            ours = got.get(("torch", m, nq), {}).get("qps")
-            for other in ("faiss", "faiss-default", "st", "torch:bfloat16"):
-                theirs = got.get((other, m, nq), {}).get("qps")
-                if ours and theirs:
-                    ratios.append([f"{m:,}", nq, f"ours / {METHOD_NAMES[other]}", ours / theirs])
-    body = common.table(["m", "nq", "method", "ms per call", "QPS", "peak extra MiB", "error"], rows)
-    body += "\n\nQPS ratios (ours float32 over the other):\n\n" + common.table(["m", "nq", "ratio", "x"], ratios)
-    return "Exact search, random unit vectors, d=384, k=10 (fresh process per row)", body
+            gbs = r["bandwidth_gbs"]
+            for name in ("torch", "torch:bfloat16", "torch:float16", "faiss"):
+                if nq == 1 and name in seconds:
+                    read = r["key_bytes"] / (2 if ":" in name else 1)  # a half copy reads half the bytes
+                    achieved = read / seconds[name] / 1e9
+                    notes.append(
+                        f"m={m:,}, 1 query, {METHOD_NAMES[name]}: {achieved:.1f} GB/s read = "
+                        f"{100 * achieved / gbs:.0f}% of the {gbs:.1f} GB/s measured in the same process"
+                    )
+            for name in ("torch", "torch:bfloat16"):
+                for other in ("faiss", "faiss-default", "st"):
+                    if name in seconds and other in seconds:
+                        ratios.append(
+                            [
+                                f"{m:,}",
+                                nq,
+                                f"{METHOD_NAMES[name]} / {METHOD_NAMES[other]}",
+                                seconds[other] / seconds[name],
+                            ]
+                        )
+    body = common.table(
+        [
+            "m",
+            "nq",
+            "method",
+            "ms per call",
+            "QPS",
+            "x FAISS Flat (tuned)",
+            "peak extra MiB",
+            "same top-10 as FAISS",
+            "rechecked in float32",
+        ],
+        rows,
+    )
+    body += "\n\nQPS ratios (ours over the other, same process, interleaved rounds):\n\n"
+    body += common.table(["m", "nq", "ratio", "x"], ratios)
+    body += "\n\nMemory bandwidth:\n\n" + "\n".join(f"- {n}" for n in notes)
+    return f"Exact search, random unit vectors, d=384, k=10 (median of {rounds} interleaved rounds)", body
 
 
 def ann_section(m: int, nq: int, hnsw_at_m: bool = False) -> list[tuple[str, str]]:
@@ -196,6 +273,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="m = 100k only, nq = 1 and 64 (< 3 min)")
     parser.add_argument("--section", choices=("exact", "ann", "all"), default="all")
     parser.add_argument("--hnsw-at-m", action="store_true", help="also build HNSW32 on the m clustered vectors")
+    parser.add_argument("--rounds", type=int, default=0, help="timing rounds per method (default 7, quick 5)")
     parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
     args = parser.parse_args()
     info = common.machine()
@@ -203,7 +281,7 @@ def main() -> None:
     nqs = [1, 64] if args.quick else [1, 64, 1024]
     sections = []
     if args.section in ("exact", "all"):
-        sections.append(exact_section(sizes, nqs))
+        sections.append(exact_section(sizes, nqs, args.rounds or (5 if args.quick else 7)))
     if args.section in ("ann", "all"):
         sections += ann_section(20_000 if args.quick else args.m, 1024, args.hnsw_at_m)
     common.report("bench_search", common.command_line(), info, sections, not args.no_append)

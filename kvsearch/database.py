@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.attention import POOLINGS, SCORES, Candidates, ScoreFn, attend, compute_scores
+from kvsearch.attention import POOLINGS, SCORES, Candidates, ScoreFn, all_finite, attend, compute_scores
 from kvsearch.encoders import Encoder, load_encoder
 from kvsearch.errors import (
     ConfigMismatchError,
@@ -608,7 +608,9 @@ class Database:
         try:
             self._index.remove(np.asarray(removed, dtype=np.int64))
             if added:
-                self._index.add(np.asarray(added, dtype=np.int64), self._index_vectors(key_embs))
+                # a torch index reads the store's keys itself: nothing to convert for it
+                vectors = key_embs if isinstance(self._index, TorchIndex) else self._index_vectors(key_embs)
+                self._index.add(np.asarray(added, dtype=np.int64), vectors)
         except (RuntimeError, ValueError):
             self._index = self._new_index(dict(self._config.get("search_params") or {}))
             self._rebuild_into(self._index)
@@ -1316,7 +1318,7 @@ def _sha256(path: Path) -> str:
 
 
 def _check_finite(t: Tensor, name: str) -> None:
-    if not torch.isfinite(t).all():
+    if not all_finite(t):
         raise NonFiniteError(f"expected finite {name}, got NaN or Inf")
 
 

@@ -205,3 +205,21 @@ def test_a_rejected_search_param_changes_nothing(rng, bad):
     index.build(np.arange(250, 300), vectors[250:])
     np.testing.assert_array_equal(before[1][:, 0], np.arange(5))
     assert set(index.search(vectors[250:255], 1)[1][:, 0]) == set(range(250, 255))
+
+
+def test_kvsearch_default_search_params_apply_unless_set(rng):
+    """HNSW gets efSearch 64 and IVF a sixteenth of its lists (at least 8) unless the user sets them."""
+    import faiss
+
+    vectors = rng.standard_normal((2000, 16)).astype(np.float32)
+    hnsw = Index(16, "HNSW8")
+    hnsw.add(np.arange(2000), vectors)
+    assert hnsw.search_params == {"efSearch": 64} and faiss.downcast_index(hnsw._faiss).hnsw.efSearch == 64
+    hnsw.set_params(efSearch=20)
+    assert faiss.downcast_index(hnsw._faiss).hnsw.efSearch == 20
+    for spec, nprobe in (("IVF4,Flat", 4), ("IVF32,Flat", 8), ("IVF256,Flat", 16)):
+        ivf = Index(16, spec)
+        n = ivf.min_train
+        ivf.build(np.arange(n), rng.standard_normal((n, 16)).astype(np.float32))
+        assert not ivf.is_fallback and ivf.search_params == {"nprobe": nprobe}
+        assert faiss.extract_index_ivf(ivf._faiss).nprobe == nprobe
