@@ -16,11 +16,12 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", metavar="SPEC", help='a FAISS index_factory string for a new database (default "Flat")')
     p.add_argument("--score", choices=scores, help="the default score of a new database (default cosine)")
     p.add_argument("--batch-size", type=_positive_int, default=1024, metavar="N", help="records per batch")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (not even a model's loading bar)")
     p.set_defaults(run=_cmd_build)
 
     p = sub.add_parser(
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=_positive_float, default=1.0, metavar="T", help="softmax temperature")
     p.add_argument("--score", choices=scores, help="rescore the candidates with this score (default: the DB's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(run=_cmd_query)
+    p.set_defaults(run=_cmd_query, quiet=True)
 
     p = sub.add_parser(
         "info",
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("db", metavar="DB", help="the database folder")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(run=_cmd_info)
+    p.set_defaults(run=_cmd_info, quiet=True)
 
     p = sub.add_parser(
         "delete",
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("db", metavar="DB", help="the database folder")
     p.add_argument("keys", nargs="+", metavar="KEY", help="the keys to delete")
-    p.set_defaults(run=_cmd_delete)
+    p.set_defaults(run=_cmd_delete, quiet=True)
 
     p = sub.add_parser(
         "finetune",
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=_positive_float, default=None, metavar="LR", help="learning rate")
     p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N", help="pairs per step (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seeds the shuffling (default 0)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (not even a model's loading bar)")
     p.set_defaults(run=_cmd_finetune)
 
     p = sub.add_parser(
@@ -198,7 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        # query, info and delete show no progress; build and finetune only without --quiet
+        quiet = getattr(args, "quiet", False) and _loads_a_sentence_model(args)
+        with _quiet_model_loading() if quiet else contextlib.nullcontext():
+            return int(args.run(args) or 0)
     except KeyboardInterrupt:
         if args.debug:
             raise
@@ -209,6 +213,53 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{PROG} {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _loads_a_sentence_model(args: argparse.Namespace) -> bool:
+    """Whether the command will load a sentence-transformers model: ``--encoder`` names one, or the database
+    folder's encoder files (``encoder.json``, ``value_encoder.json``, ``query_encoder.json``) do."""
+    encoder = getattr(args, "encoder", None)
+    if encoder and encoder.strip().lower() != "ngram":
+        return True
+    folder = Path(getattr(args, "db", None) or ".")
+    for prefix in ("encoder", "value_encoder", "query_encoder"):
+        try:
+            kind = json.loads((folder / f"{prefix}.json").read_text()).get("kind")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if kind not in (None, "ngram"):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _quiet_model_loading() -> Iterator[None]:
+    """Silence what loading a sentence-transformers model prints on stderr for the duration: transformers'
+    "Loading weights" bar and info messages, huggingface_hub's bars. Their switches are set back afterwards.
+
+    It imports transformers' logging module (about half a second), so it is used only when a command will
+    load such a model anyway (see :func:`_loads_a_sentence_model`).
+    """
+    try:
+        from huggingface_hub import utils as hub
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - sentence-transformers (a dependency) brings both
+        yield
+        return
+    hf_bars, hf_level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hub_bars = not hub.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # also huggingface_hub's
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(hf_level)
+        if hf_bars:
+            hf_logging.enable_progress_bar()  # (and huggingface_hub's)
+        if hub_bars:
+            hub.enable_progress_bars()
+        else:
+            hub.disable_progress_bars()
 
 
 def _one_line(exc: BaseException) -> str:

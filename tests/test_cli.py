@@ -1,12 +1,17 @@
-"""The ``kvsearch`` command line, run as a subprocess as a user would (each run pays the torch import).
+"""The ``kvsearch`` command line, run as a subprocess as a user would.
 
-Help texts and argument errors are checked in-process (they never touch the engine).
+Every command — build, query, info, delete, finetune, demo and ``--help`` — runs at least once as a subprocess
+(the ``kvsearch`` console script), checked on its exit status, its stdout and its stderr: empty on success
+(progress bars aside, where they are on), exactly one line on an error. Each run pays the torch import (a
+second or two), so variations — every command's help, argument errors, the text form of ``info`` — are
+checked in-process through ``main()``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,14 +29,24 @@ COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch
 SUBCOMMANDS = ["build", "query", "info", "delete", "finetune", "demo"]
 
 
+# a tqdm line: "desc:  42%|####      | 5/12 [00:01<00:02, 3.9it/s]" or "desc: 4rec [00:00, 6660.27rec/s]"
+PROGRESS_BAR = re.compile(r"^[^\[]*\[\d+:\d\d(:\d\d)?[<,]")
+
+
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run([*COMMAND, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
 def error_lines(stderr: str) -> list[str]:
-    """stderr without tqdm's progress bar lines."""
-    return [line for line in stderr.splitlines() if line.strip() and "rec/s" not in line and "rec [" not in line]
+    """stderr without tqdm's progress bar lines (tqdm redraws a line with a carriage return)."""
+    return [line for line in stderr.splitlines() if line.strip() and not PROGRESS_BAR.match(line)]
+
+
+def copy_of(built: Path, tmp_path: Path) -> Path:
+    db = tmp_path / "names"
+    shutil.copytree(built, db)
+    return db
 
 
 @pytest.fixture(scope="module")
@@ -79,30 +94,34 @@ def test_exact_query_json_and_not_found(built):
     assert error_lines(result.stderr) == ["kvsearch query: not found: no record has the key 'Lix'"]
 
 
-def test_info(built, capsys):
-    assert main(["info", str(built), "--json"]) == 0  # in-process: the same code without another torch import
-    info = json.loads(capsys.readouterr().out)
+def test_info_as_a_user_runs_it(built):
+    result = run("info", str(built), "--json")
+    assert result.returncode == 0 and result.stderr == ""
+    info = json.loads(result.stdout)
     size = sum(f.stat().st_size for f in built.rglob("*") if f.is_file())
     assert info["records"] == 6 and info["indexed"] == 6
     assert (info["dim"], info["value_dim"], info["index"], info["score"]) == (256, 256, "Flat", "cosine")
     assert info["encoder"]["kind"] == "ngram" and info["value_encoder"] == "the key encoder"
     assert info["size_bytes"] == size
-    assert main(["info", str(built)]) == 0
+
+
+def test_info_as_text(built, capsys):
+    assert main(["info", str(built)]) == 0  # in-process: the same code without another torch import
     text = capsys.readouterr().out
     assert "records        6" in text and "encoder        kind=ngram" in text
 
 
-def test_delete_then_exact_query_is_not_found(built, tmp_path, capsys):
-    db = tmp_path / "names"
-    shutil.copytree(built, db)
-    assert main(["delete", str(db), "Li", "Nobody"]) == 1  # in-process: the same code, one torch import less
-    assert (
-        capsys.readouterr().err == "kvsearch delete: error: expected a stored key, got 'Nobody'; nothing was deleted\n"
-    )
-    assert main(["delete", str(db), "Li"]) == 0
-    assert capsys.readouterr().out == f"deleted 1 record from {db} (5 left)\n"
-    result = run("query", str(db), "Li", "--pooling", "exact")
-    assert result.returncode == 1 and result.stdout.strip() == "query 'Li' (exact): not found"
+def test_delete_as_a_user_runs_it_then_exact_query_is_not_found(built, tmp_path, capsys):
+    db = copy_of(built, tmp_path)
+    refused = run("delete", str(db), "Li", "Nobody")
+    assert (refused.returncode, refused.stdout) == (1, "")
+    assert refused.stderr == "kvsearch delete: error: expected a stored key, got 'Nobody'; nothing was deleted\n"
+    deleted = run("delete", str(db), "Li")
+    assert (deleted.returncode, deleted.stdout, deleted.stderr) == (0, f"deleted 1 record from {db} (5 left)\n", "")
+    assert main(["query", str(db), "Li", "--pooling", "exact"]) == 1  # in-process: one torch import less
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "query 'Li' (exact): not found"
+    assert captured.err == "kvsearch query: not found: no record has the key 'Li'\n"
     with kvsearch.Database(db) as reopened:
         assert len(reopened) == 5 and "Li" not in reopened
         assert reopened.search("Li", k=1)[0].key == "Lipton"
@@ -123,38 +142,70 @@ def test_bad_file_is_one_line_and_leaves_nothing(tmp_path):
     assert not (tmp_path / "db").exists()
 
 
-def test_demo_answers_the_example_queries(tmp_path, capsys):
-    assert main(["demo", "--path", str(tmp_path / "names")]) == 0  # in-process; .ci/run runs `kvsearch demo` itself
-    out = capsys.readouterr().out
+def test_demo_as_a_user_runs_it(tmp_path):
+    result = run("demo", "--path", str(tmp_path / "names"), cwd=tmp_path)  # .ci/run runs `kvsearch demo` too
+    assert result.returncode == 0
+    assert error_lines(result.stderr) == []  # only the sentence model's loading bar, no warning or error
+    out = result.stdout
     assert "exact lookup \"Li\"            -> 'Mu'" in out
     assert "found=False" in out and "Lipton->Zachary" in out
+    assert re.search(r"NgramEncoder  : Lipton \(", out)  # the lexical encoder finds Lipton first for "Li"
     assert (tmp_path / "names" / "store.sqlite").is_file()
 
 
-def test_finetune_in_process(built, tmp_path, capsys):
-    db = tmp_path / "names"
-    shutil.copytree(built, db)
+def test_finetune_as_a_user_runs_it(built, tmp_path):
+    db = copy_of(built, tmp_path)
     pairs = tmp_path / "pairs.tsv"
     pairs.write_text("query\ttarget\nLipto\tLipton\nSmolla\tSmola\nZang\tZhang\nWernes\tWerness\n")
-    status = main(
-        ["finetune", str(db), "--pairs", str(pairs), "--eval", str(pairs), "--epochs", "1", "--k", "4", "--quiet"]
+    result = run(
+        "finetune", str(db), "--pairs", str(pairs), "--eval", str(pairs), "--epochs", "1", "--k", "4", "--quiet"
     )
-    out = capsys.readouterr().out
-    assert status == 0
-    assert out.splitlines()[0].startswith("epoch=0  step=0  recall@1=")
-    assert "fine-tuned" in out and "on 4 pairs for 1 epochs" in out
+    assert (result.returncode, result.stderr) == (0, "")  # --quiet: no progress bar
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("epoch=0  step=0  recall@1=") and len(lines) == 3  # before, after epoch 0, summary
+    assert lines[-1].startswith(f"fine-tuned {db} on 4 pairs for 1 epochs in ")
     assert not (built / "query_encoder.safetensors").exists()
     assert (db / "query_encoder.safetensors").is_file()  # the trained query encoder is saved with the database
     with kvsearch.Database(db) as reopened:
         assert reopened.search("Zang", k=1)[0].key == "Zhang"
 
 
-def test_top_level_help(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--help"])
-    assert exit_.value.code == 0
-    out = capsys.readouterr().out
-    assert all(f"    {name}" in out for name in SUBCOMMANDS)
+def test_finetune_bad_pairs_is_one_line(built, tmp_path, capsys):
+    db = copy_of(built, tmp_path)
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("query,target\nLipto,Lipton\n,Smola\n")
+    assert main(["finetune", str(db), "--pairs", str(pairs), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"kvsearch finetune: error: '{pairs}' has 1 bad rows, nothing was trained: line 3: empty query or target\n"
+    )
+
+
+def test_top_level_help_as_a_user_runs_it():
+    result = run("--help")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith("usage: kvsearch [-h]")
+    assert all(f"    {name}" in result.stdout for name in SUBCOMMANDS)
+
+
+def test_build_minilm_quiet_prints_only_its_result(tmp_path, capfd):
+    """``--quiet`` silences every bar, the sentence model's "Loading weights" bar too; query, info and delete
+    never show it."""
+    source = tmp_path / "authors.csv"
+    source.write_text("last,first\n" + "".join(f"{k},{v}\n" for k, v in AUTHORS.items()))
+    # Without --quiet (in-process, to save a model load in another process): both bars are there to silence.
+    assert main(["build", str(tmp_path / "loud"), "--from", str(source), "--key", "last", "--value", "first",
+                 "--encoder", "minilm"]) == 0  # fmt: skip
+    err = capfd.readouterr().err
+    assert "Loading weights" in err and "encoding + indexing" in err
+    result = run("build", str(tmp_path / "db"), "--from", str(source), "--key", "last", "--value", "first",
+                 "--encoder", "minilm", "--quiet")  # fmt: skip
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout == f"added 6 records from {source} to {tmp_path / 'db'} (6 records in all)\n"
+    assert main(["query", str(tmp_path / "db"), "Li", "--json"]) == 0
+    captured = capfd.readouterr()
+    assert captured.err == "" and json.loads(captured.out)[0]["value"] == "Mu"
 
 
 @pytest.mark.parametrize("name", SUBCOMMANDS)
