@@ -1034,7 +1034,9 @@ class Database:
             # never gather more candidates than there are records (k may be far larger than the database)
             take = max(1, min(int(k), len(self._store) if allowed is None else len(allowed)))
             per_candidate = (self.dim + self.value_dim) * 4 * 3 + 24  # gathered, scored, their gradients; ids
-            check_fits(queries.shape[0] * take * per_candidate, f"gathering {queries.shape[0]:,} x {take:,} candidates")
+            check_fits(
+                queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates"
+            )
             search = self._index_vectors(queries.detach())
             if allowed is None:
                 _, found = self._index.search(search, take)
@@ -1098,14 +1100,19 @@ class Database:
         return keys.cpu().numpy()
 
     def _values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
-        texts = self._store.value_texts(ids)
-        out: dict[int, str | Tensor | None] = {}
-        need_emb = [i for i in texts if texts[i] is None]
+        """id -> the value text, or the value embedding (CPU tensor) for a value stored as an embedding.
+
+        A database without a value encoder holds no value text: its values are read from memory, not SQLite.
+        """
+        out: dict[int, str | Tensor | None] = (
+            dict.fromkeys(ids) if self.value_encoder is None else self._store.value_texts(ids)
+        )
+        need_emb = [i for i, text in out.items() if text is None]
         if need_emb:
-            _, values, _ = self._store.gather(torch.tensor(need_emb))
-            for i, row in zip(need_emb, values.cpu()):
-                texts[i] = row
-        out.update(texts)
+            rows = self._store.rows_of(torch.tensor(need_emb))  # (r,) -1 for an id no longer stored
+            values = self._store.values[rows.clamp(min=0).to(self.device)].cpu()  # (r, value_dim)
+            for i, row, present in zip(need_emb, values, (rows >= 0).tolist()):
+                out[i] = row if present else None
         return out
 
     def _exact_targets(self, q: Tensor, texts: list[str] | None = None) -> Tensor:

@@ -246,7 +246,7 @@ class Encoder(nn.Module, abc.ABC):
 # --------------------------------------------------------------------------- n-gram encoder
 
 
-@functools.lru_cache(maxsize=2**16)
+@functools.lru_cache(maxsize=2**18)
 def _bucket_ids(text: str, lo: int, hi: int, lowercase: bool, num_buckets: int) -> tuple[int, ...]:
     """The hash bucket of every character n-gram of ``text`` (cached: keys repeat in training)."""
     return tuple(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 from kvsearch.errors import MemoryLimitError
 
@@ -64,12 +65,12 @@ def memory_budget() -> int | None:
     return None if available is None else int(available * MEMORY_FRACTION)
 
 
-def check_fits(nbytes: int, what: str) -> None:
+def check_fits(nbytes: int, what: str | Callable[[], str]) -> None:
     """Refuse an operation whose estimated size exceeds :func:`memory_budget`.
 
     Args:
         nbytes: the estimated extra memory the operation needs.
-        what: the operation, for the message.
+        what: the operation, for the message (or a function making it, called only when refusing).
 
     Raises:
         MemoryLimitError: it does not fit.
@@ -78,6 +79,7 @@ def check_fits(nbytes: int, what: str) -> None:
         return
     budget = memory_budget()
     if budget is not None and nbytes > budget:
+        what = what() if callable(what) else what
         raise MemoryLimitError(
             f"{what} needs about {nbytes / 2**20:,.0f} MiB, expected at most {budget / 2**20:,.0f} MiB "
             f"(the memory this process may use; set KVSEARCH_MEMORY_LIMIT to change it); nothing was written"

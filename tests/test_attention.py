@@ -476,6 +476,73 @@ def test_gradcheck_additive_parameters():
     assert gradcheck(fn, params)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradcheck_exact_pooling_with_respect_to_values(layout):
+    """Exact pooling: one-hot weights where the key equals the query, zeros where none does (and where the
+    match is masked out); the output is linear in the values and its gradient is that one-hot row."""
+    queries, keys, values, _ = make_inputs(layout, seed=75, b=2, n=3, m=4, dim=3, vdim=2)
+    if layout == "2d":  # queries (3, dim) over keys (4, dim)
+        queries[0], queries[1] = keys[2], keys[0]  # two matches; the third query matches nothing
+        mask = torch.tensor([True, True, True, False])
+        expected = torch.tensor([[0, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    elif layout == "gathered":  # queries (2, dim) over their own candidates (2, 4, dim)
+        queries[0], queries[1] = keys[0, 3], keys[1, 1]
+        mask = torch.tensor([[True, True, True, True], [True, False, True, True]])  # the second match masked out
+        expected = torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0]], dtype=torch.float64)
+    else:  # queries (2, 3, dim) over keys (2, 4, dim)
+        queries[0, 0], queries[0, 2], queries[1, 1] = keys[0, 1], keys[0, 3], keys[1, 0]
+        mask = None
+        expected = torch.zeros(2, 3, 4, dtype=torch.float64)
+        expected[0, 0, 1] = expected[0, 2, 3] = expected[1, 1, 0] = 1.0
+
+    def fn(v: Tensor) -> Tensor:
+        return attend(queries, keys, v, pooling="exact", mask=mask)[0]
+
+    _, weights = attend(queries, keys, values, pooling="exact", mask=mask)
+    assert torch.equal(weights, expected) and expected.sum() > 0  # matches exist: the gradient is not all zero
+    assert gradcheck(fn, (values.clone().requires_grad_(),))
+
+
+def _top_k_margin(queries: Tensor, keys: Tensor, metric: str, k: int) -> tuple[Tensor, float]:
+    """Brute-force top-k rows by a database's search metric, and the smallest gap at the k-th candidate."""
+    if metric == "cosine":
+        scores = F.normalize(queries, dim=-1) @ F.normalize(keys, dim=-1).T  # (batch, n)
+    elif metric == "gaussian":
+        scores = -(torch.cdist(queries, keys) ** 2)  # (batch, n): the L2 index's order
+    else:
+        scores = queries @ keys.T  # (batch, n)
+    top = scores.topk(k + 1, dim=-1).values  # (batch, k + 1)
+    return scores.topk(k, dim=-1).indices, float((top[:, k - 1] - top[:, k]).min())
+
+
+@pytest.mark.parametrize(("db_score", "score"), [("dot", "scaled_dot"), ("cosine", "cosine"), ("gaussian", "gaussian")])
+def test_gradcheck_kvattention_over_a_database(db_score, score):
+    """The layer's whole path: a FAISS index picks k = 4 of 12 records, the store gathers them by id, attend
+    pools them; gradcheck with respect to the queries.
+
+    The store keeps float32 embeddings, which float64 represents exactly; with float64 queries the layer
+    computes in float64 (keys and values are promoted), so gradcheck runs at its default float64 tolerances.
+    Which candidates the index picks is piecewise constant in the queries: each query is checked to sit well
+    inside its top-k (a margin far above gradcheck's perturbation of 1e-6).
+    """
+    import kvsearch
+
+    keys, values = randn(12, 4, seed=140, dtype=torch.float32), randn(12, 3, seed=141, dtype=torch.float32)
+    queries = randn(5, 4, seed=142)
+    with kvsearch.Database(None, dim=4, value_dim=3, score=db_score) as db:
+        ids = torch.tensor(db.add(keys=keys, values=values))
+        rows, margin = _top_k_margin(queries, keys.double(), db_score, k=4)
+        assert margin > 1e-3
+        layer = KVAttention(db, k=4, score=score, temperature=0.7)
+        output = layer(queries)
+        assert output.dtype == torch.float64 and output.shape == (5, 3)
+        for got, want in zip(layer.last_ids.tolist(), ids[rows].tolist()):
+            assert sorted(got) == sorted(want)  # the index's candidates are the brute-force top-k
+        (jacobian,) = torch.autograd.functional.jacobian(layer, (queries,))  # (5, 3, 5, 4)
+        assert jacobian.abs().sum() > 0  # a gradient to check
+        assert gradcheck(layer, (queries.clone().requires_grad_(),))
+
+
 # ----------------------------------------------------------------------------- property test
 
 
