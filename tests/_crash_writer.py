@@ -3,15 +3,22 @@
 Run as ``python tests/_crash_writer.py``. It imports torch / FAISS / kvsearch once (with one thread each, so
 that fork() is safe), then reads one JSON command per line on stdin:
 
-    {"path": db folder, "acks": ack file, "round": r, "seed": s, "mode": m, "delay": seconds}
+    {"path": db folder, "acks": ack file, "round": r, "seed": s, "mode": m, "delay": seconds,
+     "batches": {batch: [size, gen], ...}}   # the live batches, as the test read them from the store
 
 and for each forks a child that opens the database and writes to it until it is killed: by the server with
 SIGKILL after ``delay`` seconds (``mode="timer"``), or by itself with SIGKILL at a chosen point of the
 write / save path (the other modes). The server answers one JSON line per command.
 
-The child appends to the ack file, *after* each call returned, what it completed:
-``add <batch> <size>`` or ``del <batch>``; before a delete it writes ``pre-del <batch>`` (the delete may
-then have committed or not). Every added batch's records carry ``{"batch": name, "size": n}`` metadata.
+The workload: add a batch; then now and then delete a whole batch, upsert a whole batch (same keys, so the
+same ids; new values), re-encode every key with new encoder weights (``Database.refresh``: same ids, new key
+vectors) or save the index. A batch ``b`` of ``n`` records has keys ``b-0`` ... ``b-(n-1)``; its generation
+``g`` (0 when added, +1 per upsert) is in every record's metadata ``{"batch": b, "size": n, "gen": g}`` and
+in its value text ``<key>-g<g>``.
+
+The child appends to the ack file, *after* each call returned, what it completed: ``add <batch> <size>``,
+``del <batch>``, ``ups <batch> <gen> <size>`` or ``refresh``; before a delete, an upsert or a refresh it writes
+``pre-del <batch>``, ``pre-ups <batch> <gen>`` or ``pre-refresh`` (the call may then have committed or not).
 """
 
 from __future__ import annotations
@@ -33,31 +40,54 @@ import kvsearch  # noqa: E402
 from kvsearch import index as index_module  # noqa: E402
 from kvsearch import store as store_module  # noqa: E402
 
-DIM, VALUE_DIM, SPEC = 8, 4, "IVF4,Flat"
-MODES = ("timer", "in_transaction", "after_commit", "index_tmp_written", "index_renamed", "index_torn")
+DIM, SPEC = 8, "IVF4,Flat"
+MODES = (
+    "timer",
+    "in_transaction",
+    "after_commit",
+    "index_tmp_written",
+    "index_renamed",
+    "index_torn",
+    "after_upsert",
+    "after_refresh",
+)
 
 
 def open_db(path: str) -> kvsearch.Database:
-    """The database the test and the writer share: IVF with every list probed (exact), dot score."""
+    """The database the test and the writer share: text keys and values (n-gram encoder), IVF with every
+    list probed (exact), dot score."""
     return kvsearch.Database(
-        path, dim=DIM, value_dim=VALUE_DIM, index=SPEC, score="dot", search_params={"nprobe": 4}, lock_timeout=30
+        path,
+        encoder=kvsearch.NgramEncoder(dim=DIM, num_buckets=256, seed=0),
+        index=SPEC,
+        score="dot",
+        search_params={"nprobe": 4},
+        lock_timeout=30,
     )
+
+
+def batch_records(name: str, size: int, gen: int) -> tuple[list[str], list[str], list[dict]]:
+    """Keys, values and metadata of one batch at one generation."""
+    keys = [f"{name}-{i}" for i in range(size)]
+    return keys, [f"{k}-g{gen}" for k in keys], [{"batch": name, "size": size, "gen": gen}] * size
+
+
+def reencode(db: kvsearch.Database, rng: np.random.Generator) -> None:
+    """New key encoder weights, then ``refresh``: every key keeps its id and gets a new vector."""
+    weight = db.encoder.embedding.weight  # (num_buckets, dim)
+    with torch.no_grad():
+        weight.copy_(torch.from_numpy(rng.standard_normal(tuple(weight.shape)).astype(np.float32)))
+    db.refresh()
 
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _arm(mode: str, rng: np.random.Generator) -> None:
+def _arm(mode: str, due) -> None:
     """Make the child SIGKILL itself at the n-th pass through one point of the write / save path."""
-    if mode == "timer":
+    if mode in ("timer", "after_upsert", "after_refresh"):  # the last two are handled by the workload itself
         return
-    countdown = [int(rng.integers(1, 6))]
-
-    def due() -> bool:
-        countdown[0] -= 1
-        return countdown[0] <= 0
-
     if mode == "in_transaction":  # records inserted, version bumped, COMMIT not yet run
         bump = store_module.Store._bump
 
@@ -108,25 +138,66 @@ def child(cmd: dict) -> None:
     """Open the database and write to it until killed."""
     rng = np.random.default_rng(cmd["seed"])
     ack = os.open(cmd["acks"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def note(line: str) -> None:
+        os.write(ack, (line + "\n").encode())
+
     db = open_db(cmd["path"])
-    _arm(cmd["mode"], rng)
-    added: list[str] = []
+    countdown = [int(rng.integers(1, 6))]
+
+    def due() -> bool:
+        countdown[0] -= 1
+        return countdown[0] <= 0
+
+    mode = cmd["mode"]
+    _arm(mode, due)
+    live: dict[str, list[int]] = {b: list(sg) for b, sg in cmd.get("batches", {}).items()}  # batch -> [size, gen]
+    mine: list[str] = []  # batches this child added (deleted from these, as before)
+
+    def upsert(batch: str) -> None:
+        size, gen = live[batch][0], live[batch][1] + 1
+        note(f"pre-ups {batch} {gen}")
+        keys, values, metadata = batch_records(batch, size, gen)
+        ids = db.upsert(keys, values, metadata=metadata)
+        assert len(ids) == size
+        note(f"ups {batch} {gen} {size}")
+        live[batch][1] = gen
+
+    def refresh() -> None:
+        note("pre-refresh")
+        reencode(db, rng)
+        note("refresh")
+
     for j in range(10_000):
         name = f"r{cmd['round']}b{j}"
         n = int(rng.choice([1, 3, 17, 40]))
-        keys = rng.standard_normal((n, DIM)).astype(np.float32)
-        values = rng.standard_normal((n, VALUE_DIM)).astype(np.float32)
-        db.add(keys=keys, values=values, metadata=[{"batch": name, "size": n}] * n)
-        os.write(ack, f"add {name} {n}\n".encode())
-        added.append(name)
+        keys, values, metadata = batch_records(name, n, 0)
+        db.add(keys, values, metadata=metadata)
+        note(f"add {name} {n}")
+        live[name] = [n, 0]
+        mine.append(name)
+        if mode in ("after_upsert", "after_refresh") and due():
+            # The index is saved, then the store changes under the same ids (new values / new key vectors)
+            # and the child dies before the index is saved again: only the manifest's version tells.
+            db.save()
+            if mode == "after_upsert":
+                upsert(sorted(live)[int(rng.integers(len(live)))])
+            else:
+                refresh()
+            _die()
         roll = rng.random()
-        if roll < 0.15 and len(added) > 1:
-            victim = added.pop(int(rng.integers(0, len(added) - 1)))
-            os.write(ack, f"pre-del {victim}\n".encode())
+        if roll < 0.12 and len(mine) > 1:
+            victim = mine.pop(int(rng.integers(0, len(mine) - 1)))
+            note(f"pre-del {victim}")
             ids = [int(i) for i in db.store.ids_where({"batch": victim})]
             db.delete(ids)
-            os.write(ack, f"del {victim}\n".encode())
-        elif roll < 0.45:
+            note(f"del {victim}")
+            del live[victim]
+        elif roll < 0.32:
+            upsert(sorted(live)[int(rng.integers(len(live)))])
+        elif roll < 0.34:
+            refresh()
+        elif roll < 0.55:
             db.save()
     os._exit(0)
 
