@@ -345,7 +345,15 @@ class Index:
         A graph search explores ``efSearch`` nodes; when a fraction of the graph is dead, only that fraction of
         them can be answers, so efSearch is divided by the live fraction (at most the graph's size) to keep the
         recall of a graph without tombstones.
+
+        A trained IVF that deletes took below :attr:`min_train` vectors probes every list: its lists hold a
+        few vectors each, so probing ``nprobe`` of them would miss most neighbours, and probing all costs no
+        more than a flat search over fewer than ``min_train`` vectors.
         """
+        if not self._fallback and self.ntotal < self.min_train:
+            inner = faiss.downcast_index(_inner(self._faiss))
+            if isinstance(inner, faiss.IndexIVF) and inner.nprobe < inner.nlist:
+                return faiss.SearchParametersIVF(nprobe=int(inner.nlist))
         if self._removable_now or not self._dead.any():
             return None
         dead = np.flatnonzero(self._dead).astype(np.int64)
