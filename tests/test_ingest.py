@@ -6,6 +6,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 import kvsearch
 from kvsearch.errors import BadFileError, InvalidArgumentError, UnknownOptionError
@@ -41,7 +42,6 @@ def test_ingest_matches_a_direct_add(tmp_path, fmt, batch_size):
     assert len(db) == len(RECORDS)
     for k, v in RECORDS:
         assert db.lookup(k) == v
-    torch = pytest.importorskip("torch")
     torch.testing.assert_close(db.store.keys, reference.store.keys)  # same embeddings, same order
     assert [h.key for h in db.search("Lipto", k=3)] == [h.key for h in reference.search("Lipto", k=3)]
 
