@@ -212,6 +212,75 @@ def test_database_used_after_fork(tmp_path):
     assert second["reopened_len"] == 11
 
 
+FORK_WHILE_A_THREAD_WRITES = """
+import os, sys, json, threading, time, numpy as np, torch, kvsearch
+from kvsearch import DatabaseLockedError
+torch.set_num_threads(1)
+db = kvsearch.Database(sys.argv[1], dim=8, value_dim=2, score="dot", lock_timeout=30)
+db.add(np.eye(8, dtype=np.float32), np.zeros((8, 2), dtype=np.float32))
+held, release = threading.Event(), threading.Event()
+
+def a_write_in_progress():  # a thread of the parent holds both locks, as in the middle of a write
+    with db._store.lock, db._store.write_lock:
+        held.set()
+        release.wait()
+
+thread = threading.Thread(target=a_write_in_progress)
+thread.start()
+held.wait()
+to_parent_r, to_parent_w = os.pipe()
+to_child_r, to_child_w = os.pipe()
+pid = os.fork()
+if pid == 0:  # fork() copied the locks as held by a thread that does not exist in the child
+    out = {}
+    try:
+        start = time.monotonic()
+        out["hits"] = len(db.search(torch.ones(8), k=3))  # the thread locks are fresh in the child
+        db._store.write_lock.timeout = 0.3
+        try:
+            db.add(np.full((1, 8), 3, dtype=np.float32), np.ones((1, 2), dtype=np.float32))
+            out["first_write"] = "went through while the parent held the lock"
+        except DatabaseLockedError as exc:
+            out["first_write"] = str(exc)
+        out["seconds"] = round(time.monotonic() - start, 2)
+        os.write(to_parent_w, b"x")  # the parent may now finish its write
+        os.read(to_child_r, 1)
+        db._store.write_lock.timeout = 30
+        db.add(np.full((2, 8), 5, dtype=np.float32), np.ones((2, 2), dtype=np.float32))
+        out["len"] = len(db)
+        db.close()
+    except BaseException as exc:
+        out["error"] = repr(exc)
+    finally:
+        os.write(to_parent_w, json.dumps(out).encode())
+        os._exit(0)
+os.read(to_parent_r, 1)
+release.set()
+thread.join()
+os.write(to_child_w, b"x")
+_, status = os.waitpid(pid, 0)
+child = json.loads(os.read(to_parent_r, 10000) or b"{}")
+print(json.dumps({"status": status, "child": child, "parent_pid": os.getpid(), "parent_len": len(db)}))
+db.close()
+"""
+
+
+def test_fork_while_another_thread_holds_the_locks(tmp_path):
+    """fork() while a thread of the parent is inside a write: the child does not inherit that thread's locks
+    (no deadlock), its own write waits for the parent's file lock — bounded, then DatabaseLockedError naming
+    the parent — and goes through once the parent is done; the parent then sees the child's records."""
+    proc = _python(FORK_WHILE_A_THREAD_WRITES, str(tmp_path / "db"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    child = result["child"]
+    assert result["status"] == 0 and "error" not in child, child
+    assert child["hits"] == 3
+    assert f"pid {result['parent_pid']}" in child["first_write"], child["first_write"]
+    assert child["seconds"] < 10  # a bounded wait, not a hang on a lock copied from the parent
+    assert child["len"] == 10 and result["parent_len"] == 10
+
+
 def _run(code: str, *args: str) -> None:
     """Run a snippet in another Python process (as another program using the same folder would)."""
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True)

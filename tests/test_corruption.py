@@ -133,15 +133,19 @@ def test_damaged_index_files_are_rebuilt_from_the_store(tmp_path, saved, index, 
     check_rebuilt(folder, ids, keys)  # and the rebuilt index, saved at close, loads again
 
 
-# A byte flipped inside the encoder's float weights still loads (no checksum on encoder files yet; see
-# docs/RELIABILITY.md, "known limits"), so that damage is tried on encoder.json only.
-@pytest.mark.parametrize("target", ["encoder.json", "encoder.safetensors"])
-@pytest.mark.parametrize("kind", KINDS[:-1] + ["json: one byte flipped"])
+FLIPPED_WEIGHTS = pytest.mark.xfail(
+    strict=True,
+    reason="encoder.safetensors carries no checksum: a byte flipped inside the float weights still loads "
+    "(docs/RELIABILITY.md, known limits)",
+)
+ENCODER_CASES = [(target, kind) for target in ("encoder.json", "encoder.safetensors") for kind in KINDS[:-1]] + [
+    pytest.param("encoder.json", "one byte flipped", id="encoder.json-one byte flipped"),
+    pytest.param("encoder.safetensors", "one byte flipped", marks=FLIPPED_WEIGHTS, id="encoder.safetensors-flipped"),
+]
+
+
+@pytest.mark.parametrize("target,kind", ENCODER_CASES)
 def test_damaged_encoder_files_give_a_clear_error(tmp_path, saved, target, kind):
-    if kind.startswith("json: "):
-        if target != "encoder.json":
-            pytest.skip("a flipped byte in the float weights is not detected (known limit)")
-        kind = kind[len("json: ") :]
     folder, marker = tmp_path / "db", tmp_path / "PICKLE_RAN"
     saved("HNSW16")
     damage(folder / target, kind, marker)
@@ -153,8 +157,34 @@ def test_damaged_encoder_files_give_a_clear_error(tmp_path, saved, target, kind)
             pass
     else:
         with pytest.raises(CorruptDatabaseError, match="encoder"):
-            kvsearch.Database(folder)
+            kvsearch.Database(folder).close()
     assert not marker.exists(), "a pickle payload was executed"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="encoder.json carries no checksum: one bit flipped in the seed of an untrained n-gram encoder gives "
+    "another valid config; the database opens and encodes queries unlike its stored keys (a library bug)",
+)
+def test_an_encoder_config_changed_by_one_bit_is_refused_or_harmless(tmp_path):
+    """'"seed": 0' -> '"seed": 1' is one bit (0x30 -> 0x31). The encoder's weights come from the seed when
+    it was never trained, so the reopened database must refuse the file or still find its own keys."""
+    folder = tmp_path / "db"
+    keys = [f"key{i}word" for i in range(200)]
+    db = kvsearch.Database(folder, encoder=kvsearch.NgramEncoder(dim=DIM, num_buckets=512), index="HNSW16")
+    db.add(keys, [f"v{i}" for i in range(200)])
+    db.close()
+    config = folder / "encoder.json"
+    text = config.read_text()
+    assert '"seed": 0' in text and not (folder / "encoder.safetensors").exists()
+    config.write_text(text.replace('"seed": 0', '"seed": 1'))
+    try:
+        again = kvsearch.Database(folder)
+    except CorruptDatabaseError:
+        return  # refused with a clear error: fine
+    with again:
+        found = [row[0].key for row in again.search(keys[:50], k=1)]
+    assert found == keys[:50], f"{sum(a == b for a, b in zip(found, keys))} of 50 stored keys found top-1"
 
 
 @pytest.mark.parametrize("kind", ["truncated", "zeroed", "garbage", "empty-header", "pickle"])
