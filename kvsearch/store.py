@@ -190,11 +190,10 @@ class Store:
             try:
                 version = self.version
                 side = self._read_side(version, dim, value_dim)  # memory-mapped (ids, keys, values) or None
-                if side is not None:
-                    rows = conn.execute("SELECT id, key FROM records ORDER BY id").fetchall()
-                    listed = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-                    if not np.array_equal(listed, side[0]):
-                        side = None  # not the rows SQLite holds: read the embeddings from SQLite
+                if side is not None and not self._side_lists_the_stored_ids(conn, side[0]):
+                    side = None  # not the rows SQLite holds: read the embeddings from SQLite
+                if side is not None:  # the key maps: texts only, read from the key index, not the table
+                    rows = conn.execute("SELECT id, key FROM records WHERE key IS NOT NULL").fetchall()
                 if side is None:
                     rows = conn.execute("SELECT id, key, key_emb, value_emb FROM records ORDER BY id").fetchall()
             finally:
@@ -220,6 +219,27 @@ class Store:
             self.loaded_version = version
 
     # ------------------------------------------------------------------ embeddings side file
+
+    @staticmethod
+    def _side_lists_the_stored_ids(conn: sqlite3.Connection, ids: np.ndarray) -> bool:
+        """Whether the side file's ids (sorted, unique) are the ids SQLite holds.
+
+        The side file is already tagged with the store version and checksummed; this is a cross-check that
+        costs one scan of the key index (count, min, max and sum of the ids), not a read of every row, whose
+        embeddings share the table's pages (1 s for a million records).
+        """
+        try:
+            count, lo, hi, total = conn.execute("SELECT count(*), min(id), max(id), sum(id) FROM records").fetchone()
+        except sqlite3.OperationalError:  # the sum overflowed 64 bits: compare the lists
+            listed = np.array([r[0] for r in conn.execute("SELECT id FROM records ORDER BY id")], dtype=np.int64)
+            return np.array_equal(listed, ids)
+        if count != len(ids):
+            return False
+        if count == 0:
+            return True
+        increasing = bool((np.diff(ids) > 0).all())
+        return increasing and (lo, hi, total) == (int(ids[0]), int(ids[-1]), int(ids.sum(dtype=np.int64)))
+
     #
     # Reading every embedding blob from SQLite takes ~10 s per million records. A store of at least
     # SIDE_MIN_ROWS records therefore also keeps its embeddings as three .npy files beside the SQLite file

@@ -406,12 +406,14 @@ class TorchIndex:
         keep_half = self.dtype != torch.float32
         norm_parts, half_parts = [], []
         max_norm, max_abs = 0.0, 0.0
+        if not need_norms and not keep_half:  # float32 inner product: the keys are scanned as they are
+            return _Derived(ids, keys, None, None, max_norm, max_abs)
         step = 65_536
         for start in range(0, len(keys), step):
             block = keys[start : start + step].float()  # (c, dim)
-            sq = block.pow(2).sum(-1)  # (c,)
             if need_norms:
-                norm_parts.append(sq.sqrt().clamp(min=_COSINE_EPS).reciprocal() if raw_cosine else sq)  # (c,)
+                norm = torch.linalg.vector_norm(block, dim=-1)  # (c,) without a squared copy of the block
+                norm_parts.append(norm.clamp(min=_COSINE_EPS).reciprocal() if raw_cosine else norm.square())  # (c,)
             if keep_half:
                 scored = F.normalize(block, dim=-1, eps=_COSINE_EPS) if raw_cosine else block  # (c, dim)
                 half = scored.to(self.dtype)  # (c, dim)

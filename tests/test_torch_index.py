@@ -192,6 +192,35 @@ def test_reopen_uses_the_side_file_only_when_it_is_this_versions(tmp_path, monke
     again.close()
 
 
+@pytest.mark.parametrize("change", ["delete_one", "renumber_two", "add_one"])
+def test_side_file_listing_other_ids_than_sqlite_is_not_served(tmp_path, monkeypatch, change):
+    """The side file is version-tagged and checksummed; its ids are also checked against SQLite's (count, min,
+    max, sum, strictly increasing) so rows changed behind its back are read from SQLite, never served stale.
+    ``renumber_two`` keeps the count, min and max (one id -1, another +1 would keep the sum too: the ids it
+    changes here do not)."""
+    import sqlite3
+
+    import kvsearch.store as store_module
+
+    monkeypatch.setattr(store_module, "SIDE_MIN_ROWS", 10)
+    path = tmp_path / "db"
+    _side_db(path).close()
+    con = sqlite3.connect(path / "store.sqlite")
+    with con:  # a change that does not bump the store version (as no kvsearch write would)
+        if change == "delete_one":
+            con.execute("DELETE FROM records WHERE id = 7")
+        elif change == "renumber_two":
+            con.execute("UPDATE records SET id = 100 WHERE id = 7")
+        else:
+            row = con.execute("SELECT key_emb, value_emb FROM records WHERE id = 1").fetchone()
+            con.execute("INSERT INTO records (key_emb, value_emb) VALUES (?, ?)", row)
+    stored = [r[0] for r in con.execute("SELECT id FROM records ORDER BY id")]
+    con.close()
+    db = Database(path)
+    assert db.store.ids.tolist() == stored and db.index.ids().tolist() == stored
+    db.close()
+
+
 def test_answer_keys_are_lazy_and_compare_as_lists(names_db):
     ans = names_db.query(["Li", "Lipton"], k=3)
     plain = [[names_db.store.key_of_id.get(i) for i in row] for row in ans.ids.tolist()]
