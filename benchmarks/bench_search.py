@@ -204,7 +204,7 @@ def exact_section(sizes: list[int], nqs: list[int], rounds: int) -> tuple[str, s
                         "-" if rechecked is None else f"{rechecked}/{nq}",
                     ]
                 )
-                print(rows[-1], flush=True)
+                print("  ".join(map(str, rows[-1][:4])), "ms", file=sys.stderr, flush=True)  # progress
             gbs = r["bandwidth_gbs"]
             for name in ("torch", "torch:bfloat16", "torch:float16", "faiss"):
                 if nq == 1 and name in seconds:
