@@ -17,8 +17,11 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import sqlite3
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvsearch.attention import POOLINGS, SCORES, Candidates, ScoreFn, all_finite, attend, compute_scores
-from kvsearch.encoders import Encoder, load_encoder
+from kvsearch.encoders import Encoder, _replace_dir, load_encoder
 from kvsearch.errors import (
     ConfigMismatchError,
     CorruptDatabaseError,
@@ -61,6 +64,8 @@ INDEX_FILE = "index.npz"
 #: A filtered search scans the matching records exactly when at most this many match (else FAISS selects).
 FILTER_SCAN_MAX = 4096
 MANIFEST_FILE = "manifest.json"
+#: The store meta entry with the SHA-256 of every encoder file: ``{"current": {name: hex}, "pending": ... | None}``.
+ENCODER_FILES_META = "encoder_files"
 _MISSING: Any = object()
 
 Queries = str | Sequence[str] | Tensor | np.ndarray
@@ -314,6 +319,7 @@ class Database:
         # databases made before query encoders existed have no "query_encoder" entry: they have none
         self._query_encoder = self._reopen_encoder("query_encoder", bool(saved.get("query_encoder", False)), None)
         self._encoder_marks = self._encoder_state()
+        self._settle_encoder_digests()
         self._store.load(self.dim, self.value_dim)
         self._index = self._load_or_rebuild_index()
 
@@ -322,13 +328,66 @@ class Database:
             if given is not None:
                 raise ConfigMismatchError(f"{self.path} was created without {prefix}; got one")
             return None
-        loaded = load_encoder(self.path, prefix, device=self.device)
+        loaded = self._load_verified(prefix)
         if given is None:
             return loaded
         if given.config() != loaded.config():
             raise ConfigMismatchError(f"{self.path} was created with {prefix} {loaded.config()}; got {given.config()}")
         given.load_state_dict(loaded.state_dict())  # the stored (possibly fine-tuned) weights win
         return given.to(self.device)
+
+    def _load_verified(self, prefix: str) -> Encoder:
+        """Load the encoder ``prefix`` from the folder after checking its files against their recorded SHA-256.
+
+        A file is good if it matches the current or the pending digest (a save that stopped between writing
+        the files and recording them leaves either). Databases made before digests were recorded have none:
+        their files load unchecked. On a mismatch the digests are read once more from a fresh connection
+        (another process may have saved newer encoders after this view's snapshot) before giving up.
+
+        Raises:
+            CorruptDatabaseError: a file differs from what was saved (naming it, the expected and the found
+                digest), or cannot be read.
+        """
+        try:
+            _verify_encoder_files(self.path, prefix, self._store.get_meta(ENCODER_FILES_META))
+        except CorruptDatabaseError:
+            _verify_encoder_files(self.path, prefix, self._latest_meta(ENCODER_FILES_META))
+        return load_encoder(self.path, prefix, device=self.device)
+
+    def _latest_meta(self, name: str) -> Any:
+        """A meta value as last committed, read on a fresh connection (outside this view's read snapshot)."""
+        try:
+            with closing(sqlite3.connect(str(self.path / STORE_FILE), timeout=10.0)) as conn:
+                row = conn.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        except sqlite3.Error as exc:
+            raise CorruptDatabaseError(f"{self.path / STORE_FILE}: cannot read {name!r}: {exc}") from None
+        return None if row is None else json.loads(row[0])
+
+    def _settle_encoder_digests(self) -> None:
+        """Finish the digest record of a save that stopped between writing the encoder files and recording them.
+
+        Only when pending digests exist and the write lock is free at once: if every recorded file matches the
+        pending digests they become current, if every one matches the current digests pending is dropped;
+        otherwise (or when another writer holds the lock) the record is left as it is (still accepted on load).
+        """
+        record = self._store.get_meta(ENCODER_FILES_META)
+        if self.path is None or not isinstance(record, dict) or not record.get("pending"):
+            return
+        try:
+            self._store.write_lock.acquire(timeout=0.0)
+        except DatabaseLockedError:
+            return
+        try:
+            record = self._store.get_meta(ENCODER_FILES_META) or {}
+            pending, current = record.get("pending"), record.get("current") or {}
+            if not pending:
+                return
+            if _files_match(self.path, pending):
+                self._store.set_meta(ENCODER_FILES_META, {"current": pending, "pending": None})
+            elif _files_match(self.path, current):
+                self._store.set_meta(ENCODER_FILES_META, {"current": current, "pending": None})
+        finally:
+            self._store.write_lock.release()
 
     def _load_or_rebuild_index(self) -> Index:
         params = self._config.get("search_params") or {}
@@ -424,9 +483,9 @@ class Database:
         if encoders_moved:
             for prefix, encoder in self._encoders().items():
                 if encoder is not None and (self.path / f"{prefix}.json").exists():
-                    encoder.load_state_dict(load_encoder(self.path, prefix, device=self.device).state_dict())
+                    encoder.load_state_dict(self._load_verified(prefix).state_dict())
             if self._config.get("query_encoder") and self._query_encoder is None:
-                self._query_encoder = load_encoder(self.path, "query_encoder", device=self.device)
+                self._query_encoder = self._load_verified("query_encoder")
             self._encoder_marks = self._encoder_state()
         self._store.load(self.dim, self.value_dim)
         self._index = self._load_or_rebuild_index()
@@ -638,15 +697,39 @@ class Database:
         which of them exist (and a counter other processes watch to reload them), so reopening the folder
         rebuilds the same encoders. :meth:`close` calls it when an encoder changed since it was loaded.
 
+        The store records the SHA-256 of every file written (model folders excepted), which every load checks.
+        Crash-safe in three steps: the encoders are written to a staging folder and their digests recorded as
+        *pending* (one transaction); the files are moved into place (``os.replace``, the json last); the
+        digests become *current* with the new configuration (one transaction). A stop anywhere leaves files
+        that match the current or the pending digests.
+
         Raises:
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
         """
         if self.path is None:
             return
         with self._store.lock, self._store.write_lock:
-            for prefix, encoder in self._encoders().items():
-                if encoder is not None:
-                    encoder.save(self.path, prefix)
+            for old in self.path.glob(".encoders.*.staging"):
+                shutil.rmtree(old, ignore_errors=True)  # left by a writer that stopped (we hold the lock)
+            encoders = {prefix: e for prefix, e in self._encoders().items() if e is not None}
+            staging = Path(tempfile.mkdtemp(dir=self.path, prefix=".encoders.", suffix=".staging"))
+            try:
+                for prefix, encoder in encoders.items():
+                    encoder.save(staging, prefix)
+                written = sorted(staging.iterdir(), key=lambda p: (p.suffix == ".json", p.name))  # json last
+                digests = {p.name: _sha256(p) for p in written if p.is_file()}
+                record = self._store.get_meta(ENCODER_FILES_META) or {}
+                self._store.set_meta(ENCODER_FILES_META, {"current": record.get("current") or {}, "pending": digests})
+                for path in written:
+                    if path.is_dir():
+                        _replace_dir(path, self.path / path.name)
+                    else:
+                        os.replace(path, self.path / path.name)
+                for prefix in encoders:
+                    if f"{prefix}.safetensors" not in digests:
+                        (self.path / f"{prefix}.safetensors").unlink(missing_ok=True)  # weights rebuilt from seed
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
             value_kind = (
                 None if self.value_encoder is None else ("key" if self.value_encoder is self.encoder else "own")
             )
@@ -654,7 +737,9 @@ class Database:
             latest = self._store.get_meta("config") or {}
             counter = max(int(latest.get("encoders_version", 0)), int(self._config.get("encoders_version", 0))) + 1
             self._config.update(flags, encoders_version=counter)
-            self._store.set_meta("config", self._config)
+            with self._store.transaction():
+                self._store.set_meta("config", self._config)
+                self._store.set_meta(ENCODER_FILES_META, {"current": digests, "pending": None})
             self._encoder_marks = self._encoder_state()
 
     def refresh(self) -> None:
@@ -1322,6 +1407,42 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _verify_encoder_files(folder: Path, prefix: str, record: Any) -> None:
+    """Check ``{prefix}.json`` and ``{prefix}.safetensors`` against the recorded current or pending SHA-256.
+
+    No record (a database made before digests were kept) checks nothing; a file with no recorded digest (a
+    leftover the json does not name) or missing (``load_encoder`` reports that) is skipped.
+
+    Raises:
+        CorruptDatabaseError: a file matches neither digest (naming the file, the expected and the found one).
+    """
+    if not isinstance(record, dict):
+        return
+    known = [d for d in (record.get("current"), record.get("pending")) if isinstance(d, dict)]
+    for name in (f"{prefix}.json", f"{prefix}.safetensors"):
+        expected = sorted({d[name] for d in known if name in d})
+        path = folder / name
+        if not expected or not path.is_file():
+            continue
+        try:
+            found = _sha256(path)
+        except OSError as exc:
+            raise CorruptDatabaseError(f"encoder file {path} cannot be read: {exc}") from None
+        if found not in expected:
+            raise CorruptDatabaseError(
+                f"encoder file {path} was changed or damaged since it was saved: expected SHA-256 "
+                f"{' or '.join(expected)}, found {found}"
+            )
+
+
+def _files_match(folder: Path, digests: Mapping[str, str]) -> bool:
+    """Whether every file named in ``digests`` exists in ``folder`` with that SHA-256."""
+    try:
+        return all((folder / name).is_file() and _sha256(folder / name) == hex_ for name, hex_ in digests.items())
+    except OSError:
+        return False
 
 
 def _check_finite(t: Tensor, name: str) -> None:
