@@ -40,6 +40,40 @@ def test_standalone_matches_faiss_flat(rng, metric, k, chunk_elements):
     assert_same_as_flat(*ours.search(queries, k), *flat.search(queries, k))
 
 
+@pytest.mark.parametrize("batch", [1, 31, 32, 200])
+@pytest.mark.parametrize("bound", [False, True])
+def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound):
+    """From FAISS_MIN_BATCH queries a float32 ip search runs in ``faiss.knn`` over the key memory; below, in the
+    chunked scan. Both give the dense ``torch.topk`` ids (random data: no ties), standalone and bound to a store."""
+    import faiss
+
+    import kvsearch.torch_index as torch_index_module
+
+    calls = []
+    real = faiss.knn
+    monkeypatch.setattr(faiss, "knn", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    keys = torch.from_numpy(rng.standard_normal((500, 16)).astype(np.float32))  # (500, 16)
+    queries = torch.from_numpy(rng.standard_normal((batch, 16)).astype(np.float32))  # (batch, 16)
+    ids = torch.arange(500) * 3 + 1
+    if bound:
+        with Database(None, dim=16, value_dim=2, score="dot", index="torch") as db:
+            got = torch.tensor([[h.id for h in row] for row in db_search(db, keys, queries)])
+            stored = db.store.ids
+        expected = stored[(queries @ keys.T).topk(10, dim=1).indices]  # (batch, 10)
+    else:
+        index = TorchIndex(16, "ip")
+        index.build(ids.numpy(), keys)
+        got = index.search_tensors(queries, 10)[1]
+        expected = ids[(queries @ keys.T).topk(10, dim=1).indices]  # (batch, 10)
+    assert torch.equal(got, expected)
+    assert len(calls) == (1 if batch >= torch_index_module.FAISS_MIN_BATCH else 0)
+
+
+def db_search(db, keys, queries):
+    db.add(keys, torch.zeros(len(keys), 2))
+    return db.search(queries, k=10)
+
+
 def test_fewer_vectors_than_k_are_padded(rng):
     ours = TorchIndex(4)
     ours.add(np.array([3, 9]), rng.standard_normal((2, 4)).astype(np.float32))
