@@ -323,8 +323,11 @@ class TorchIndex:
             and d.keys.dtype == torch.float32
             and d.keys.is_contiguous()
         ):
-            import faiss  # imported by kvsearch.index already; here only on this path
+            import faiss
 
+            from kvsearch.index import tune_faiss
+
+            tune_faiss()  # FAISS's default BLAS threshold would send a batch under ~334 queries to a scalar loop
             vals, rows = faiss.knn(q.contiguous().numpy(), d.keys.numpy(), take, faiss.METRIC_INNER_PRODUCT)
             return torch.from_numpy(vals), torch.from_numpy(rows)  # (batch, take) each, best first
         return _scan(q, d.keys, take, self._rows_per_chunk(q.shape[0]), d.norm_term, self.metric, keep)

@@ -47,8 +47,11 @@ def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound)
     chunked scan. Both give the dense ``torch.topk`` ids (random data: no ties), standalone and bound to a store."""
     import faiss
 
+    import kvsearch.index as index_module
     import kvsearch.torch_index as torch_index_module
 
+    monkeypatch.setattr(index_module, "_tuned", False)  # as in a process whose databases never built a FAISS index
+    monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 128_000)
     calls = []
     real = faiss.knn
     monkeypatch.setattr(faiss, "knn", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
@@ -67,6 +70,8 @@ def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound)
         expected = ids[(queries @ keys.T).topk(10, dim=1).indices]  # (batch, 10)
     assert torch.equal(got, expected)
     assert len(calls) == (1 if batch >= torch_index_module.FAISS_MIN_BATCH else 0)
+    if calls:  # the FAISS path tunes the BLAS threshold itself (a scalar loop under ~334 queries otherwise)
+        assert faiss.cvar.distance_compute_blas_threshold == 20
 
 
 def db_search(db, keys, queries):
