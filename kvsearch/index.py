@@ -316,59 +316,59 @@ class Index:
         I[:, :search_k] = i
         return D, I
 
-    def _allowed_parameters(self, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
-        """Search parameters whose selector admits only ``allowed`` ids (live ones, for graph indexes).
+    def _core(self) -> faiss.Index:
+        """The index that does the search: under the id map and the pre-transform (PCA, OPQ), downcast."""
+        index = faiss.downcast_index(self._faiss.index) if isinstance(self._faiss, faiss.IndexIDMap) else self._faiss
+        return faiss.downcast_index(_inner(index))
 
-        A graph search under a selective filter explores ``efSearch`` nodes of which only a fraction pass:
-        efSearch is raised to ``4 k / fraction`` (at most the index size) to keep the recall.
-        """
+    def _allowed_parameters(self, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
+        """Search parameters whose selector admits only ``allowed`` ids (live ones, for graph indexes)."""
         allowed = np.ascontiguousarray(np.asarray(allowed, dtype=np.int64).reshape(-1))
         if not self._removable_now:  # graphs search by label: map live ids to their labels
             allowed = np.fromiter((self._label_of[i] for i in allowed.tolist() if i in self._label_of), dtype=np.int64)
         selector = faiss.IDSelectorBatch(allowed)
-        inner = self._faiss.index if isinstance(self._faiss, (faiss.IndexPreTransform, faiss.IndexIDMap)) else None
-        target = faiss.downcast_index(inner if inner is not None else self._faiss)
-        if isinstance(target, faiss.IndexHNSW):
-            fraction = max(len(allowed), 1) / max(self.ntotal, 1)
-            ef = max(int(target.hnsw.efSearch), min(self.ntotal, int(4 * k / fraction)))
-            params = faiss.SearchParametersHNSW(sel=selector, efSearch=ef)
-        elif isinstance(target, faiss.IndexIVF):
-            params = faiss.SearchParametersIVF(sel=selector, nprobe=int(target.nprobe))
-        else:
-            params = faiss.SearchParameters(sel=selector)
+        params = self._parameters(k, selector, len(allowed))
         params._keep = (selector, allowed)  # keep the selector and its ids alive as long as the parameters
         return params
 
     def _search_parameters(self, k: int) -> faiss.SearchParameters | None:
-        """Parameters that skip tombstones (graph indexes), or None when there are none.
-
-        A graph search explores ``efSearch`` nodes; when a fraction of the graph is dead, only that fraction of
-        them can be answers, so efSearch is divided by the live fraction (at most the graph's size) to keep the
-        recall of a graph without tombstones.
-
-        A trained IVF that deletes took below :attr:`min_train` vectors probes every list: its lists hold a
-        few vectors each, so probing ``nprobe`` of them would miss most neighbours, and probing all costs no
-        more than a flat search over fewer than ``min_train`` vectors.
-        """
-        if not self._fallback and self.ntotal < self.min_train:
-            inner = faiss.downcast_index(_inner(self._faiss))
-            if isinstance(inner, faiss.IndexIVF) and inner.nprobe < inner.nlist:
-                return faiss.SearchParametersIVF(nprobe=int(inner.nlist))
+        """Parameters of an unfiltered search: a selector that skips a graph's tombstones, if it has any."""
         if self._removable_now or not self._dead.any():
-            return None
+            return self._parameters(k, None, self.ntotal)
         dead = np.flatnonzero(self._dead).astype(np.int64)
         selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(dead))
-        inner = self._faiss.index if isinstance(self._faiss, faiss.IndexPreTransform) else self._faiss
-        if isinstance(faiss.downcast_index(inner), faiss.IndexHNSW):
-            hnsw = faiss.downcast_index(inner).hnsw
-            total = len(self._dead)
-            live = max(total - len(dead), 1) / total
-            ef = min(total, int(np.ceil(max(int(hnsw.efSearch), k) / live)))
-            params = faiss.SearchParametersHNSW(sel=selector, efSearch=max(ef, int(hnsw.efSearch)))
-        else:
-            params = faiss.SearchParameters(sel=selector)
+        params = self._parameters(k, selector, self.ntotal)
         params._keep = selector  # keep the selector alive as long as the parameters
         return params
+
+    def _parameters(self, k: int, selector: faiss.IDSelector | None, admitted: int) -> faiss.SearchParameters | None:
+        """The search parameters of one search whose ``selector`` (None: every entry) admits ``admitted`` entries.
+
+        Graph (HNSW): a search explores ``efSearch`` nodes, of which only the admitted fraction of the graph's
+        entries (tombstones count as entries) can be answers; below a fraction of 1, efSearch is raised to
+        ``max(efSearch, 4 k)`` divided by that fraction (at most the graph's size) to keep the recall of a clean
+        graph searched without a filter (which keeps FAISS's own efSearch).
+
+        IVF: ``nprobe`` lists are probed, every list while deletes keep a trained IVF below :attr:`min_train`
+        vectors (its lists then hold a few vectors each, so ``nprobe`` of them miss most neighbours, and probing
+        all costs no more than a flat search over fewer than ``min_train`` vectors).
+
+        Returns:
+            None where FAISS's own settings already do that (no selector, nothing raised).
+        """
+        core = self._core()
+        if isinstance(core, faiss.IndexHNSW):
+            entries, ef0 = max(len(self._labels), 1), int(core.hnsw.efSearch)
+            if admitted >= entries:
+                return None if selector is None else faiss.SearchParametersHNSW(sel=selector, efSearch=ef0)
+            ef = max(ef0, min(entries, int(np.ceil(max(ef0, 4 * k) * entries / max(admitted, 1)))))
+            return faiss.SearchParametersHNSW(sel=selector, efSearch=ef)
+        if isinstance(core, faiss.IndexIVF):
+            nprobe = int(core.nlist) if not self._fallback and self.ntotal < self.min_train else int(core.nprobe)
+            if selector is None and nprobe == core.nprobe:
+                return None
+            return faiss.SearchParametersIVF(sel=selector, nprobe=nprobe)
+        return None if selector is None else faiss.SearchParameters(sel=selector)
 
     def set_params(self, **params: float) -> None:
         """Set search parameters, e.g. ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW).

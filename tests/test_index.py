@@ -223,3 +223,20 @@ def test_kvsearch_default_search_params_apply_unless_set(rng):
         ivf.build(np.arange(n), rng.standard_normal((n, 16)).astype(np.float32))
         assert not ivf.is_fallback and ivf.search_params == {"nprobe": nprobe}
         assert faiss.extract_index_ivf(ivf._faiss).nprobe == nprobe
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_trained_ivf_shrunk_below_min_train_probes_every_list(rng, filtered):
+    """Deletes that take a trained IVF below min_train leave a few vectors per list: every search, filtered
+    (a FAISS selector) or not, then probes every list and finds the brute-force top-k."""
+    vectors = rng.standard_normal((700, 8)).astype(np.float32)
+    index = Index(8, "IVF16,Flat", "ip", params={"nprobe": 1})
+    index.build(np.arange(700), vectors)
+    assert not index.is_fallback and index.min_train == 624
+    index.remove(np.arange(40, 700))  # 40 left, still the trained IVF
+    queries = rng.standard_normal((20, 8)).astype(np.float32)
+    allowed = np.arange(0, 40, 2) if filtered else None
+    live = np.arange(40) if allowed is None else allowed
+    _, ids = index.search(queries, 5, allowed=allowed)
+    expected = live[np.argsort(-(queries @ vectors[live].T), axis=1, kind="stable")[:, :5]]
+    assert np.array_equal(ids, expected)
