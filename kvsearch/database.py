@@ -434,6 +434,10 @@ class Database:
     def _index_is_saved(self) -> bool:
         return (self.path / MANIFEST_FILE).exists() and (self.path / INDEX_FILE).exists()
 
+    def _index_is_persisted(self) -> bool:
+        """Whether this index type is written to disk: Flat and torch indexes are rebuilt as fast as read."""
+        return self.index_spec != "Flat" and not isinstance(self._index, TorchIndex)
+
     def _rebuild_into(self, index: Index | TorchIndex) -> None:
         if isinstance(index, TorchIndex):
             index.refresh()  # it searches the store's keys directly: nothing to copy
@@ -813,8 +817,7 @@ class Database:
             return
         if self._encoder_state() != self._encoder_marks:
             self.save_encoders()
-        saved_kind = self.index_spec != "Flat" and not isinstance(self._index, TorchIndex)
-        if not (self._index_dirty and saved_kind):
+        if not (self._index_dirty and self._index_is_persisted()):
             return
         with self._store.lock:
             try:
@@ -1225,11 +1228,11 @@ class Database:
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
                     raise InvalidArgumentError(f"expected query texts, got {type(t).__name__} at position {i}")
-            if not all(t.strip() for t in texts):
-                blank = next(i for i, t in enumerate(texts) if not t.strip())
-                raise InvalidArgumentError(f"expected non-empty query texts, got {texts[blank]!r} at position {blank}")
-            with self._reading():
-                pass  # picks up encoders another process fine-tuned before this one encodes with them
+                if not t.strip():
+                    raise InvalidArgumentError(f"expected non-empty query texts, got {t!r} at position {i}")
+            with self._store.lock:  # encode with the encoders another process may have fine-tuned since
+                self._check_open()
+                self._sync()
             encoder = self.encoder if self._query_encoder is None else self._query_encoder
             if encoder is None:
                 raise InvalidArgumentError("expected query embeddings: this database has no encoder for text")

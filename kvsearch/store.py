@@ -219,6 +219,22 @@ class Store:
             self.loaded_version = version
 
     # ------------------------------------------------------------------ embeddings side file
+    #
+    # Reading every embedding blob from SQLite takes ~10 s per million records. A store of at least
+    # SIDE_MIN_ROWS records therefore also keeps its embeddings as three .npy files beside the SQLite file
+    # (``<store>.emb-<version>.{ids,keys,values}.npy``), written on close() from the mirror and named in a
+    # manifest ``<store>.emb.json`` = {"version", "n", "dim", "value_dim", "crc32"} written last (atomically).
+    # SQLite stays the source of truth: load() uses the files only when the manifest's version equals the
+    # store's version read in the same snapshot, the shapes match, every file's CRC-32 matches the manifest
+    # (a zeroed or damaged file is not served) and the ids are those SQLite holds (count, min, max and sum over
+    # its key index: _side_lists_the_stored_ids); anything else (a crash before or during the write, a later
+    # commit by any process, a damaged file) falls back to SQLite. The files are memory-mapped copy-on-write, so writes to the mirror never reach them.
+
+    def _side_manifest(self) -> Path:
+        return self.path.with_name(self.path.name + ".emb.json")
+
+    def _side_file(self, version: int, part: str) -> Path:
+        return self.path.with_name(f"{self.path.name}.emb-{int(version)}.{part}.npy")
 
     @staticmethod
     def _side_lists_the_stored_ids(conn: sqlite3.Connection, ids: np.ndarray) -> bool:
@@ -239,23 +255,6 @@ class Store:
             return True
         increasing = bool((np.diff(ids) > 0).all())
         return increasing and (lo, hi, total) == (int(ids[0]), int(ids[-1]), int(ids.sum(dtype=np.int64)))
-
-    #
-    # Reading every embedding blob from SQLite takes ~10 s per million records. A store of at least
-    # SIDE_MIN_ROWS records therefore also keeps its embeddings as three .npy files beside the SQLite file
-    # (``<store>.emb-<version>.{ids,keys,values}.npy``), written on close() from the mirror and named in a
-    # manifest ``<store>.emb.json`` = {"version", "n", "dim", "value_dim", "crc32"} written last (atomically).
-    # SQLite stays the source of truth: load() uses the files only when the manifest's version equals the
-    # store's version read in the same snapshot, the shapes match, every file's CRC-32 matches the manifest
-    # (a zeroed or damaged file is not served) and the ids equal the ids SQLite lists; anything
-    # else (a crash before or during the write, a later commit by any process, a damaged file) falls back to
-    # SQLite. The files are memory-mapped copy-on-write, so writes to the mirror never reach them.
-
-    def _side_manifest(self) -> Path:
-        return self.path.with_name(self.path.name + ".emb.json")
-
-    def _side_file(self, version: int, part: str) -> Path:
-        return self.path.with_name(f"{self.path.name}.emb-{int(version)}.{part}.npy")
 
     def _read_side(self, version: int, dim: int, value_dim: int) -> tuple[np.ndarray, ...] | None:
         """(ids, keys, values) memory-mapped from the side files when they are exactly this version's, else None."""
