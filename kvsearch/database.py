@@ -13,13 +13,10 @@ was built at). Flat indexes are rebuilt from the store on open rather than saved
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import shutil
 import sqlite3
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -31,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvsearch import encoder_files
 from kvsearch.attention import POOLINGS, SCORES, Candidates, ScoreFn, all_finite, attend, compute_scores
-from kvsearch.encoders import Encoder, _replace_dir, load_encoder
+from kvsearch.encoder_files import sha256_file
+from kvsearch.encoders import Encoder, load_encoder
 from kvsearch.errors import (
     ConfigMismatchError,
     CorruptDatabaseError,
@@ -64,7 +63,8 @@ INDEX_FILE = "index.npz"
 #: A filtered search scans the matching records exactly when at most this many match (else FAISS selects).
 FILTER_SCAN_MAX = 4096
 MANIFEST_FILE = "manifest.json"
-#: The store meta entry with the SHA-256 of every encoder file: ``{"current": {name: hex}, "pending": ... | None}``.
+#: The store meta entry with the SHA-256 of every encoder file: ``{"current": {name: hex}, "pending": ... | None}``
+#: (see :mod:`kvsearch.encoder_files`).
 ENCODER_FILES_META = "encoder_files"
 _MISSING: Any = object()
 
@@ -288,7 +288,7 @@ class Database:
             "index": index,
             "search_params": dict(search_params or {}),
             "encoder": encoder is not None,
-            "value_encoder": None if value_encoder is None else ("key" if value_encoder is encoder else "own"),
+            "value_encoder": _value_encoder_kind(value_encoder, encoder),
             "query_encoder": False,
         }
         self._store.set_meta("config", self._config)
@@ -349,9 +349,9 @@ class Database:
                 digest), or cannot be read.
         """
         try:
-            _verify_encoder_files(self.path, prefix, self._store.get_meta(ENCODER_FILES_META))
+            encoder_files.verify(self.path, prefix, self._store.get_meta(ENCODER_FILES_META))
         except CorruptDatabaseError:
-            _verify_encoder_files(self.path, prefix, self._latest_meta(ENCODER_FILES_META))
+            encoder_files.verify(self.path, prefix, self._latest_meta(ENCODER_FILES_META))
         return load_encoder(self.path, prefix, device=self.device)
 
     def _latest_meta(self, name: str) -> Any:
@@ -382,9 +382,9 @@ class Database:
             pending, current = record.get("pending"), record.get("current") or {}
             if not pending:
                 return
-            if _files_match(self.path, pending):
+            if encoder_files.files_match(self.path, pending):
                 self._store.set_meta(ENCODER_FILES_META, {"current": pending, "pending": None})
-            elif _files_match(self.path, current):
+            elif encoder_files.files_match(self.path, current):
                 self._store.set_meta(ENCODER_FILES_META, {"current": current, "pending": None})
         finally:
             self._store.write_lock.release()
@@ -403,7 +403,7 @@ class Database:
                     manifest.get("version") == self._store.loaded_version
                     and manifest.get("spec") == self.index_spec
                     and manifest.get("ntotal") == len(self._store)
-                    and manifest.get("sha256") == _sha256(index_path)
+                    and manifest.get("sha256") == sha256_file(index_path)
                 ):
                     index = Index.load(index_path, self.dim, self.index_spec, metric, params)
                     if index.ntotal == len(self._store) and np.array_equal(index.ids(), self._store.ids.numpy()):
@@ -713,31 +713,17 @@ class Database:
         if self.path is None:
             return
         with self._store.lock, self._store.write_lock:
-            for old in self.path.glob(".encoders.*.staging"):
-                shutil.rmtree(old, ignore_errors=True)  # left by a writer that stopped (we hold the lock)
             encoders = {prefix: e for prefix, e in self._encoders().items() if e is not None}
-            staging = Path(tempfile.mkdtemp(dir=self.path, prefix=".encoders.", suffix=".staging"))
-            try:
-                for prefix, encoder in encoders.items():
-                    encoder.save(staging, prefix)
-                written = sorted(staging.iterdir(), key=lambda p: (p.suffix == ".json", p.name))  # json last
-                digests = {p.name: _sha256(p) for p in written if p.is_file()}
-                record = self._store.get_meta(ENCODER_FILES_META) or {}
-                self._store.set_meta(ENCODER_FILES_META, {"current": record.get("current") or {}, "pending": digests})
-                for path in written:
-                    if path.is_dir():
-                        _replace_dir(path, self.path / path.name)
-                    else:
-                        os.replace(path, self.path / path.name)
-                for prefix in encoders:
-                    if f"{prefix}.safetensors" not in digests:
-                        (self.path / f"{prefix}.safetensors").unlink(missing_ok=True)  # weights rebuilt from seed
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            value_kind = (
-                None if self.value_encoder is None else ("key" if self.value_encoder is self.encoder else "own")
-            )
-            flags = {"value_encoder": value_kind, "query_encoder": self._query_encoder is not None}
+
+            def record_pending(digests: dict[str, str]) -> None:
+                current = (self._store.get_meta(ENCODER_FILES_META) or {}).get("current") or {}
+                self._store.set_meta(ENCODER_FILES_META, {"current": current, "pending": digests})
+
+            digests = encoder_files.install(self.path, encoders, record_pending)
+            flags = {
+                "value_encoder": _value_encoder_kind(self.value_encoder, self.encoder),
+                "query_encoder": self._query_encoder is not None,
+            }
             latest = self._store.get_meta("config") or {}
             counter = max(int(latest.get("encoders_version", 0)), int(self._config.get("encoders_version", 0))) + 1
             self._config.update(flags, encoders_version=counter)
@@ -834,7 +820,7 @@ class Database:
                     "version": self._store.loaded_version,
                     "spec": self.index_spec,
                     "ntotal": self._index.ntotal,
-                    "sha256": _sha256(self.path / INDEX_FILE),
+                    "sha256": sha256_file(self.path / INDEX_FILE),
                 }
                 tmp = self.path / (MANIFEST_FILE + f".{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(manifest))
@@ -1404,48 +1390,9 @@ def _check_batch(n: int, name: str) -> None:
         raise InvalidArgumentError(f"expected at most {MAX_BATCH:,} {name} per call (MAX_BATCH), got {n:,}")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _verify_encoder_files(folder: Path, prefix: str, record: Any) -> None:
-    """Check ``{prefix}.json`` and ``{prefix}.safetensors`` against the recorded current or pending SHA-256.
-
-    No record (a database made before digests were kept) checks nothing; a file with no recorded digest (a
-    leftover the json does not name) or missing (``load_encoder`` reports that) is skipped.
-
-    Raises:
-        CorruptDatabaseError: a file matches neither digest (naming the file, the expected and the found one).
-    """
-    if not isinstance(record, dict):
-        return
-    known = [d for d in (record.get("current"), record.get("pending")) if isinstance(d, dict)]
-    for name in (f"{prefix}.json", f"{prefix}.safetensors"):
-        expected = sorted({d[name] for d in known if name in d})
-        path = folder / name
-        if not expected or not path.is_file():
-            continue
-        try:
-            found = _sha256(path)
-        except OSError as exc:
-            raise CorruptDatabaseError(f"encoder file {path} cannot be read: {exc}") from None
-        if found not in expected:
-            raise CorruptDatabaseError(
-                f"encoder file {path} was changed or damaged since it was saved: expected SHA-256 "
-                f"{' or '.join(expected)}, found {found}"
-            )
-
-
-def _files_match(folder: Path, digests: Mapping[str, str]) -> bool:
-    """Whether every file named in ``digests`` exists in ``folder`` with that SHA-256."""
-    try:
-        return all((folder / name).is_file() and _sha256(folder / name) == hex_ for name, hex_ in digests.items())
-    except OSError:
-        return False
+def _value_encoder_kind(value_encoder: Encoder | None, encoder: Encoder | None) -> str | None:
+    """How a configuration records the value encoder: None, ``"key"`` (the key encoder) or ``"own"``."""
+    return None if value_encoder is None else ("key" if value_encoder is encoder else "own")
 
 
 def _check_finite(t: Tensor, name: str) -> None:

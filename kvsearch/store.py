@@ -228,7 +228,8 @@ class Store:
     # store's version read in the same snapshot, the shapes match, every file's CRC-32 matches the manifest
     # (a zeroed or damaged file is not served) and the ids are those SQLite holds (count, min, max and sum over
     # its key index: _side_lists_the_stored_ids); anything else (a crash before or during the write, a later
-    # commit by any process, a damaged file) falls back to SQLite. The files are memory-mapped copy-on-write, so writes to the mirror never reach them.
+    # commit by any process, a damaged file) falls back to SQLite. The files are memory-mapped copy-on-write,
+    # so writes to the mirror never reach them.
 
     def _side_manifest(self) -> Path:
         return self.path.with_name(self.path.name + ".emb.json")
