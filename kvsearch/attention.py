@@ -103,8 +103,12 @@ def _check_score(score: object) -> None:
     _check_option(score, SCORES, "score")
 
 
-def _check_temperature(temperature: object) -> float:
-    """Return ``temperature`` as a float if it is finite and > 0."""
+def check_temperature(temperature: object) -> float:
+    """Return ``temperature`` as a float if it is a finite number > 0 (not a bool).
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, Real)
@@ -336,7 +340,7 @@ def pool(
             bool tensor of a broadcastable shape, or ``exact`` without ``match``.
     """
     _check_option(pooling, POOLINGS, "pooling")
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     _check_float_tensor(scores, "scores")
     if scores.dim() < 1:
         raise InvalidArgumentError(f"scores must have at least 1 dim (..., m), got {_describe(scores)}")
@@ -426,7 +430,7 @@ def attend(
     """
     _check_score(score)
     _check_option(pooling, POOLINGS, "pooling")
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     dropout = _check_dropout(dropout)
     _check_float_tensor(queries, "queries")
     _check_float_tensor(keys, "keys")
@@ -597,7 +601,7 @@ class KVAttention(nn.Module):
             score_fn = score
         self.pooling = _check_option(pooling, POOLINGS, "pooling")
         _check_pairing(score, self.pooling)
-        self.temperature = _check_temperature(temperature)
+        self.temperature = check_temperature(temperature)
         self.dropout = _check_dropout(dropout)
         self.db = db
         self.k = k if k == "all" else int(k)

@@ -29,7 +29,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvsearch import encoder_files
-from kvsearch.attention import POOLINGS, SCORES, Candidates, ScoreFn, all_finite, attend, compute_scores
+from kvsearch.attention import (
+    POOLINGS,
+    SCORES,
+    Candidates,
+    ScoreFn,
+    all_finite,
+    attend,
+    check_temperature,
+    compute_scores,
+)
 from kvsearch.encoder_files import sha256_file
 from kvsearch.encoders import Encoder, load_encoder
 from kvsearch.errors import (
@@ -969,8 +978,7 @@ class Database:
         _check_query_score(score)
         if pooling not in POOLINGS:
             raise UnknownOptionError(f"expected pooling among {POOLINGS}, got {pooling!r}")
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
-            raise InvalidArgumentError(f"expected a finite temperature > 0, got {temperature!r}")
+        temperature = check_temperature(temperature)
         if where is not None:
             check_where(where)
         q, texts, single = self._prepare_queries(queries)

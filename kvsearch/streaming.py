@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvsearch.attention import check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 
 __all__ = ["streaming_attention", "STREAMING_SCORES", "default_chunk"]
@@ -170,10 +171,7 @@ def streaming_attention(
     """
     if score not in STREAMING_SCORES:
         raise UnknownOptionError(f"expected score among {STREAMING_SCORES} for streaming attention, got {score!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
-        raise InvalidArgumentError(f"expected a finite temperature > 0, got {temperature!r}")
-    if temperature <= 0:
-        raise InvalidArgumentError(f"expected a finite temperature > 0, got {temperature!r}")
+    temperature = check_temperature(temperature)
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() != 2:
             got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__

@@ -134,6 +134,7 @@ BAD_CALLS = {
     "filter int over 64 bits": (lambda db: db.search("Li", where={"n": 10**20}), InvalidArgumentError, "64 bits"),
     "bad $in operand": (lambda db: db.search("Li", where={"n": {"$in": 3}}), InvalidArgumentError, "list"),
     "temperature zero": (lambda db: db.query("Li", temperature=0), InvalidArgumentError, "temperature"),
+    "bool temperature": (lambda db: db.query("Li", temperature=True), InvalidArgumentError, "temperature"),
     "metadata not dict": (lambda db: db.add(["new"], ["v"], ["meta"]), InvalidArgumentError, "dict"),
     "metadata count": (lambda db: db.add(["n1", "n2"], ["v", "w"], [{}]), InvalidArgumentError, "2 metadata"),
     "metadata non-json": (lambda db: db.add(["new"], ["v"], [{"x": object()}]), InvalidArgumentError, "JSON"),
