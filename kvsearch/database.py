@@ -57,7 +57,8 @@ from kvsearch.errors import (
 )
 from kvsearch.filters import check_where
 from kvsearch.index import MAX_K, Index
-from kvsearch.limits import MAX_BATCH, check_fits, index_bytes
+from kvsearch.checks import MAX_BATCH
+from kvsearch.limits import check_fits, index_bytes
 from kvsearch.locking import DEFAULT_LOCK_TIMEOUT
 from kvsearch.store import STORE_FILE, Record, Store
 from kvsearch.streaming import STREAMING_SCORES, streaming_attention

@@ -2,8 +2,7 @@
 
 Caps (documented in ``docs/RELIABILITY.md``):
 
-- :data:`MAX_BATCH` records per ``add`` / ``upsert`` call, and queries per ``search`` / ``query`` call;
-- ``MAX_K`` candidates per query (in :mod:`kvsearch.index`);
+- ``MAX_BATCH`` records or queries per call and ``MAX_K`` candidates per query live in :mod:`kvsearch.checks`;
 - the memory an operation may use: :data:`MEMORY_FRACTION` of the memory the system reports available
   (``MemAvailable`` in ``/proc/meminfo``, or psutil where installed), or ``KVSEARCH_MEMORY_LIMIT`` bytes
   when that environment variable is set.
@@ -21,7 +20,6 @@ from collections.abc import Callable
 from kvsearch.errors import MemoryLimitError
 
 __all__ = [
-    "MAX_BATCH",
     "MEMORY_FRACTION",
     "available_memory",
     "memory_budget",
@@ -29,8 +27,6 @@ __all__ = [
     "index_bytes",
 ]
 
-#: The most records one add / upsert call, or queries one search / query call, may carry.
-MAX_BATCH = 1_000_000
 #: The share of the available memory one operation may plan to use.
 MEMORY_FRACTION = 0.8
 #: Without KVSEARCH_MEMORY_LIMIT, operations planning less than this are not checked (reading the system's

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.attention import check_temperature
+from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 
 __all__ = ["streaming_attention", "STREAMING_SCORES", "default_chunk"]
@@ -28,20 +28,18 @@ __all__ = ["streaming_attention", "STREAMING_SCORES", "default_chunk"]
 #: Score functions streaming attention computes.
 STREAMING_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
 
-_COSINE_EPS = 1e-12  # as F.normalize: a key of norm below this is divided by it
-_CHUNK_ELEMENTS = 1 << 22  # batch x chunk scores per step: 4M float32 = 16 MiB per (batch, chunk) buffer
 
 
 def default_chunk(batch: int) -> int:
     """Keys per chunk for a batch size: about 4M scores at once, at least 256 keys."""
-    return max(256, _CHUNK_ELEMENTS // max(1, batch))
+    return max(256, CHUNK_ELEMENTS // max(1, batch))
 
 
 def _chunk_keys(keys: Tensor, normalize: bool) -> tuple[Tensor, Tensor | None]:
     """The keys as scored (unit rows for cosine) and their norms (clamped as F.normalize does), or None."""
     if not normalize:
         return keys, None
-    norms = keys.norm(dim=-1, keepdim=True).clamp(min=_COSINE_EPS)  # (c, 1)
+    norms = keys.norm(dim=-1, keepdim=True).clamp(min=COSINE_EPS)  # (c, 1)
     return keys / norms, norms  # (c, dim), (c, 1)
 
 
@@ -128,7 +126,7 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
                 if normalize:
                     # d(k / max(|k|, eps)): project out the radial part, divide by the norm (not below eps).
                     radial = (grad_unit * unit).sum(-1, keepdim=True)  # (c, 1)
-                    tiny = raw.norm(dim=-1, keepdim=True) < _COSINE_EPS  # (c, 1)
+                    tiny = raw.norm(dim=-1, keepdim=True) < COSINE_EPS  # (c, 1)
                     grad_unit = torch.where(tiny, grad_unit, grad_unit - unit * radial) / norms  # (c, dim)
                 if gaussian:
                     grad_unit = grad_unit - scale * grad_scores.sum(0).unsqueeze(1) * raw  # (c, dim)
@@ -195,7 +193,7 @@ def streaming_attention(
     if score == "scaled_dot":
         scale /= math.sqrt(queries.shape[1])
     if score == "cosine":
-        queries = F.normalize(queries, dim=-1, eps=_COSINE_EPS)  # (batch, dim), differentiable
+        queries = F.normalize(queries, dim=-1, eps=COSINE_EPS)  # (batch, dim), differentiable
     output, lse, best_row = _StreamingSoftmaxAttention.apply(
         queries, keys, values, scale, score == "cosine", score == "gaussian", int(chunk)
     )  # (batch, value_dim), (batch,), (batch,)

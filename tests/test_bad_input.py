@@ -25,7 +25,7 @@ from kvsearch import (
 )
 from kvsearch.encoders import load_encoder
 from kvsearch.index import MAX_K
-from kvsearch.limits import MAX_BATCH
+from kvsearch.checks import MAX_BATCH
 
 DIM = 16
 NAN, INF = float("nan"), float("inf")

@@ -1,0 +1,158 @@
+"""The argument checks every module shares, and the constants they check against.
+
+One function per rule, so a rule reads the same everywhere it applies: ``k``, finiteness, the device,
+the temperature, batch sizes, positive integers, folder paths. Each raises a typed error from
+:mod:`kvsearch.errors` that says what was expected and what came, before any work is done.
+
+This module knows nothing of FAISS, SQLite, text or training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from numbers import Real
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvsearch.errors import InvalidArgumentError, NonFiniteError
+
+__all__ = [
+    "MAX_K",
+    "MAX_BATCH",
+    "COSINE_EPS",
+    "CHUNK_ELEMENTS",
+    "check_k",
+    "all_finite",
+    "check_finite",
+    "check_device",
+    "check_temperature",
+    "check_batch",
+    "check_int",
+    "check_path",
+]
+
+#: The largest ``k`` a search accepts. FAISS allocates ``batch x k`` results up front, so an unbounded
+#: ``k`` is a memory hazard; 65,536 candidates per query is far past any useful attention width.
+MAX_K = 65_536
+#: The most records one add / upsert call, or queries one search / query call, may carry.
+MAX_BATCH = 1_000_000
+#: The floor on a norm before dividing by it (as ``F.normalize``): a zero vector has cosine 0 with everything.
+COSINE_EPS = 1e-12
+#: Score elements (batch x chunk) a chunked scan computes at once: 2^22 float32 = 16 MiB per buffer.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def check_k(k: object, *, allow_all: bool = False) -> int | Literal["all"]:
+    """``k`` as an int in [1, MAX_K] (or ``"all"`` where allowed).
+
+    Raises:
+        InvalidArgumentError: anything else (bools included).
+    """
+    if allow_all and isinstance(k, str) and k == "all":
+        return "all"
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
+        allowed = f"an integer in [1, {MAX_K}]" + (' or "all"' if allow_all else "")
+        raise InvalidArgumentError(f"expected k as {allowed}, got {k!r}")
+    return int(k)
+
+
+def all_finite(x: Tensor) -> bool:
+    """Whether ``x`` holds no NaN and no Inf.
+
+    ``torch.aminmax`` propagates NaN and returns an infinity if there is one: one reduction pass, ~15x faster
+    on the CPU than ``torch.isfinite(x).all()``, which first writes a boolean tensor the size of ``x``.
+    """
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x.detach())
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def check_finite(x: Tensor, name: str = "queries") -> None:
+    """Raise :class:`NonFiniteError` if ``x`` holds NaN or Inf, saying how many and where.
+
+    Raises:
+        NonFiniteError: ``x`` holds NaN or Inf.
+    """
+    if not all_finite(x):
+        bad = int((~torch.isfinite(x.detach())).sum())
+        raise NonFiniteError(
+            f"{name} must be finite: expected no NaN or Inf, got {bad} non-finite entries "
+            f"in {name} of shape {tuple(x.shape)}"
+        )
+
+
+def check_device(device: object) -> torch.device:
+    """The torch device to use: the given one if this machine has it, else CUDA when present, else the CPU.
+
+    Raises:
+        InvalidArgumentError: not a device name, or a device this machine does not have.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        got = f"{device!r} ({exc})"
+        raise InvalidArgumentError(f"expected a torch device such as 'cpu' or 'cuda:0', got {got}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"expected device 'cpu' or 'cuda[:n]', got {device!r}")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise InvalidArgumentError(f"expected an available device, got {device!r}: no such CUDA device here")
+    return dev
+
+
+def check_temperature(temperature: object) -> float:
+    """``temperature`` as a float if it is a finite number > 0 (not a bool).
+
+    Raises:
+        InvalidArgumentError: anything else (0, a negative number, NaN, inf, a bool, a str).
+    """
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, Real)
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise InvalidArgumentError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def check_batch(n: int, name: str) -> None:
+    """Refuse more than :data:`MAX_BATCH` records or queries in one call.
+
+    Raises:
+        InvalidArgumentError: ``n > MAX_BATCH``.
+    """
+    if n > MAX_BATCH:
+        raise InvalidArgumentError(f"expected at most {MAX_BATCH:,} {name} per call (MAX_BATCH), got {n:,}")
+
+
+def check_int(value: object, name: str, low: int = 1) -> int:
+    """``value`` as an int if it is an integer >= ``low`` (not a bool).
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InvalidArgumentError(f"expected {name} as an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_path(path: object) -> None:
+    """A database path: None, str or PathLike, non-empty and without NUL (which the OS would cut or refuse).
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"expected a folder path (str or PathLike) or None, got {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or "\x00" in text or not text.strip():
+        raise InvalidArgumentError(f"expected a non-empty folder path without NUL characters, got {text!r}")
