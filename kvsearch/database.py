@@ -34,9 +34,7 @@ from kvsearch.attention import (
     SCORES,
     Candidates,
     ScoreFn,
-    all_finite,
     attend,
-    check_temperature,
     compute_scores,
 )
 from kvsearch.encoder_files import sha256_file
@@ -57,7 +55,7 @@ from kvsearch.errors import (
 )
 from kvsearch.filters import check_where
 from kvsearch.index import MAX_K, Index
-from kvsearch.checks import MAX_BATCH
+from kvsearch.checks import MAX_BATCH, all_finite, check_temperature
 from kvsearch.limits import check_fits, index_bytes
 from kvsearch.locking import DEFAULT_LOCK_TIMEOUT
 from kvsearch.store import STORE_FILE, Record, Store
