@@ -58,11 +58,10 @@ def w_topk(m: int, nq: int, mode: str, index: str) -> dict:
     db = Database(None, dim=common.DIM, value_dim=common.DIM, score="dot", index=index)
     store = db.store
     store.ids, store.keys, store.values = torch.arange(1, m + 1), keys, values
-    db._rebuild_into(db.index)
-    db.index.search(queries[:1].numpy(), K)  # norms / first-touch outside the measurement
+    db.index.rebuild()  # from the store's tensors set above
+    db.index.search(queries[:1], K)  # norms / first-touch outside the measurement
     if mode == "search":
-        q = queries.numpy()
-        return _measure(lambda: db.index.search(q, K))
+        return _measure(lambda: db.index.search(queries, K))
     if mode == "query":
         return _measure(lambda: db.query(queries, k=K))
 

@@ -43,7 +43,7 @@ def _torch_search(index, q: np.ndarray) -> np.ndarray:
     import torch
 
     faiss.cvar.distance_compute_blas_threshold = 20
-    return index.search_tensors(torch.from_numpy(q), K)[1].numpy()
+    return index.search(torch.from_numpy(q), K).ids.numpy()
 
 
 def _methods(data, nq: int, only: str | None = None) -> dict:
@@ -61,7 +61,7 @@ def _methods(data, nq: int, only: str | None = None) -> dict:
         if method == "torch:float16" and nq > 64:
             continue  # this CPU has no float16 matmul: a batch runs a slow generic loop (shown at nq <= 64)
         index = TorchIndex(common.DIM, dtype=method.partition(":")[2] or "float32")
-        index.build(np.arange(len(data)), keys)  # float32: this very tensor, no copy; half: + a half copy
+        index.build(torch.arange(len(data)), keys)  # float32: this very tensor, no copy; half: + a half copy
         out[method] = (index, lambda q, index=index: _torch_search(index, q))
     if only is not None and only.startswith("torch"):
         return out

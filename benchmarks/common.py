@@ -266,8 +266,8 @@ def exact_topk(data: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
     from kvsearch.torch_index import TorchIndex
 
     index = TorchIndex(data.shape[1])
-    index.build(np.arange(len(data)), torch.from_numpy(np.ascontiguousarray(data)))
-    return index.search(queries, k)[1]
+    index.build(torch.arange(len(data)), torch.from_numpy(np.ascontiguousarray(data)))
+    return index.search(torch.from_numpy(np.ascontiguousarray(queries)), k).ids.numpy()
 
 
 def recall_at(found: np.ndarray, truth: np.ndarray, k: int = 10) -> float:

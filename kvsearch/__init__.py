@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvsearch.attention import AdditiveScore, Candidates, KVAttention, attend, compute_scores, pool
 from kvsearch.database import Answer, Database, Hit
-from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder, load_encoder
+from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
 from kvsearch.errors import (
     BadFileError,
     ConfigMismatchError,
@@ -27,11 +27,13 @@ from kvsearch.errors import (
     NonFiniteError,
     UnknownOptionError,
 )
+from kvsearch.folder import load_encoder
 from kvsearch.index import Index
+from kvsearch.metrics import evaluate
 from kvsearch.store import Record
 from kvsearch.streaming import streaming_attention
 from kvsearch.torch_index import TorchIndex
-from kvsearch.training import GaussianKernel, History, evaluate, finetune
+from kvsearch.training import FinetuneConfig, GaussianKernel, History, finetune
 
 __version__ = "0.1.0"
 
@@ -50,6 +52,7 @@ __all__ = [
     "EmptyDatabaseError",
     "EmptyKeyError",
     "Encoder",
+    "FinetuneConfig",
     "GaussianKernel",
     "History",
     "Hit",

@@ -32,10 +32,12 @@ __all__ = [
     "SCORES",
     "POOLINGS",
     "Candidates",
+    "check_score",
     "compute_scores",
     "pool",
     "attend",
     "AdditiveScore",
+    "GaussianKernel",
     "KVAttention",
 ]
 
@@ -90,7 +92,7 @@ def _check_option(value: object, valid: tuple[str, ...], what: str) -> str:
     return value
 
 
-def _check_score(score: object) -> None:
+def check_score(score: object) -> None:
     """Accept a callable or a built-in score name; "additive" needs its module."""
     if callable(score):
         return
@@ -253,7 +255,7 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
     """
     if callable(score):
         return score(queries, keys)  # (..., n, m)
-    _check_score(score)
+    check_score(score)
     _check_pair(queries, keys)
     if score == "cosine":
         queries = F.normalize(queries, dim=-1, eps=COSINE_EPS)  # (..., n, dim)
@@ -390,7 +392,7 @@ def attend(
             wrong dtype or shape, or the gaussian score with normalize / nonnegative pooling (all weights 0).
         UnknownOptionError: an unknown score or pooling name.
     """
-    _check_score(score)
+    check_score(score)
     _check_option(pooling, POOLINGS, "pooling")
     temperature = check_temperature(temperature)
     dropout = _check_dropout(dropout)
@@ -559,7 +561,7 @@ class KVAttention(nn.Module):
         if isinstance(score, str) and score == "additive":
             score_fn: str | ScoreFn = AdditiveScore(db.dim, db.dim, hidden=64)
         else:
-            _check_score(score)
+            check_score(score)
             score_fn = score
         self.pooling = _check_option(pooling, POOLINGS, "pooling")
         _check_pairing(score, self.pooling)
@@ -616,3 +618,42 @@ class KVAttention(nn.Module):
             f"k={self.k!r}, score={score!r}, pooling={self.pooling!r}, "
             f"temperature={self.temperature}, dropout={self.dropout}"
         )
+
+
+class GaussianKernel(nn.Module):
+    """The Gaussian (Nadaraya-Watson) score with a learnable bandwidth: ``-((q - k) * w)^2 / 2`` summed over dim.
+
+    A score callable for ``attend``, ``Database.query(score=...)`` and ``kvsearch.finetune`` (which trains ``w``).
+    With ``w = 1`` it equals the ``"gaussian"`` score. Memory is O(n m dim): it is meant for low-dimensional keys
+    (kernel regression), not text embeddings.
+
+    Args:
+        bandwidth: the initial ``w`` (finite).
+
+    Raises:
+        InvalidArgumentError: ``bandwidth`` is not a finite number.
+    """
+
+    def __init__(self, bandwidth: float = 1.0) -> None:
+        super().__init__()
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, Real) or not math.isfinite(bandwidth):
+            raise InvalidArgumentError(f"expected a finite number as bandwidth, got {bandwidth!r}")
+        self.w = nn.Parameter(torch.tensor(float(bandwidth)))
+
+    def forward(self, queries: Tensor, keys: Tensor) -> Tensor:
+        """Score every query against every key.
+
+        Args:
+            queries: (..., n, dim).
+            keys: (..., m, dim), leading dims broadcasting with the queries'.
+
+        Returns:
+            Scores (..., n, m).
+
+        Raises:
+            DimensionMismatchError: the dims differ.
+        """
+        if queries.shape[-1] != keys.shape[-1]:
+            raise DimensionMismatchError(f"expected keys of dim {queries.shape[-1]}, got {keys.shape[-1]}")
+        diff = queries.unsqueeze(-2) - keys.unsqueeze(-3)  # (..., n, m, dim)
+        return -0.5 * (diff * self.w).pow(2).sum(-1)  # (..., n, m)

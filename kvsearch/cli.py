@@ -25,10 +25,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvsearch import folder as folders
+
 __all__ = ["main", "build_parser"]
 
 PROG = "kvsearch"
-STORE_FILE = "store.sqlite"  # the file that marks a folder as a database (kvsearch.store.STORE_FILE)
 
 
 class CommandError(Exception):
@@ -217,12 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _loads_a_sentence_model(args: argparse.Namespace) -> bool:
     """Whether the command will load a sentence-transformers model: ``--encoder`` names one, or the database
-    folder's encoder files (``encoder.json``, ``value_encoder.json``, ``query_encoder.json``) do."""
+    folder's encoder files (``{prefix}.json`` for each of :data:`kvsearch.folder.ENCODER_PREFIXES`) do."""
     encoder = getattr(args, "encoder", None)
     if encoder and encoder.strip().lower() != "ngram":
         return True
     folder = Path(getattr(args, "db", None) or ".")
-    for prefix in ("encoder", "value_encoder", "query_encoder"):
+    for prefix in folders.ENCODER_PREFIXES:
         try:
             kind = json.loads((folder / f"{prefix}.json").read_text()).get("kind")
         except (OSError, ValueError, AttributeError):
@@ -283,15 +284,11 @@ def _version() -> str:
 # ---------------------------------------------------------------------- opening
 
 
-def _is_database(path: Path) -> bool:
-    return (path / STORE_FILE).is_file()
-
-
 def _open_existing(path_text: str):
     """Open a database that must exist (never create one by accident)."""
     path = Path(path_text)
-    if not _is_database(path):
-        raise CommandError(f"no kvsearch database at {path_text!r} (expected a folder with {STORE_FILE})")
+    if not folders.is_database(path):
+        raise CommandError(f"no kvsearch database at {path_text!r} (expected a folder with {folders.STORE_FILE})")
     from kvsearch.database import Database
 
     return Database(path)
@@ -309,7 +306,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not source.is_file():
         raise CommandError(f"no file at {args.source!r}")
-    created = not _is_database(path)
+    created = not folders.is_database(path)
     folder_existed = path.exists()
     encoder = encoder_from_name(args.encoder) if args.encoder else None
     if created and encoder is None:
@@ -342,12 +339,11 @@ def _remove_new_database(path: Path, folder_existed: bool) -> None:
     if not folder_existed:
         shutil.rmtree(path, ignore_errors=True)
         return
-    for child in path.iterdir():  # the folder was there (empty or with other files): remove only ours
-        if child.name.startswith(("store.sqlite", "encoder", "value_encoder", "index.npz", "manifest.json")):
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
+    for child in folders.files_of_database(path):  # the folder was there (empty or with other files): only ours
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def _cmd_query(args: argparse.Namespace) -> int:

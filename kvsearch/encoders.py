@@ -13,13 +13,11 @@ Two kinds of encoder share one interface, :class:`Encoder`:
 ``forward`` is the gradient-enabled path (training); ``encode`` is the batched inference
 path (no grad, eval mode). Both return float32 ``(n, dim)`` tensors on the encoder's device.
 
-Persistence: ``encoder.save(folder, prefix)`` writes ``{prefix}.json`` (the config plus a
-``"weights"`` entry naming the weight file, or ``null``) and the weights only where they
-cannot be rebuilt from the config; :func:`load_encoder` reads them back. Files are written
-to a temporary name in the same folder and moved into place with ``os.replace``; the json is
-written last, so it is the commit point. Nothing is ever pickled.
+Saving and loading live in :mod:`kvsearch.folder` (:func:`~kvsearch.folder.save_encoder`,
+:func:`~kvsearch.folder.load_encoder`); an encoder only says what it needs saved: :meth:`Encoder.config`
+rebuilds it, and :meth:`Encoder.needs_weights` says whether its weights must be written beside the config.
 
-This module knows nothing of storage or search.
+This module knows nothing of the database folder, storage or search.
 """
 
 from __future__ import annotations
@@ -27,21 +25,18 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
-import json
 import math
 import os
-import shutil
-import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError, UnknownOptionError
+from kvsearch.checks import check_device
+from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -51,7 +46,6 @@ __all__ = [
     "NgramEncoder",
     "SentenceEncoder",
     "ENCODER_KINDS",
-    "load_encoder",
     "encoder_from_name",
 ]
 
@@ -60,16 +54,6 @@ _SENTENCE_ALIASES = ("minilm", "sentence")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    """The torch device to use: the one given, else CUDA when present, else the CPU."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidArgumentError(f"device must be a torch device or its name, got {device!r}") from exc
 
 
 def _check_texts(texts: object) -> list[str]:
@@ -92,71 +76,22 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
-def _check_prefix(prefix: object) -> str:
-    if not isinstance(prefix, str) or not prefix or prefix in (".", "..") or any(s in prefix for s in "/\\\x00"):
-        raise InvalidArgumentError(
-            f"prefix must be a non-empty file name without a path separator or NUL, got {prefix!r}"
-        )
-    return prefix
-
-
-@contextlib.contextmanager
-def _temp_path(folder: Path, name: str) -> Iterator[Path]:
-    """A fresh temporary file name in ``folder`` (same file system, so os.replace is atomic)."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-    finally:
-        tmp_path.unlink(missing_ok=True)  # no-op once it has been moved into place
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    with _temp_path(path.parent, path.name) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-
-def _write_safetensors_atomic(path: Path, state: dict[str, Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-    with _temp_path(path.parent, path.name) as tmp:
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished folder ``src`` to ``dst``, replacing an older ``dst`` (rename, then delete)."""
-    old = None
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old."))
-        os.replace(dst, old / dst.name)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- base class
 
 
 class Encoder(nn.Module, abc.ABC):
     """Abstract text encoder: a list of texts -> an ``(n, dim)`` float32 tensor.
 
-    Subclasses implement :meth:`forward` (with grad), :meth:`config` and :meth:`save`, and
-    set ``dim``. Encoders are built in eval mode; a trainer calls ``.train()`` itself.
+    Subclasses implement :meth:`forward` (with grad), :meth:`config` and :meth:`needs_weights`,
+    and set ``dim``. Encoders are built in eval mode; a trainer calls ``.train()`` itself.
 
     Attributes:
         dim: The output dimension.
         kind: The registry name (``"ngram"`` or ``"sentence"``), stored in the config.
-        trained: Set to True by the trainer after fine-tuning. :class:`SentenceEncoder` saves
-            its weights only when it is set; :class:`NgramEncoder` decides by comparing its
-            weights with the seeded initialisation and ignores it.
+        trained: Set to True by the trainer after fine-tuning. A :class:`SentenceEncoder`
+            needs its weights saved only when it is set (or its model was given as an instance);
+            an :class:`NgramEncoder` decides by comparing its weights with the seeded
+            initialisation and ignores it.
     """
 
     kind: ClassVar[str] = ""
@@ -186,8 +121,8 @@ class Encoder(nn.Module, abc.ABC):
         """The JSON-serialisable ``{"kind": ..., **constructor args}`` that rebuilds this encoder."""
 
     @abc.abstractmethod
-    def save(self, folder: Path, prefix: str) -> None:
-        """Write ``{prefix}.json`` and, where needed, the weights into ``folder``."""
+    def needs_weights(self) -> bool:
+        """Whether the weights must be saved beside :meth:`config`: the config alone does not rebuild them."""
 
     @property
     def device(self) -> torch.device:
@@ -288,9 +223,10 @@ class NgramEncoder(Encoder):
     The table is initialised from ``seed`` alone (N(0, 1/dim) from a local generator), so two
     encoders with the same config give identical embeddings.
 
-    Persistence rule: :meth:`save` writes ``{prefix}.safetensors`` only when the weights
-    differ from the seeded initialisation (see :meth:`weights_changed`), i.e. after training;
-    otherwise the json alone rebuilds the encoder exactly.
+    Persistence rule: :meth:`needs_weights` is True only when the weights differ from the
+    seeded initialisation (see :meth:`weights_changed`), i.e. after training; otherwise the
+    config alone rebuilds the encoder exactly (:func:`kvsearch.folder.save_encoder` then writes
+    only ``{prefix}.json``).
 
     Args:
         dim: The output dimension (>= 1).
@@ -341,7 +277,7 @@ class NgramEncoder(Encoder):
         # _weight skips nn.EmbeddingBag's own init, which would draw from the global RNG
         initial = _seeded_weight(self.num_buckets, self.dim, seed)  # (num_buckets, dim)
         self.embedding = nn.EmbeddingBag(self.num_buckets, self.dim, mode="sum", sparse=sparse, _weight=initial)
-        self.to(_resolve_device(device))
+        self.to(check_device(device))
         self.eval()
 
     def ngrams(self, text: str) -> list[str]:
@@ -410,32 +346,13 @@ class NgramEncoder(Encoder):
             "sparse": self.sparse,
         }
 
-    def save(self, folder: Path, prefix: str) -> None:
-        """Write ``{prefix}.json``, and ``{prefix}.safetensors`` only if the weights were trained.
+    def needs_weights(self) -> bool:
+        """Whether the weights must be saved: they differ from the seeded initialisation (see :meth:`weights_changed`).
 
-        The json holds :meth:`config` plus ``"weights"``: the weight file name, or ``null`` when
-        the seed rebuilds the weights (a stale ``{prefix}.safetensors`` is then removed). Each
-        file is written to a temporary name and moved into place; the json goes last.
-
-        Args:
-            folder: The folder to write into (created if missing).
-            prefix: The file name stem, without a path separator.
-
-        Raises:
-            InvalidArgumentError: If ``prefix`` is empty or holds a path separator.
+        Returns:
+            True after training (or after loading trained weights); False when the seed rebuilds the table.
         """
-        prefix = _check_prefix(prefix)
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        weights_path = folder / f"{prefix}.safetensors"
-        changed = self.weights_changed()
-        if changed:
-            _write_safetensors_atomic(weights_path, self.state_dict())
-        _write_json_atomic(
-            folder / f"{prefix}.json", {**self.config(), "weights": weights_path.name if changed else None}
-        )
-        if not changed:
-            weights_path.unlink(missing_ok=True)
+        return self.weights_changed()
 
 
 # --------------------------------------------------------------------------- sentence encoder
@@ -467,11 +384,10 @@ class SentenceEncoder(Encoder):
             ``SentenceTransformer`` is left where it is unless ``device`` is set).
         max_seq_length: If set, overrides the model's maximum number of tokens per text.
 
-    Persistence rule: :meth:`save` always writes ``{prefix}.json``. It writes the weights only
-    when ``self.trained`` is True (the trainer sets it after fine-tuning) or when the model was
-    given as an instance (whose source cannot be named): then ``model.save`` writes the folder
-    ``{prefix}_model`` (safetensors) and the json's ``"model"`` is that folder, relative to the
-    database folder, where :func:`load_encoder` resolves it.
+    Persistence rule: :meth:`needs_weights` is True only when ``self.trained`` is True (the
+    trainer sets it after fine-tuning) or when the model was given as an instance (whose source
+    cannot be named): then :func:`kvsearch.folder.save_encoder` writes the model folder
+    ``{prefix}_model`` (safetensors) beside ``{prefix}.json``, which names it.
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type, or the model cannot be loaded.
@@ -505,7 +421,7 @@ class SentenceEncoder(Encoder):
                     source = os.path.abspath(source)
                 self.model_ref = source
             try:
-                st_model = _load_sentence_transformer(source, _resolve_device(device))
+                st_model = _load_sentence_transformer(source, check_device(device))
             except (OSError, ValueError) as exc:
                 raise InvalidArgumentError(
                     f"cannot load the sentence-transformers model {source!r} offline "
@@ -518,7 +434,7 @@ class SentenceEncoder(Encoder):
                 raise InvalidArgumentError(
                     f"model must be None, a str or a SentenceTransformer, got {type(model).__name__}"
                 )
-            st_model = model if device is None else model.to(_resolve_device(device))
+            st_model = model if device is None else model.to(check_device(device))
             self.model_ref = None
             self._from_instance = True
         self.model = st_model
@@ -590,7 +506,7 @@ class SentenceEncoder(Encoder):
         """``{"kind": "sentence", "model": ..., "normalize": ..., "max_seq_length": ...}``.
 
         ``"model"`` is the folder or name given (None for the default model, and None for a
-        model given as an instance, which only :meth:`save` can persist).
+        model given as an instance, whose weights must then be saved: see :meth:`needs_weights`).
 
         Returns:
             A JSON-serialisable dict.
@@ -602,126 +518,19 @@ class SentenceEncoder(Encoder):
             "max_seq_length": self.max_seq_length,
         }
 
-    def save(self, folder: Path, prefix: str) -> None:
-        """Write ``{prefix}.json``, and the model folder ``{prefix}_model`` if trained.
+    def needs_weights(self) -> bool:
+        """Whether the model's weights must be saved: it was trained (``trained`` is set), or it was given as an
+        instance, whose source :meth:`config` cannot name.
 
-        The weights are written when ``self.trained`` is True or the model was given as an
-        instance; the json's ``"model"`` and ``"weights"`` then name ``{prefix}_model``
-        (relative to ``folder``). Otherwise ``"weights"`` is ``null`` and the json names the
-        model to load. The model folder is written under a temporary name and moved into
-        place; the json goes last.
-
-        Args:
-            folder: The folder to write into (created if missing).
-            prefix: The file name stem, without a path separator.
-
-        Raises:
-            InvalidArgumentError: If ``prefix`` is empty or holds a path separator.
+        Returns:
+            True if the model folder must be written beside the config.
         """
-        prefix = _check_prefix(prefix)
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        data = {**self.config(), "weights": None}
-        if self.trained or self._from_instance:
-            model_dir = folder / f"{prefix}_model"
-            tmp_dir = Path(tempfile.mkdtemp(dir=folder, prefix=f".{model_dir.name}."))
-            try:
-                self.model.save(str(tmp_dir), create_model_card=False, safe_serialization=True)
-                _replace_dir(tmp_dir, model_dir)
-            finally:
-                shutil.rmtree(tmp_dir, ignore_errors=True)
-            data["model"] = data["weights"] = model_dir.name
-        _write_json_atomic(folder / f"{prefix}.json", data)
+        return self.trained or self._from_instance
 
 
-# --------------------------------------------------------------------------- registry and loading
+# --------------------------------------------------------------------------- registry
 
 ENCODER_KINDS: dict[str, type[Encoder]] = {"ngram": NgramEncoder, "sentence": SentenceEncoder}
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CorruptDatabaseError(f"encoder config {path} is missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptDatabaseError(f"encoder config {path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CorruptDatabaseError(f"encoder config {path} must hold a JSON object, got {type(data).__name__}")
-    if not isinstance(data.get("kind"), str):
-        raise CorruptDatabaseError(f"encoder config {path} has no string 'kind' entry")
-    weights = data.get("weights")
-    if weights is not None and (not isinstance(weights, str) or not weights or any(s in weights for s in "/\\")):
-        raise CorruptDatabaseError(f"encoder config {path}: 'weights' must be a file name or null, got {weights!r}")
-    return data
-
-
-def load_encoder(folder: Path, prefix: str, device: str | torch.device | None = None) -> Encoder:
-    """Rebuild an encoder that :meth:`Encoder.save` wrote.
-
-    Reads ``{prefix}.json``, builds the encoder named by its ``"kind"``, and loads the weights
-    the json names (``{prefix}.safetensors`` for an n-gram encoder, strictly; the
-    ``{prefix}_model`` folder, resolved relative to ``folder``, for a sentence encoder).
-
-    Args:
-        folder: The folder the encoder was saved in.
-        prefix: The file name stem given to ``save``.
-        device: Where to put the encoder; None -> CUDA when present, else the CPU.
-
-    Returns:
-        The encoder, in eval mode; ``trained`` is True if saved weights were loaded.
-
-    Raises:
-        CorruptDatabaseError: If the json or the weight file it names is missing, garbled, or
-            does not fit the config.
-        UnknownOptionError: If the json's kind is not a known encoder kind.
-        InvalidArgumentError: If ``prefix`` is empty or holds a path separator.
-    """
-    prefix = _check_prefix(prefix)
-    folder = Path(folder)
-    json_path = folder / f"{prefix}.json"
-    data = _read_config(json_path)
-    kind = data.pop("kind")
-    weights = data.pop("weights", None)
-    if kind not in ENCODER_KINDS:
-        raise UnknownOptionError(
-            f"encoder config {json_path}: unknown encoder kind {kind!r}, expected one of {sorted(ENCODER_KINDS)}"
-        )
-    if kind == "sentence" and weights is not None:
-        model_dir = folder / weights
-        if not (model_dir / "modules.json").is_file() and not (model_dir / "config.json").is_file():
-            raise CorruptDatabaseError(f"encoder model folder {model_dir} (named by {json_path}) is missing or empty")
-        data["model"] = str(model_dir)
-    if kind == "ngram" and "ngram_range" in data and isinstance(data["ngram_range"], list):
-        data["ngram_range"] = tuple(data["ngram_range"])
-    try:
-        encoder = ENCODER_KINDS[kind](**data, device=device)
-    except (TypeError, InvalidArgumentError) as exc:
-        raise CorruptDatabaseError(f"encoder config {json_path} does not describe a {kind} encoder: {exc}") from exc
-    if kind == "ngram" and weights is not None:
-        _load_safetensors_into(encoder, folder / weights)
-    encoder.trained = weights is not None
-    return encoder
-
-
-def _load_safetensors_into(encoder: Encoder, path: Path) -> None:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise CorruptDatabaseError(f"encoder weights {path} are missing")
-    try:
-        state = load_file(str(path), device="cpu")
-    except Exception as exc:  # safetensors raises its own SafetensorError, and OSError
-        raise CorruptDatabaseError(
-            f"encoder weights {path} cannot be read (truncated or not safetensors): {exc}"
-        ) from exc
-    bad = {name: t.dtype for name, t in state.items() if t.dtype != torch.float32}
-    if bad:
-        raise CorruptDatabaseError(f"encoder weights {path}: expected float32 tensors, got {bad}")
-    try:
-        encoder.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise CorruptDatabaseError(f"encoder weights {path} do not fit the encoder config: {exc}") from exc
 
 
 def encoder_from_name(name: str, device: str | torch.device | None = None) -> Encoder:

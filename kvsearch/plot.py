@@ -23,7 +23,7 @@ from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, Missin
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from kvsearch.database import Answer
+    from kvsearch.results import Answer
 
 __all__ = ["heatmap", "plot_answer", "plot_history"]
 

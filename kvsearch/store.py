@@ -33,9 +33,8 @@ from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, KeyNotFou
 from kvsearch.filters import where_sql
 from kvsearch.locking import LOCK_FILE, WriteLock
 
-__all__ = ["Record", "Store", "STORE_FILE"]
+__all__ = ["Record", "Store"]
 
-STORE_FILE = "store.sqlite"
 #: Stores of at least this many records keep a memory-mapped copy of their embeddings (see Store.write_side).
 SIDE_MIN_ROWS = 50_000
 
@@ -350,9 +349,9 @@ class Store:
             finally:
                 conn.execute("COMMIT")  # ends the read; nothing was written
 
-    def transaction(self) -> _Transaction:
+    def transaction(self) -> Transaction:
         """``with store.transaction():`` — BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
-        return _Transaction(self)
+        return Transaction(self)
 
     def write(
         self,
@@ -400,7 +399,7 @@ class Store:
                     "UPDATE records SET key = ?, value = ?, metadata = ?, key_emb = ?, value_emb = ? WHERE id = ?",
                     (row(i, out[i]) for i in old),
                 )
-                self._bump()
+                self.bump_version()
             # Committed: now mirror it in memory (still under the lock, so readers never see half of it).
             dev_keys = key_embs.detach().to(self.device, torch.float32)  # (n, dim)
             dev_values = value_embs.detach().to(self.device, torch.float32)  # (n, value_dim)
@@ -440,7 +439,7 @@ class Store:
                 raise KeyNotFoundError(f"expected stored ids, got unknown ids {missing[:10]}")
             with self.transaction():
                 self._delete_rows(ids)
-                self._bump()
+                self.bump_version()
             self._drop_from_memory(ids)
 
     def replace_embeddings(self, keys: Tensor | None = None, values: Tensor | None = None) -> None:
@@ -460,7 +459,7 @@ class Store:
                         f"UPDATE records SET {column} = ? WHERE id = ?",  # column is one of two literals
                         ((arr[i].tobytes(), ids[i]) for i in range(len(ids))),
                     )
-                self._bump()
+                self.bump_version()
             if keys is not None:
                 self.keys = keys.detach().to(self.device, torch.float32).clone()
             if values is not None:
@@ -469,7 +468,11 @@ class Store:
     def _delete_rows(self, ids: Iterable[int]) -> None:
         self._conn.executemany("DELETE FROM records WHERE id = ?", ((int(i),) for i in ids))
 
-    def _bump(self) -> None:
+    def bump_version(self) -> None:
+        """Record one more committed write: the version, inside the open transaction (every write calls it last).
+
+        Other processes compare the version with the one their mirror was loaded at (:meth:`is_stale`).
+        """
         version = self.version + 1
         self._put_meta("version", version)
         self.loaded_version = version  # callers reload a stale mirror before writing (Database._writing)
@@ -559,21 +562,37 @@ class Store:
             out.update(self._conn.execute(f"SELECT id, value FROM records WHERE id IN ({marks})", chunk).fetchall())
         return out
 
-    def ids_where(self, where: dict[str, Any]) -> np.ndarray:
+    def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:
+        """id -> the value as an answer shows it: its text, or its embedding (CPU tensor) when it has no text.
+
+        Args:
+            ids: stored ids (an id no longer stored maps to None).
+            texts: whether values may have text; without (no value encoder) nothing is read from SQLite.
+        """
+        out: dict[int, str | Tensor | None] = self.value_texts(ids) if texts else dict.fromkeys(ids)
+        need_emb = [i for i, text in out.items() if text is None]
+        if need_emb:
+            rows = self.rows_of(torch.tensor(need_emb))  # (r,) -1 for an id no longer stored
+            values = self.values[rows.clamp(min=0).to(self.device)].cpu()  # (r, value_dim)
+            for i, row, present in zip(need_emb, values, (rows >= 0).tolist()):
+                out[i] = row if present else None
+        return out
+
+    def ids_where(self, where: dict[str, Any]) -> Tensor:
         """The ids of the records whose metadata satisfies a filter (see :mod:`kvsearch.filters`).
 
         Args:
             where: a filter such as ``{"lang": "en", "year": {"$gte": 2000}}``.
 
         Returns:
-            int64 (m,) sorted ids.
+            (m,) int64 CPU tensor of sorted ids.
 
         Raises:
             InvalidArgumentError, UnknownOptionError, NonFiniteError: a bad filter.
         """
         sql, params = where_sql(where)  # every user value is a bound parameter
         rows = self._conn.execute(f"SELECT id FROM records WHERE {sql} ORDER BY id", params).fetchall()
-        return np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+        return torch.tensor([r[0] for r in rows], dtype=torch.long)  # (m,)
 
     def close(self) -> None:
         """Write the embeddings side file if due (see :meth:`write_side`), then close the SQLite connection.
@@ -609,7 +628,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _Transaction:
+class Transaction:
+    """``with store.transaction():`` — BEGIN IMMEDIATE under the write lock, then COMMIT, or ROLLBACK on error.
+
+    Nested inside an open transaction it adds nothing (``depth_owner`` is False): the outermost one commits.
+    """
+
     def __init__(self, store: Store) -> None:
         self.store = store
         self.depth_owner = False

@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvsearch.attention import compute_scores
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 
-__all__ = ["streaming_attention", "STREAMING_SCORES", "default_chunk"]
+__all__ = ["streaming_attention", "streaming_attend", "STREAMING_SCORES", "default_chunk"]
 
 #: Score functions streaming attention computes.
 STREAMING_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
-
 
 
 def default_chunk(batch: int) -> int:
@@ -198,3 +198,31 @@ def streaming_attention(
         queries, keys, values, scale, score == "cosine", score == "gaussian", int(chunk)
     )  # (batch, value_dim), (batch,), (batch,)
     return (output, lse, best_row) if return_stats else output
+
+
+def streaming_attend(
+    queries: Tensor, keys: Tensor, values: Tensor, *, score: str, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention over every key with :func:`streaming_attention`, and the weights as an answer shows them.
+
+    Args:
+        queries: (batch, dim). keys: (m, dim). values: (m, value_dim). score: one of ``STREAMING_SCORES``.
+        temperature: finite and > 0.
+
+    Returns:
+        output (batch, value_dim), differentiable, whose autograd graph holds O(batch x chunk) memory; and
+        weights (batch, m), detached — the answer's own size, filled a chunk at a time.
+
+    Raises:
+        As :func:`streaming_attention`.
+    """
+    output, lse, _ = streaming_attention(
+        queries, keys, values, score=score, temperature=temperature, return_stats=True
+    )  # (batch, value_dim), (batch,)
+    weights = torch.empty(queries.shape[0], keys.shape[0], dtype=output.dtype, device=queries.device)  # (batch, m)
+    step = max(1024, CHUNK_ELEMENTS // queries.shape[0])
+    with torch.no_grad():
+        for start in range(0, keys.shape[0], step):
+            scores = compute_scores(queries.detach(), keys[start : start + step], score) / temperature  # (b, c)
+            weights[:, start : start + step] = torch.exp(scores - lse.unsqueeze(1))  # (batch, c)
+    return output, weights

@@ -1,72 +1,100 @@
-"""End-to-end fine-tuning of the retriever: losses, the loop, index refresh, retrieval metrics.
+"""End-to-end fine-tuning of the retriever: the loop, its options, index refresh, installing what was trained.
 
     history = finetune(db, train_pairs, eval_pairs=eval_pairs, loss="retrieval", k=32, epochs=3)
     history.metrics[-1]        # {"epoch": 3, "step": ..., "recall@1": ..., "recall@k": ..., "mrr": ...}
     db.search("Smyth")         # now answered with the fine-tuned query encoder, saved with the database
 
+    config = FinetuneConfig(loss="retrieval", k=32, epochs=3)   # the same options, as one checked value
+    history = finetune(db, train_pairs, config=config, seed=1)  # keyword options override the config's
+
 One step: the query texts go through the (trainable) query encoder with grad; the index picks ``k``
 candidates for the detached queries (``Database.candidates``; for the retrieval loss the target record is
-forced in when the index missed it, RAG/REALM style); the candidates' keys and values are gathered by id;
-``attend`` scores and pools them in torch; the loss is taken on the scores or on the pooled answer, and
-the gradient flows back into the query encoder (and, with ``train="query+keys"``, through the re-encoded
-candidate keys into the key encoder; with ``train_values=True`` into the value embeddings).
+forced in when the index missed it, RAG/REALM style); ``attend`` scores and pools them in torch; the loss
+(:mod:`kvsearch.losses`) is taken on the scores or on the pooled answer, and the gradient flows back into the
+query encoder (and, with ``train="query+keys"``, through the re-encoded candidate keys into the key encoder;
+with ``train_values=True`` into the value embeddings).
 
 Targets. A pair is ``(query text, target text)``; ``targets="key"`` reads the target as the key of the right
 record, ``targets="value"`` as the value text of the answer (no label of which record is right: several
 records may share it). The default follows the loss: ``"key"`` for ``"retrieval"``, ``"value"`` for the
 answer losses. ``train_pairs`` may also be ``(queries, values)``, two tensors (n, dim) and (n, value_dim), for
-databases without text (kernel regression, see :class:`GaussianKernel`).
+databases without text (kernel regression, see :class:`~kvsearch.attention.GaussianKernel`).
+
+This module owns the loop and its options (:class:`FinetuneConfig`, :class:`History`). The losses live in
+:mod:`kvsearch.losses`, the metrics in :mod:`kvsearch.metrics`. It talks to the database through the facade's
+public methods only (``candidates``, ``ids``, ``embeddings``, ``key_texts``, ``replace_value_embeddings``,
+``refresh``, ``save_encoders``, the encoders): it knows nothing of the store, the index or the file formats.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.attention import ScoreFn, attend, compute_scores
+from kvsearch.attention import (
+    POOLINGS,
+    GaussianKernel,
+    PoolingName,
+    ScoreFn,
+    attend,
+    check_score,
+    compute_scores,
+)
+from kvsearch.checks import check_int, check_k, check_temperature
 from kvsearch.database import Database
 from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
-from kvsearch.errors import (
-    DimensionMismatchError,
-    InvalidArgumentError,
-    KeyNotFoundError,
-    UnknownOptionError,
+from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, UnknownOptionError
+from kvsearch.losses import (
+    ANSWER_LOSSES,
+    LOSSES,
+    Batch,
+    LossFn,
+    LossName,
+    answer_loss,
+    answer_mse_loss,
+    get_loss,
+    retrieval_loss,
 )
+from kvsearch.metrics import TARGET_KINDS, Pairs, TargetKind, check_pairs, evaluate, is_tensor_pairs, target_ids
 
 __all__ = [
-    "LossName",
     "TrainMode",
     "TargetKind",
+    "TRAIN_MODES",
+    "OPTIMIZERS",
+    "FinetuneConfig",
+    "History",
+    "finetune",
+    # re-exported from their own modules, for code that imported them from here
+    "LossName",
+    "LossFn",
     "LOSSES",
     "Batch",
-    "History",
-    "GaussianKernel",
     "retrieval_loss",
     "answer_loss",
     "answer_mse_loss",
     "evaluate",
-    "finetune",
+    "GaussianKernel",
 ]
 
-LossName = Literal["retrieval", "answer", "answer_mse"]
 TrainMode = Literal["query", "query+keys"]
-TargetKind = Literal["key", "value"]
-LOSSES: tuple[str, ...] = get_args(LossName)
+#: What learns: a query-side encoder only, or the shared key encoder too (the index is then refreshed).
 TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
-TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 
-Pairs = Sequence[tuple[str, str]] | tuple[Tensor, Tensor]
 OptimizerSpec = str | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-
-_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+#: The optimizers named by a string.
+OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
+_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
     "sgd": torch.optim.SGD,
@@ -74,121 +102,126 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 _DEFAULT_LR = {"ngram": 1e-2, "sentence": 2e-5, "other": 1e-2}  # per parameter group when lr is None
 
 
-@dataclass
-class Batch:
-    """What a loss sees for one batch of b queries and their k candidates.
+# ----------------------------------------------------------------------------- the options
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Every option of :func:`finetune`, checked once, when it is made.
 
     Attributes:
-        queries: (b, dim) query embeddings, with grad when the query encoder trains.
-        scores: (b, k) raw scores of the candidates (before the temperature); -inf never appears.
-        weights: (b, k) attention weights (0 on missing candidates).
-        output: (b, value_dim) the pooled answer ``weights @ values``.
-        ids: (b, k) candidate ids, -1 where none.
-        mask: (b, k) True where the candidate exists.
-        match: (b, k) True on the target record (key targets), else None.
-        target_values: (b, value_dim) the embedding of the right answer.
-        temperature: the softmax temperature of the run.
-    """
-
-    queries: Tensor
-    scores: Tensor
-    weights: Tensor
-    output: Tensor
-    ids: Tensor
-    mask: Tensor
-    match: Tensor | None
-    target_values: Tensor
-    temperature: float
-
-
-LossFn = Callable[[Batch], Tensor]
-
-
-def retrieval_loss(batch: Batch) -> Tensor:
-    """Cross-entropy over the candidates' scores / temperature, the target record being the class.
-
-    Args:
-        batch: a :class:`Batch` with ``match`` (key targets; the trainer forces the target among the candidates).
-
-    Returns:
-        The mean loss over the queries whose target is among the candidates (a 0-dim tensor).
+        loss: ``"retrieval"`` (cross-entropy over the candidates' scores, the target record forced among
+            the candidates), ``"answer"`` (1 - cosine between the pooled answer and the target value's
+            embedding; the gradient reaches the query only through the attention weights), ``"answer_mse"``
+            (mean squared error instead), or a callable ``(Batch) -> 0-dim tensor`` (see :mod:`kvsearch.losses`).
+        targets: ``"key"`` (the target text is the right record's key) or ``"value"`` (the target text is
+            the answer's value text, encoded with the value encoder); None follows the loss (see
+            :attr:`target_kind`). Ignored for tensor pairs (values).
+        k: candidates per query (the index's top k), in [1, MAX_K].
+        epochs: passes over the training pairs.
+        refresh_every: with ``train="query+keys"``, re-encode the keys and rebuild the index every this many
+            steps (and after each epoch, and at the end).
+        train: ``"query"``: a query-side copy of the encoder learns (``db.query_encoder``; the stored keys
+            and the index never change). ``"query+keys"``: the shared encoder learns, the index is refreshed;
+            a value encoder that was the key encoder is kept, untrained, as the value encoder.
+        train_values: make the value embeddings trainable; they are written to the database at the end.
+        score: the score function, default (None) the database's; an ``nn.Module`` (e.g.
+            :class:`~kvsearch.attention.GaussianKernel`) trains along.
+        pooling: the pooling of the answer (see ``kvsearch.attention.pool``).
+        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or a callable ``(param groups) -> Optimizer``.
+        lr: the learning rate; default (None) per part: 1e-2 for n-gram encoders, score modules and values,
+            2e-5 for sentence encoders.
+        batch_size: pairs per step.
+        temperature: the softmax temperature of the scores, finite and > 0 (0.05 suits cosine scores).
+        seed: seeds the shuffling and torch (dropout); an integer >= 0.
+        verbose: show a tqdm bar with the step, the loss and the latest recall@1 (or eval loss).
 
     Raises:
-        InvalidArgumentError: ``batch.match`` is None (targets given as values).
-    """
-    if batch.match is None:
-        raise InvalidArgumentError('the retrieval loss needs key targets (targets="key"), got value targets')
-    logits = (batch.scores / batch.temperature).masked_fill(~batch.mask, -math.inf)  # (b, k)
-    has = batch.match.any(-1)  # (b,)
-    target = batch.match.float().argmax(-1)  # (b,)
-    if not bool(has.any()):
-        return batch.scores.sum() * 0.0  # () no target in this batch: a zero that keeps the graph
-    return F.cross_entropy(logits[has], target[has])  # ()
-
-
-def answer_loss(batch: Batch) -> Tensor:
-    """One minus the cosine between the pooled answer and the target value's embedding, averaged.
-
-    Args:
-        batch: a :class:`Batch`.
-
-    Returns:
-        A 0-dim tensor in [0, 2].
-    """
-    return (1 - F.cosine_similarity(batch.output, batch.target_values, dim=-1, eps=1e-8)).mean()  # ()
-
-
-def answer_mse_loss(batch: Batch) -> Tensor:
-    """The mean squared error between the pooled answer and the target value's embedding.
-
-    Args:
-        batch: a :class:`Batch`.
-
-    Returns:
-        A 0-dim tensor.
-    """
-    return F.mse_loss(batch.output, batch.target_values)  # ()
-
-
-_LOSS_FNS: dict[str, LossFn] = {"retrieval": retrieval_loss, "answer": answer_loss, "answer_mse": answer_mse_loss}
-
-
-class GaussianKernel(nn.Module):
-    """The Gaussian (Nadaraya-Watson) score with a learnable bandwidth: ``-((q - k) * w)^2 / 2`` summed over dim.
-
-    A score callable for ``attend``, ``Database.query(score=...)`` and :func:`finetune` (which trains ``w``).
-    Memory is O(n m dim): it is meant for low-dimensional keys (kernel regression), not text embeddings.
-
-    Args:
-        bandwidth: the initial ``w`` (finite).
-
-    Raises:
-        InvalidArgumentError: ``bandwidth`` is not a finite number.
+        InvalidArgumentError: a value of the wrong type or out of range (``k=0``, ``epochs=True``,
+            ``temperature=inf``, ``lr=-1``, ...), or the retrieval loss with value targets.
+        UnknownOptionError: an unknown loss, targets, train mode, score, pooling or optimizer name.
     """
 
-    def __init__(self, bandwidth: float = 1.0) -> None:
-        super().__init__()
-        if isinstance(bandwidth, bool) or not isinstance(bandwidth, int | float) or not math.isfinite(bandwidth):
-            raise InvalidArgumentError(f"expected a finite number as bandwidth, got {bandwidth!r}")
-        self.w = nn.Parameter(torch.tensor(float(bandwidth)))
+    loss: LossName | LossFn = "answer"
+    targets: TargetKind | None = None
+    k: int = 32
+    epochs: int = 3
+    refresh_every: int = 200
+    train: TrainMode = "query"
+    train_values: bool = False
+    score: str | ScoreFn | None = None
+    pooling: PoolingName = "softmax"
+    optimizer: OptimizerSpec = "adam"
+    lr: float | None = None
+    batch_size: int = 64
+    temperature: float = 0.05
+    seed: int = 0
+    verbose: bool = True
 
-    def forward(self, queries: Tensor, keys: Tensor) -> Tensor:
-        """Score every query against every key.
+    def __post_init__(self) -> None:
+        get_loss(self.loss)  # UnknownOptionError unless a registered name or a callable
+        _check_name(self.train, TRAIN_MODES, "train")
+        if self.targets is not None:
+            _check_name(self.targets, TARGET_KINDS, "targets")
+        if self.loss == "retrieval" and self.targets == "value":
+            raise InvalidArgumentError('the retrieval loss needs targets="key" (which record is right), got "value"')
+        self._set("k", check_k(self.k))
+        self._set("epochs", check_int(self.epochs, "epochs"))
+        self._set("refresh_every", check_int(self.refresh_every, "refresh_every"))
+        self._set("batch_size", check_int(self.batch_size, "batch_size"))
+        self._set("seed", check_int(self.seed, "seed", low=0))
+        self._set("temperature", check_temperature(self.temperature))
+        if self.lr is not None:
+            lr = self.lr
+            if isinstance(lr, bool) or not isinstance(lr, Real) or not math.isfinite(lr) or lr <= 0:
+                raise InvalidArgumentError(f"expected lr as a finite number > 0, or None, got {lr!r}")
+            self._set("lr", float(lr))
+        self._set("train_values", _check_flag(self.train_values, "train_values"))
+        self._set("verbose", _check_flag(self.verbose, "verbose"))
+        if self.score is not None:
+            check_score(self.score)  # a name from SCORES (not "additive") or a callable
+        _check_name(self.pooling, POOLINGS, "pooling")
+        if not callable(self.optimizer):
+            _check_name(self.optimizer, OPTIMIZERS, "optimizer")
 
-        Args:
-            queries: (..., n, dim).
-            keys: (..., m, dim), leading dims broadcasting with the queries'.
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # a checked value in its canonical type (np.int64 -> int, ...)
 
-        Returns:
-            Scores (..., n, m).
+    @property
+    def target_kind(self) -> TargetKind:
+        """``targets``, or its default for the loss: ``"value"`` for the answer losses, else ``"key"``."""
+        if self.targets is not None:
+            return self.targets
+        return "value" if self.loss in ANSWER_LOSSES else "key"
 
-        Raises:
-            DimensionMismatchError: the dims differ.
-        """
-        if queries.shape[-1] != keys.shape[-1]:
-            raise DimensionMismatchError(f"expected keys of dim {queries.shape[-1]}, got {keys.shape[-1]}")
-        diff = queries.unsqueeze(-2) - keys.unsqueeze(-3)  # (..., n, m, dim)
-        return -0.5 * (diff * self.w).pow(2).sum(-1)  # (..., n, m)
+
+def _check_name(value: object, valid: tuple[str, ...], what: str) -> None:
+    if not isinstance(value, str) or value not in valid:
+        raise UnknownOptionError(f"expected {what} among {valid}, got {value!r}")
+
+
+def _check_flag(value: object, what: str) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise InvalidArgumentError(f"expected {what} as True or False, got {value!r}")
+    return bool(value)
+
+
+_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(FinetuneConfig))
+
+
+def _make_config(config: FinetuneConfig | None, options: dict[str, Any]) -> FinetuneConfig:
+    """The run's options: ``config`` (or the defaults) with the keyword ``options`` over it."""
+    if config is not None and not isinstance(config, FinetuneConfig):
+        raise InvalidArgumentError(f"expected config as a FinetuneConfig or None, got {type(config).__name__}")
+    unknown = [name for name in options if name not in _OPTION_NAMES]
+    if unknown:
+        raise InvalidArgumentError(
+            f"expected finetune options among {_OPTION_NAMES}, got unknown option(s) {', '.join(unknown)}"
+        )
+    return FinetuneConfig(**options) if config is None else dataclasses.replace(config, **options)
+
+
+# ----------------------------------------------------------------------------- what a run reports
 
 
 @dataclass
@@ -214,49 +247,11 @@ class History:
     seconds: float = 0.0
 
 
-# ----------------------------------------------------------------------------- checks and set-up
-
-
-def _is_tensor_pairs(pairs: object) -> bool:
-    return isinstance(pairs, tuple) and len(pairs) == 2 and all(isinstance(p, Tensor) for p in pairs)
-
-
-def _check_pairs(pairs: object, name: str, db: Database) -> None:
-    if _is_tensor_pairs(pairs):
-        queries, values = pairs
-        if queries.dim() != 2 or queries.shape[1] != db.dim:
-            raise DimensionMismatchError(f"expected {name} queries of shape (n, {db.dim}), got {tuple(queries.shape)}")
-        if values.dim() != 2 or values.shape != (queries.shape[0], db.value_dim):
-            raise DimensionMismatchError(
-                f"expected {name} values of shape ({queries.shape[0]}, {db.value_dim}), got {tuple(values.shape)}"
-            )
-        if queries.shape[0] == 0:
-            raise InvalidArgumentError(f"expected at least one {name} pair, got none")
-        return
-    if isinstance(pairs, str | bytes) or not isinstance(pairs, Sequence):
-        raise InvalidArgumentError(
-            f"expected {name} as a list of (query text, target text) or a (queries, values) tensor pair, "
-            f"got {type(pairs).__name__}"
-        )
-    if not pairs:
-        raise InvalidArgumentError(f"expected at least one {name} pair, got none")
-    for i, pair in enumerate(pairs):
-        if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-            raise InvalidArgumentError(f"expected {name}[{i}] as (query text, target text), got {pair!r:.80}")
-    if db.encoder is None and db.query_encoder is None:
-        raise InvalidArgumentError(f"expected {name} as tensors: this database has no encoder for query text")
-
-
-def _target_ids(db: Database, targets: Sequence[str]) -> Tensor:
-    id_of_key = db.store.id_of_key
-    missing = [t for t in targets if t not in id_of_key]
-    if missing:
-        raise KeyNotFoundError(f"expected target keys stored in the database, got {len(missing)} that are not: "
-                               f"{missing[:5]!r}")  # fmt: skip
-    return torch.tensor([id_of_key[t] for t in targets], dtype=torch.long)  # (n,)
+# ----------------------------------------------------------------------------- set-up
 
 
 def _value_embeddings(db: Database, texts: Sequence[str]) -> Tensor:
+    """The value encoder's embeddings of value texts. (n, value_dim) on the database's device."""
     if db.value_encoder is None:
         raise InvalidArgumentError('expected a database with a value encoder for targets="value", got none')
     unique = list(dict.fromkeys(texts))
@@ -279,104 +274,11 @@ def _make_optimizer(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> torch.
         if not isinstance(opt, torch.optim.Optimizer):
             raise InvalidArgumentError(f"expected the optimizer callable to return a torch Optimizer, got {opt!r:.60}")
         return opt
-    if spec not in _OPTIMIZERS:
-        raise UnknownOptionError(f"expected optimizer among {tuple(_OPTIMIZERS)} or a callable, got {spec!r}")
-    return _OPTIMIZERS[spec](groups)
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def _hit_matrix(db: Database, ids: Tensor, target_ids: Tensor | None, target_texts: Sequence[str] | None) -> Tensor:
-    """(b, k) True where the candidate is a right answer: the target record, or a record with the target value."""
-    if target_ids is not None:
-        return (ids == target_ids.to(ids.device).unsqueeze(1)) & (ids >= 0)  # (b, k)
-    flat = ids.reshape(-1).cpu().tolist()
-    texts = db.store.value_texts([i for i in flat if i >= 0])
-    hits = [texts.get(i) == target_texts[row // ids.shape[1]] if i >= 0 else False for row, i in enumerate(flat)]
-    return torch.tensor(hits, dtype=torch.bool, device=ids.device).reshape(ids.shape)  # (b, k)
-
-
-def _ranked(db: Database, q: Tensor, k: int, score: str | ScoreFn) -> Tensor:
-    """The k candidate ids per query, best first by ``score`` recomputed in torch. (b, k)."""
-    cand = db.candidates(q, k)
-    scores = compute_scores(q.to(db.device).unsqueeze(1), cand.keys, score).squeeze(1)  # (b, k)
-    scores = scores.masked_fill(~cand.mask, -math.inf)  # (b, k)
-    order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
-    return cand.ids.gather(1, order)  # (b, k)
-
-
-@torch.no_grad()
-def evaluate(
-    db: Database,
-    pairs: Sequence[tuple[str, str]],
-    *,
-    k: int = 10,
-    targets: TargetKind = "key",
-    query_encoder: Encoder | None = None,
-    score: str | ScoreFn | None = None,
-    batch_size: int = 512,
-) -> dict[str, float]:
-    """Retrieval metrics of a database on (query text, target) pairs: recall@1, recall@k and MRR over the top k.
-
-    A query counts as answered at rank r when the r-th best candidate (by ``score``, among the ``k`` the index
-    picks) is the target record (``targets="key"``) or holds the target value text (``targets="value"``).
-
-    Args:
-        db: the database.
-        pairs: ``(query text, target key)`` or ``(query text, target value text)`` pairs.
-        k: candidates per query.
-        targets: how the target is given, ``"key"`` or ``"value"``.
-        query_encoder: encodes the queries; default ``db.query_encoder``, else ``db.encoder``.
-        score: re-ranks the candidates; default the database's score.
-        batch_size: queries per index search.
-
-    Returns:
-        ``{"recall@1": ..., "recall@k": ..., "mrr": ...}``, fractions in [0, 1].
-
-    Raises:
-        InvalidArgumentError: bad pairs, k or batch size; KeyNotFoundError: a target key is not stored.
-        UnknownOptionError: an unknown ``targets``.
-    """
-    _check_pairs(pairs, "pairs", db)
-    if _is_tensor_pairs(pairs):
-        raise InvalidArgumentError("expected (query text, target) pairs for retrieval metrics, got tensors")
-    if targets not in TARGET_KINDS:
-        raise UnknownOptionError(f"expected targets among {TARGET_KINDS}, got {targets!r}")
-    k = _check_int(k, "k")
-    batch_size = _check_int(batch_size, "batch_size")
-    encoder = next((e for e in (query_encoder, db.query_encoder, db.encoder) if e is not None), None)
-    queries = [q for q, _ in pairs]
-    target_ids = _target_ids(db, [t for _, t in pairs]) if targets == "key" else None
-    first = []
-    for start in range(0, len(pairs), batch_size):
-        q = encoder.encode(queries[start : start + batch_size]).float()  # (b, dim)
-        ids = _ranked(db, q, k, db.score if score is None else score)  # (b, k)
-        tid = None if target_ids is None else target_ids[start : start + batch_size]
-        texts = None if target_ids is not None else [t for _, t in pairs[start : start + batch_size]]
-        hits = _hit_matrix(db, ids, tid, texts)  # (b, k)
-        rank = torch.where(hits.any(-1), hits.float().argmax(-1), -1)  # (b,) 0-based, -1 = missed
-        first.append(rank.cpu())
-    rank = torch.cat(first)  # (n,)
-    found = rank >= 0
-    return {
-        "recall@1": float((rank == 0).float().mean()),
-        "recall@k": float(found.float().mean()),
-        "mrr": float(torch.where(found, 1.0 / (rank + 1).clamp(min=1), 0.0).mean()),
-    }
-
-
-def _check_int(value: object, name: str, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgumentError(f"expected {name} as an integer >= {low}, got {value!r}")
-    return value
-
-
-# ----------------------------------------------------------------------------- the loop
+    return _OPTIMIZER_CLASSES[spec](groups)  # the name was checked by FinetuneConfig
 
 
 class _Run:
-    """The state of one fine-tuning run (encoders, trainable tensors, targets)."""
+    """The state of one fine-tuning run (encoders, trainable tensors), read and written through the facade."""
 
     def __init__(self, db: Database, train: str, train_values: bool, score: str | ScoreFn, text: bool) -> None:
         self.db = db
@@ -400,9 +302,12 @@ class _Run:
                 if db.value_encoder is db.encoder:
                     # the values were encoded with the untrained encoder: keep that one as the value encoder
                     db.value_encoder = copy.deepcopy(db.encoder)
+        self.ids: Tensor | None = None  # (m,) sorted: the rows of the trainable value table
         self.values: nn.Parameter | None = None
         if train_values:
-            self.values = nn.Parameter(db.store.values.detach().clone())  # (m, value_dim)
+            self.ids = db.ids()  # (m,)
+            _, values, _ = db.embeddings(self.ids)  # (m, value_dim)
+            self.values = nn.Parameter(values.detach().clone())  # (m, value_dim)
 
     def modules(self) -> list[nn.Module]:
         mods = [m for m in (self.query_encoder, self.key_encoder) if m is not None]
@@ -429,22 +334,29 @@ class _Run:
         if self.key_encoder is None:
             return stored  # (b, k, dim)
         uniq, inverse = torch.unique(ids.cpu(), return_inverse=True)  # (u,), (b, k)
-        key_of = self.db.store.key_of_id
-        rows = [r for r, i in enumerate(uniq.tolist()) if i in key_of]
-        table, _, _ = self.db.store.gather(uniq)  # (u, dim)
-        table = table.clone()
+        texts = self.db.key_texts(uniq)  # u key texts, None for -1 and keys stored as embeddings
+        rows = [r for r, text in enumerate(texts) if text is not None]
+        table, _, _ = self.db.embeddings(uniq)  # (u, dim)
+        table = table.clone()  # (u, dim)
         if rows:
-            fresh = self.key_encoder([key_of[int(uniq[r])] for r in rows]).to(table.dtype)  # (r, dim)
+            fresh = self.key_encoder([texts[r] for r in rows]).to(table.dtype)  # (r, dim)
             table[torch.tensor(rows, device=table.device)] = fresh.to(table.device)
         keys = table[inverse.to(table.device)]  # (b, k, dim)
         return keys * mask.unsqueeze(-1)  # (b, k, dim)
 
     def candidate_values(self, ids: Tensor, stored: Tensor, mask: Tensor) -> Tensor:
-        """Values (b, k, value_dim): the stored ones, or gathered from the trainable table."""
-        if self.values is None:
+        """Values (b, k, value_dim): the stored ones, or gathered by id from the trainable table."""
+        if self.values is None or self.ids is None:
             return stored  # (b, k, value_dim)
-        rows = self.db.store.rows_of(ids).to(self.values.device)  # (b, k)
-        return self.values[rows.clamp(min=0)] * mask.unsqueeze(-1)  # (b, k, value_dim)
+        flat = ids.cpu()  # (b, k)
+        rows = torch.searchsorted(self.ids, flat).clamp(max=len(self.ids) - 1)  # (b, k)
+        keep = (self.ids[rows] == flat) & (flat >= 0)  # (b, k) False on -1 and on ids not in the table
+        keep = keep.to(mask.device) & mask  # (b, k)
+        rows = torch.where(keep.cpu(), rows, 0).to(self.values.device)  # (b, k)
+        return self.values[rows] * keep.unsqueeze(-1).to(self.values.device)  # (b, k, value_dim)
+
+
+# ----------------------------------------------------------------------------- the loop
 
 
 def finetune(
@@ -452,21 +364,8 @@ def finetune(
     train_pairs: Pairs,
     *,
     eval_pairs: Pairs | None = None,
-    loss: LossName | LossFn = "answer",
-    targets: TargetKind | None = None,
-    k: int = 32,
-    epochs: int = 3,
-    refresh_every: int = 200,
-    train: TrainMode = "query",
-    train_values: bool = False,
-    score: str | ScoreFn | None = None,
-    pooling: str = "softmax",
-    optimizer: OptimizerSpec = "adam",
-    lr: float | None = None,
-    batch_size: int = 64,
-    temperature: float = 0.05,
-    seed: int = 0,
-    verbose: bool = True,
+    config: FinetuneConfig | None = None,
+    **options: Any,
 ) -> History:
     """Fine-tune the retriever of a database end to end on (query, target) pairs.
 
@@ -474,39 +373,19 @@ def finetune(
         db: the database (its records stay; what changes are the encoders and, optionally, the embeddings).
         train_pairs: ``[(query text, target text), ...]`` or ``(queries (n, dim), values (n, value_dim))``.
         eval_pairs: pairs of the same form, evaluated before training and after each epoch.
-        loss: ``"retrieval"`` (cross-entropy over the candidates' scores, the target record forced among
-            the candidates), ``"answer"`` (1 - cosine between the pooled answer and the target value's
-            embedding; the gradient reaches the query only through the attention weights), ``"answer_mse"``
-            (mean squared error instead), or a callable ``(Batch) -> 0-dim tensor``.
-        targets: ``"key"`` (the target text is the right record's key) or ``"value"`` (the target text is
-            the answer's value text, encoded with the value encoder); default ``"key"`` for the retrieval
-            loss and callables, ``"value"`` for the answer losses. Ignored for tensor pairs (values).
-        k: candidates per query (the index's top k).
-        epochs: passes over ``train_pairs``.
-        refresh_every: with ``train="query+keys"``, re-encode the keys and rebuild the index every this many
-            steps (and after each epoch, and at the end).
-        train: ``"query"``: a query-side copy of the encoder learns (``db.query_encoder``; the stored keys
-            and the index never change). ``"query+keys"``: the shared encoder learns, the index is refreshed;
-            a value encoder that was the key encoder is kept, untrained, as the value encoder.
-        train_values: make the value embeddings trainable; they are written to the store at the end.
-        score: the score function, default the database's; an ``nn.Module`` (e.g. :class:`GaussianKernel`)
-            trains along.
-        pooling: the pooling of the answer losses (see ``kvsearch.attention.pool``).
-        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or a callable ``(param groups) -> Optimizer``.
-        lr: the learning rate; default per part: 1e-2 for n-gram encoders, score modules and values,
-            2e-5 for sentence encoders.
-        batch_size: pairs per step.
-        temperature: the softmax temperature of the scores (0.05 suits cosine scores in [-1, 1]).
-        seed: seeds the shuffling and torch (dropout).
-        verbose: show a tqdm bar with the step, the loss and the latest recall@1 (or eval loss).
+        config: the options as a :class:`FinetuneConfig`; default ``FinetuneConfig()``.
+        **options: any field of :class:`FinetuneConfig` (``loss``, ``targets``, ``k``, ``epochs``,
+            ``refresh_every``, ``train``, ``train_values``, ``score``, ``pooling``, ``optimizer``, ``lr``,
+            ``batch_size``, ``temperature``, ``seed``, ``verbose``); given with ``config``, they override it.
 
     Returns:
         A :class:`History`. The database then answers with the fine-tuned encoders, which are saved with it
         (``db.save_encoders()``), so reopening the folder gives the same answers.
 
     Raises:
-        InvalidArgumentError: bad pairs or arguments, or nothing to train.
-        UnknownOptionError: an unknown loss, train mode, targets or optimizer.
+        InvalidArgumentError: bad pairs or options (checked before any step), an unknown option name, or
+            nothing to train.
+        UnknownOptionError: an unknown loss, train mode, targets, score, pooling or optimizer.
         KeyNotFoundError: a target key is not stored.
         DimensionMismatchError: tensor pairs of the wrong shape.
         EmptyDatabaseError: the database is empty.
@@ -514,61 +393,44 @@ def finetune(
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
+    config = _make_config(config, options)
     if not isinstance(db, Database):
         raise InvalidArgumentError(f"expected a kvsearch Database, got {type(db).__name__}")
     if len(db) == 0:
-        from kvsearch.errors import EmptyDatabaseError
-
         raise EmptyDatabaseError("expected a database with records to fine-tune on, got an empty one")
-    if not callable(loss) and loss not in LOSSES:
-        raise UnknownOptionError(f"expected loss among {LOSSES} or a callable, got {loss!r}")
-    if train not in TRAIN_MODES:
-        raise UnknownOptionError(f"expected train among {TRAIN_MODES}, got {train!r}")
-    if targets is None:
-        targets = "value" if loss in ("answer", "answer_mse") else "key"
-    if targets not in TARGET_KINDS:
-        raise UnknownOptionError(f"expected targets among {TARGET_KINDS}, got {targets!r}")
-    if loss == "retrieval" and targets != "key":
-        raise InvalidArgumentError('the retrieval loss needs targets="key" (which record is right), got "value"')
-    k, epochs = _check_int(k, "k"), _check_int(epochs, "epochs")
-    refresh_every, batch_size = _check_int(refresh_every, "refresh_every"), _check_int(batch_size, "batch_size")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature > 0:
-        raise InvalidArgumentError(f"expected a temperature > 0, got {temperature!r}")
-    if isinstance(lr, bool) or not (lr is None or (isinstance(lr, int | float) and lr > 0)):
-        raise InvalidArgumentError(f"expected lr > 0 or None, got {lr!r}")
-    _check_pairs(train_pairs, "train_pairs", db)
+    targets = config.target_kind
+    check_pairs(train_pairs, "train_pairs", db)
     if eval_pairs is not None:
-        _check_pairs(eval_pairs, "eval_pairs", db)
-    tensor_pairs = _is_tensor_pairs(train_pairs)
-    if tensor_pairs and loss == "retrieval":
+        check_pairs(eval_pairs, "eval_pairs", db)
+    tensor_pairs = is_tensor_pairs(train_pairs)
+    if tensor_pairs and config.loss == "retrieval":
         raise InvalidArgumentError("the retrieval loss needs (query text, target key) pairs, got tensors")
-    score = db.score if score is None else score
-    loss_fn = loss if callable(loss) else _LOSS_FNS[loss]
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
+    k, batch_size, temperature, pooling = config.k, config.batch_size, config.temperature, config.pooling
+    score = db.score if config.score is None else config.score
+    loss_fn = get_loss(config.loss)
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed)
 
-    if not callable(optimizer) and optimizer not in _OPTIMIZERS:
-        raise UnknownOptionError(f"expected optimizer among {tuple(_OPTIMIZERS)} or a callable, got {optimizer!r}")
-    run = _Run(db, train, bool(train_values), score, text=not tensor_pairs)
-    opt = _make_optimizer(optimizer, run.param_groups(lr))
+    run = _Run(db, config.train, config.train_values, score, text=not tensor_pairs)
+    opt = _make_optimizer(config.optimizer, run.param_groups(config.lr))
     device = db.device
 
     # what each training pair asks for
     if tensor_pairs:
         query_items: Any = train_pairs[0].float().to(device)  # (n, dim)
         target_values = train_pairs[1].float().to(device)  # (n, value_dim)
-        target_ids = None
+        wanted = None
     else:
         query_items = [q for q, _ in train_pairs]
         texts = [t for _, t in train_pairs]
         if targets == "key":
-            target_ids = _target_ids(db, texts)  # (n,)
-            rows = db.store.rows_of(target_ids).to(device)  # (n,)
-            target_values = db.store.values[rows].detach().clone()  # (n, value_dim)
+            wanted = target_ids(db, texts)  # (n,)
+            _, values, _ = db.embeddings(wanted)  # (n, value_dim)
+            target_values = values.to(device).detach().clone()  # (n, value_dim)
         else:
-            target_ids = None
+            wanted = None
             target_values = _value_embeddings(db, texts)  # (n, value_dim)
-    force = target_ids is not None and loss not in ("answer", "answer_mse")
+    force = wanted is not None and config.loss not in ANSWER_LOSSES
     n = len(query_items)
     steps_per_epoch = math.ceil(n / batch_size)
 
@@ -582,7 +444,7 @@ def finetune(
         for m in modules:
             m.eval()
         try:
-            if _is_tensor_pairs(eval_pairs):
+            if is_tensor_pairs(eval_pairs):
                 metrics = {"loss": _eval_loss(db, run, eval_pairs, k, pooling, temperature, loss_fn, batch_size)}
             else:
                 metrics = evaluate(
@@ -608,13 +470,13 @@ def finetune(
             history.refreshes += 1
             refreshed_at = step
 
-    bar = tqdm(total=epochs * steps_per_epoch, desc="finetune", unit="step", disable=not verbose)
+    bar = tqdm(total=config.epochs * steps_per_epoch, desc="finetune", unit="step", disable=not config.verbose)
     try:
         measure(0, 0)
         for m in modules:
             m.train()
         step = 0
-        for epoch in range(1, epochs + 1):
+        for epoch in range(1, config.epochs + 1):
             order = torch.randperm(n, generator=generator)  # (n,)
             epoch_losses = []
             for start in range(0, n, batch_size):
@@ -623,7 +485,7 @@ def finetune(
                     q = query_items[batch.to(device)]  # (b, dim)
                 else:
                     q = run.query_encoder([query_items[i] for i in batch.tolist()]).float()  # (b, dim)
-                tid = None if target_ids is None else target_ids[batch]  # (b,)
+                tid = None if wanted is None else wanted[batch]  # (b,)
                 value_t = target_values[batch.to(device)]  # (b, value_dim)
                 loss_value = _step_loss(db, run, q, tid, value_t, k, force, pooling, temperature, loss_fn)
                 opt.zero_grad(set_to_none=True)
@@ -631,7 +493,7 @@ def finetune(
                 opt.step()
                 step += 1
                 epoch_losses.append(float(loss_value.detach()))
-                if step % refresh_every == 0:
+                if step % config.refresh_every == 0:
                     refresh(step)
                 bar.update(1)
                 bar.set_postfix(_postfix(epoch_losses[-1], history), refresh=False)
@@ -661,7 +523,7 @@ def _step_loss(
     db: Database,
     run: _Run,
     q: Tensor,
-    target_ids: Tensor | None,
+    targets: Tensor | None,
     target_values: Tensor,
     k: int,
     force: bool,
@@ -670,7 +532,7 @@ def _step_loss(
     loss_fn: LossFn,
 ) -> Tensor:
     """One batch through candidates, attention and the loss. Returns a 0-dim tensor."""
-    cand = db.candidates(q, k, targets=target_ids if force else None)
+    cand = db.candidates(q, k, targets=targets if force else None)  # ids (b, k), keys, values, mask (b, k)
     keys = run.candidate_keys(cand.ids, cand.keys, cand.mask)  # (b, k, dim)
     values = run.candidate_values(cand.ids, cand.values, cand.mask)  # (b, k, value_dim)
     q = q.to(db.device)  # (b, dim)
@@ -679,8 +541,8 @@ def _step_loss(
     )  # (b, value_dim), (b, k)
     scores = compute_scores(q.unsqueeze(1), keys, run.score).squeeze(1)  # (b, k)
     match = None
-    if target_ids is not None:
-        match = (cand.ids == target_ids.to(cand.ids.device).unsqueeze(1)) & cand.mask  # (b, k)
+    if targets is not None:
+        match = (cand.ids == targets.to(cand.ids.device).unsqueeze(1)) & cand.mask  # (b, k)
     batch = Batch(
         queries=q,
         scores=scores,
@@ -709,7 +571,8 @@ def _eval_loss(
     loss_fn: LossFn,
     batch_size: int,
 ) -> float:
-    queries, values = pairs[0].float().to(db.device), pairs[1].float().to(db.device)
+    """The loss on tensor eval pairs, averaged over the pairs."""
+    queries, values = pairs[0].float().to(db.device), pairs[1].float().to(db.device)  # (n, dim), (n, value_dim)
     total = 0.0
     for start in range(0, len(queries), batch_size):
         q, v = queries[start : start + batch_size], values[start : start + batch_size]  # (b, dim), (b, value_dim)
@@ -725,6 +588,6 @@ def _finish(db: Database, run: _Run) -> None:
             encoder.eval()
     if run.query_copy:
         db.query_encoder = run.query_encoder
-    if run.values is not None:
-        db.store.replace_embeddings(values=run.values.detach())
+    if run.values is not None and run.ids is not None:
+        db.replace_value_embeddings(run.ids, run.values.detach())  # (m,), (m, value_dim): under the write lock
     db.save_encoders()

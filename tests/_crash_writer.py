@@ -89,23 +89,23 @@ def _arm(mode: str, due) -> None:
     if mode in ("timer", "after_upsert", "after_refresh"):  # the last two are handled by the workload itself
         return
     if mode == "in_transaction":  # records inserted, version bumped, COMMIT not yet run
-        bump = store_module.Store._bump
+        bump = store_module.Store.bump_version
 
         def bump_then_die(self):
             bump(self)
             if due():
                 _die()
 
-        store_module.Store._bump = bump_then_die
+        store_module.Store.bump_version = bump_then_die
     elif mode == "after_commit":  # committed to the store; memory mirror, index and index save not done
-        exit_ = store_module._Transaction.__exit__
+        exit_ = store_module.Transaction.__exit__
 
         def exit_then_die(self, *exc):
             exit_(self, *exc)
             if self.depth_owner and exc[0] is None and due():
                 _die()
 
-        store_module._Transaction.__exit__ = exit_then_die
+        store_module.Transaction.__exit__ = exit_then_die
     elif mode in ("index_tmp_written", "index_renamed"):
         replace = os.replace
 

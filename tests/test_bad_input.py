@@ -23,7 +23,7 @@ from kvsearch import (
     NonFiniteError,
     UnknownOptionError,
 )
-from kvsearch.encoders import load_encoder
+from kvsearch.folder import load_encoder, save_encoder
 from kvsearch.index import MAX_K
 from kvsearch.checks import MAX_BATCH
 
@@ -148,8 +148,16 @@ BAD_CALLS = {
     "field quote": (lambda db: db.search("Li", where={'a"b': 1}), InvalidArgumentError, "field name"),
     "field nul": (lambda db: db.search("Li", where={"a\x00": 1}), InvalidArgumentError, "field name"),
     "field dollar": (lambda db: db.search("Li", where={"$where": 1}), InvalidArgumentError, "field name"),
-    "encoder prefix dotdot": (lambda db: db.encoder.save(db.path, "../escape"), InvalidArgumentError, "prefix"),
-    "encoder prefix absolute": (lambda db: db.encoder.save(db.path, "/tmp/abs"), InvalidArgumentError, "prefix"),
+    "encoder prefix dotdot": (
+        lambda db: save_encoder(db.encoder, db.path, "../escape"),
+        InvalidArgumentError,
+        "prefix",
+    ),
+    "encoder prefix absolute": (
+        lambda db: save_encoder(db.encoder, db.path, "/tmp/abs"),
+        InvalidArgumentError,
+        "prefix",
+    ),
     "encoder load dotdot": (lambda db: load_encoder(db.path, "../encoder"), InvalidArgumentError, "prefix"),
     "encoder prefix nul": (lambda db: load_encoder(db.path, "enc\x00"), InvalidArgumentError, "prefix"),
 }

@@ -221,7 +221,7 @@ db.add(np.eye(8, dtype=np.float32), np.zeros((8, 2), dtype=np.float32))
 held, release = threading.Event(), threading.Event()
 
 def a_write_in_progress():  # a thread of the parent holds both locks, as in the middle of a write
-    with db._store.lock, db._store.write_lock:
+    with db.store.lock, db.store.write_lock:
         held.set()
         release.wait()
 
@@ -236,7 +236,7 @@ if pid == 0:  # fork() copied the locks as held by a thread that does not exist 
     try:
         start = time.monotonic()
         out["hits"] = len(db.search(torch.ones(8), k=3))  # the thread locks are fresh in the child
-        db._store.write_lock.timeout = 0.3
+        db.store.write_lock.timeout = 0.3
         try:
             db.add(np.full((1, 8), 3, dtype=np.float32), np.ones((1, 2), dtype=np.float32))
             out["first_write"] = "went through while the parent held the lock"
@@ -245,7 +245,7 @@ if pid == 0:  # fork() copied the locks as held by a thread that does not exist 
         out["seconds"] = round(time.monotonic() - start, 2)
         os.write(to_parent_w, b"x")  # the parent may now finish its write
         os.read(to_child_r, 1)
-        db._store.write_lock.timeout = 30
+        db.store.write_lock.timeout = 30
         db.add(np.full((2, 8), 5, dtype=np.float32), np.ones((2, 2), dtype=np.float32))
         out["len"] = len(db)
         db.close()

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvsearch import database as database_module
+from kvsearch import folder as folder_module
 from kvsearch.database import Database
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -224,20 +224,20 @@ def test_sigkill_writer_300_times(tmp_path):
 
 
 def without_version_check():
-    """``Database._load_or_rebuild_index`` with its comparison of the manifest's version removed (a mutant)."""
-    source = textwrap.dedent(inspect.getsource(Database._load_or_rebuild_index))
-    check = 'manifest.get("version") == self._store.loaded_version'
+    """``kvsearch.folder.saved_index_path`` with its comparison of the manifest's version removed (a mutant)."""
+    source = textwrap.dedent(inspect.getsource(folder_module.saved_index_path))
+    check = 'manifest.get("version") == version'
     assert source.count(check) == 1, "the version check is not where the mutant expects it: update the mutant"
     code = compile(
         source.replace(check, "True"),
-        inspect.getsourcefile(Database),
+        inspect.getsourcefile(folder_module),
         "exec",
         flags=__future__.annotations.compiler_flag,
         dont_inherit=True,
     )
     namespace: dict[str, object] = {}
-    exec(code, vars(database_module), namespace)
-    return namespace["_load_or_rebuild_index"]
+    exec(code, vars(folder_module), namespace)
+    return namespace["saved_index_path"]
 
 
 def stale_after_a_crash(path: Path, change: str) -> None:
@@ -273,7 +273,7 @@ def test_a_mutant_without_the_version_check_is_caught(tmp_path, monkeypatch):
     """The claim of docs/RELIABILITY.md: serve the saved index without the version check, and the tests fail."""
     # In a small deterministic scenario: a refresh gave every key a new vector under the same id.
     stale_after_a_crash(tmp_path / "small", "refresh")
-    monkeypatch.setattr(Database, "_load_or_rebuild_index", without_version_check())
+    monkeypatch.setattr(folder_module, "saved_index_path", without_version_check())
     with open_db(str(tmp_path / "small")) as db:
         assert not search_matches_brute_force(db, np.random.default_rng(1), queries=32)  # the stale index served
     # In the kill test itself: the mutant fails it (here within 6 kills, at the first after_refresh round).

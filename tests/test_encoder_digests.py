@@ -22,7 +22,7 @@ import torch
 
 import kvsearch
 from kvsearch import CorruptDatabaseError
-from kvsearch.database import ENCODER_FILES_META
+from kvsearch.folder import ENCODER_FILES_META
 from kvsearch.store import Store
 
 DIM = 16
@@ -190,7 +190,7 @@ import os, signal, sys
 from pathlib import Path
 import torch
 import kvsearch
-from kvsearch.database import ENCODER_FILES_META
+from kvsearch.folder import ENCODER_FILES_META
 from kvsearch.store import Store
 
 folder, point = Path(sys.argv[1]), sys.argv[2]

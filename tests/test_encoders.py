@@ -1,4 +1,5 @@
-"""Tests of kvsearch.encoders: the n-gram encoder (fast) and the MiniLM sentence encoder (loaded once)."""
+"""Tests of kvsearch.encoders: the n-gram encoder (fast) and the MiniLM sentence encoder (loaded once), and their
+files (kvsearch.folder.save_encoder / load_encoder)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from kvsearch.encoders import (
     NgramEncoder,
     SentenceEncoder,
     encoder_from_name,
-    load_encoder,
 )
 from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError, UnknownOptionError
+from kvsearch.folder import load_encoder, save_encoder
 
 NAMES = ["Zhang", "Lipton", "Smola", "Hu", "Werness"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -255,7 +256,7 @@ def test_adam_step_changes_weights_and_pulls_texts_together(small: NgramEncoder)
 
 
 def test_untrained_ngram_saves_config_only_and_round_trips(small: NgramEncoder, tmp_path: Path) -> None:
-    small.save(tmp_path, "keys")
+    save_encoder(small, tmp_path, "keys")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json"]
     saved = json.loads((tmp_path / "keys.json").read_text())
     assert saved == {**small.config(), "weights": None}
@@ -277,8 +278,10 @@ def test_untrained_ngram_saves_config_only_and_round_trips(small: NgramEncoder, 
 
 
 def test_trained_ngram_saves_weights_and_round_trips_exactly(small: NgramEncoder, tmp_path: Path) -> None:
+    assert not small.needs_weights()
     train_one_step(small, ["Li", "Werness"])
-    small.save(tmp_path, "keys")
+    assert small.needs_weights()
+    save_encoder(small, tmp_path, "keys")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.safetensors"]
     assert json.loads((tmp_path / "keys.json").read_text())["weights"] == "keys.safetensors"
     loaded = load_encoder(tmp_path, "keys", device="cpu")
@@ -286,7 +289,7 @@ def test_trained_ngram_saves_weights_and_round_trips_exactly(small: NgramEncoder
     assert torch.equal(loaded.embedding.weight, small.embedding.weight)
     assert torch.equal(loaded.encode(NAMES), small.encode(NAMES))
     # saving an untrained encoder under the same prefix removes the stale weights
-    NgramEncoder(dim=16, num_buckets=512, seed=3, device="cpu").save(tmp_path, "keys")
+    save_encoder(NgramEncoder(dim=16, num_buckets=512, seed=3, device="cpu"), tmp_path, "keys")
     assert not (tmp_path / "keys.safetensors").exists()
     assert not load_encoder(tmp_path, "keys", device="cpu").weights_changed()
 
@@ -294,20 +297,29 @@ def test_trained_ngram_saves_weights_and_round_trips_exactly(small: NgramEncoder
 def test_save_leaves_no_temporary_files(small: NgramEncoder, tmp_path: Path) -> None:
     train_one_step(small, ["a", "b"])
     for _ in range(2):
-        small.save(tmp_path / "db", "q")
+        save_encoder(small, tmp_path / "db", "q")
     assert sorted(p.name for p in (tmp_path / "db").iterdir()) == ["q.json", "q.safetensors"]
 
 
 @pytest.mark.parametrize("prefix", ["", "a/b", "..", 3])
 def test_bad_prefix_is_refused(small: NgramEncoder, tmp_path: Path, prefix: object) -> None:
     with pytest.raises(InvalidArgumentError, match="prefix"):
-        small.save(tmp_path, prefix)
+        save_encoder(small, tmp_path, prefix)
+    with pytest.raises(InvalidArgumentError, match="prefix"):
+        load_encoder(tmp_path, prefix)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_encoder_refuses_what_is_not_an_encoder(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="Encoder"):
+        save_encoder(torch.nn.Linear(2, 2), tmp_path, "keys")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture
 def saved_trained(small: NgramEncoder, tmp_path: Path) -> Path:
     train_one_step(small, ["Li", "Werness"])
-    small.save(tmp_path, "keys")
+    save_encoder(small, tmp_path, "keys")
     return tmp_path
 
 
@@ -421,7 +433,7 @@ class TestSentenceEncoder:
     def test_untrained_sentence_config_round_trips_as_json_only(
         self, sentence: SentenceEncoder, tmp_path: Path
     ) -> None:
-        sentence.save(tmp_path, "queries")
+        save_encoder(sentence, tmp_path, "queries")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["queries.json"]
         loaded = load_encoder(tmp_path, "queries", device="cpu")
         assert isinstance(loaded, SentenceEncoder) and loaded.config() == sentence.config()
@@ -430,9 +442,10 @@ class TestSentenceEncoder:
 
     def test_trained_sentence_encoder_saves_its_model_folder(self, sentence: SentenceEncoder, tmp_path: Path) -> None:
         wrapped = SentenceEncoder(sentence.model, normalize=False)  # same weights, no second load
-        assert wrapped.config()["model"] is None  # an instance cannot be named: save() writes its weights
+        assert wrapped.config()["model"] is None  # an instance cannot be named: its weights must be saved
+        assert wrapped.needs_weights() and not sentence.needs_weights()
         wrapped.trained = True
-        wrapped.save(tmp_path, "queries")
+        save_encoder(wrapped, tmp_path, "queries")
         saved = json.loads((tmp_path / "queries.json").read_text())
         assert saved["model"] == saved["weights"] == "queries_model"
         assert list((tmp_path / "queries_model").rglob("*.safetensors"))

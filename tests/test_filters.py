@@ -76,15 +76,15 @@ def test_filter_sql_has_only_placeholders():
 
 @pytest.mark.parametrize("spec", ["Flat", "HNSW16", "IVF16,Flat"])
 @pytest.mark.parametrize("selectivity", [0.01, 0.1, 0.5])
-def test_filtered_search_returns_k_matching_best_first(tmp_path, monkeypatch, spec, selectivity):
+def test_filtered_search_returns_k_matching_best_first(tmp_path, spec, selectivity):
     # Above 40 matches the FAISS IDSelector path runs (the default switch-over is 4096 matches).
-    monkeypatch.setattr(kvsearch.database, "FILTER_SCAN_MAX", 40)
     rng = np.random.default_rng(1)
     n, k = 2000, 10
     keys = rng.standard_normal((n, DIM)).astype(np.float32)
     groups = (rng.random(n) < selectivity).astype(int)  # 1 = matching
     metas = [{"g": int(g), "r": float(i % 7)} for i, g in enumerate(groups)]
     db = kvsearch.Database(tmp_path / "db", dim=DIM, value_dim=2, index=spec, score="dot")
+    db.index.exact_filter_max = 40  # the documented switch-over between the exact scan and FAISS's selector
     if spec.startswith("IVF"):
         db.set_search_params(nprobe=16)  # all lists: exact, so the top-k can be checked exactly
     ids = np.asarray(db.add(keys, rng.standard_normal((n, 2)).astype(np.float32), metas))

@@ -52,7 +52,7 @@ from hypothesis.stateful import (
 
 import kvsearch
 from kvsearch import DuplicateKeyError, EmptyDatabaseError, KeyNotFoundError
-from kvsearch.database import Database
+from kvsearch.retrieval import Retriever
 
 ALPHABET = "abcdefgh"
 VALUES = ("x", "y", "zz", "mu", "alex")
@@ -61,7 +61,7 @@ STEMS = (
     "zhang", "lipton", "smola", "werness", "aston", "zachary", "rachel", "brent",
     "mueller", "okafor", "tanaka", "novak", "garcia", "kowalski", "ivanova", "dubois",
 )  # fmt: skip
-IVF_MIN_TRAIN = 39 * 16  # kvsearch.index._min_train for IVF16: FAISS wants 39 points per centroid
+IVF_MIN_TRAIN = 39 * 16  # Index("IVF16,Flat").min_train: FAISS wants 39 points per centroid
 RECALL_TARGET = 0.95
 # The run's recall is also split by the state of the index at the time of the search: "clean" (HNSW without
 # dead entries; an IVF holding at least min_train records), "tombstones", "shrunk" (a trained IVF below it).
@@ -70,7 +70,7 @@ RECALL_STATES = ("clean", "tombstones", "shrunk")
 # makes it crash-safe and what would make hundreds of sequences slow on a disk.
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 _EMBEDDINGS: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (dim, buckets) -> text -> embedding
-REBUILDS: list[str] = []  # what Database._rebuild_into was called for, since the machine last looked
+REBUILDS: list[str] = []  # what Retriever.rebuild was called for, since the machine last looked
 
 
 class RecallBelowTarget(Exception):
@@ -81,23 +81,23 @@ class RecallBelowTarget(Exception):
 def one_thread_and_rebuild_log(monkeypatch):
     """One torch thread (small ops are ~5x faster without the pool), and a log of the index rebuilds.
 
-    Every rebuild of the index goes through ``Database._rebuild_into``; the wrapper notes why, from the
+    Every rebuild of the index goes through ``Retriever.rebuild``; the wrapper notes why, from the
     index's public state when it is called: ``"train"`` (an untrained spec served by its flat fallback now
     has enough vectors), ``"tombstones"`` (a graph's dead entries outnumber max(live, 1024)) or ``"other"``
     (a rebuild at open, when no saved index could be served).
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    original = Database._rebuild_into
+    original = Retriever.rebuild
 
-    def logged(self, index):
+    def logged(self):
         kind = "other"
-        if getattr(index, "needs_rebuild", False):
-            kind = "train" if index.is_fallback else "tombstones"
+        if self.index.needs_rebuild:
+            kind = "train" if self.index.is_fallback else "tombstones"
         REBUILDS.append(kind)
-        return original(self, index)
+        return original(self)
 
-    monkeypatch.setattr(Database, "_rebuild_into", logged)
+    monkeypatch.setattr(Retriever, "rebuild", logged)
     REBUILDS.clear()
     yield
     torch.set_num_threads(before)

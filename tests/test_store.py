@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from contextlib import closing
 
 import pytest
 import torch
@@ -82,7 +83,8 @@ def test_failed_transaction_rolls_back(tmp_path):
     with pytest.raises(sqlite3.IntegrityError):  # a duplicate key slips past (the database checks first)
         store.write(["new", "k0"], ["a", "b"], [None, None], torch.zeros(2, 3), torch.zeros(2, 2))
     assert len(store) == 5 and "new" not in store.id_of_key
-    assert store._conn.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 5
+    with closing(sqlite3.connect(tmp_path / "s.sqlite")) as conn:  # what is on disk, read from outside
+        assert conn.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 5
 
 
 def test_not_a_database(tmp_path):

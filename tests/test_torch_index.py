@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -10,15 +13,18 @@ from hypothesis import strategies as st
 
 from kvsearch import Database
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
-from kvsearch.index import Index
+from kvsearch.index import Index, SearchResult
 from kvsearch.torch_index import TorchIndex, parse_torch_spec
 
 
-def assert_same_as_flat(scores, ids, ref_scores, ref_ids, atol=1e-4):
+def assert_same_as_flat(ours: SearchResult, flat: SearchResult, atol=1e-4):
     """Same ids as FAISS Flat except where neighbouring scores tie within atol; same scores."""
+    scores, ids = ours.scores.numpy(), ours.ids.numpy()
+    ref_scores, ref_ids = flat.scores.numpy(), flat.ids.numpy()
     valid = ref_ids >= 0
     np.testing.assert_array_equal(ids >= 0, valid)
     np.testing.assert_allclose(scores[valid], ref_scores[valid], atol=atol, rtol=1e-5)
+    assert np.isnan(scores[~valid]).all()
     differ = ids != ref_ids
     for row, col in zip(*np.nonzero(differ)):
         # a swapped pair is only allowed where FAISS's own scores tie
@@ -26,18 +32,34 @@ def assert_same_as_flat(scores, ids, ref_scores, ref_ids, atol=1e-4):
         assert ids[row, col] in set(ref_ids[row].tolist()) or col == ids.shape[1] - 1
 
 
+def tensors(rng, *shape):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+
+
+class _Source:
+    """A key source (what the store offers): sorted ids, raw keys, rows by id, a version."""
+
+    def __init__(self, ids, keys):
+        self.ids, self.keys, self.version = ids, keys, 1
+
+    def rows_of(self, ids):
+        flat = ids.reshape(-1).cpu()  # (m,)
+        pos = torch.searchsorted(self.ids, flat).clamp(max=max(len(self.ids) - 1, 0))  # (m,)
+        return torch.where(self.ids[pos] == flat, pos, -1).reshape(ids.shape)
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 @pytest.mark.parametrize("k", [1, 10, 101])
 @pytest.mark.parametrize("chunk_elements", [7, 1 << 25])
 def test_standalone_matches_faiss_flat(rng, metric, k, chunk_elements):
-    vectors = rng.standard_normal((300, 16)).astype(np.float32)
-    ids = np.arange(300) * 7 + 5
-    queries = rng.standard_normal((9, 16)).astype(np.float32)
+    vectors = tensors(rng, 300, 16)
+    ids = torch.arange(300) * 7 + 5
+    queries = tensors(rng, 9, 16)
     ours = TorchIndex(16, metric, chunk_elements=chunk_elements)
     ours.build(ids, vectors)
     flat = Index(16, "Flat", metric)
     flat.build(ids, vectors)
-    assert_same_as_flat(*ours.search(queries, k), *flat.search(queries, k))
+    assert_same_as_flat(ours.search(queries, k), flat.search(queries, k))
 
 
 @pytest.mark.parametrize("batch", [1, 31, 32, 200])
@@ -47,110 +69,118 @@ def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound)
     chunked scan. Both give the dense ``torch.topk`` ids (random data: no ties), standalone and bound to a store."""
     import faiss
 
-    import kvsearch.index as index_module
     import kvsearch.torch_index as torch_index_module
 
-    monkeypatch.setattr(index_module, "_tuned", False)  # as in a process whose databases never built a FAISS index
-    monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 128_000)
+    monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 128_000)  # as FAISS starts
     calls = []
     real = faiss.knn
     monkeypatch.setattr(faiss, "knn", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    keys = torch.from_numpy(rng.standard_normal((500, 16)).astype(np.float32))  # (500, 16)
-    queries = torch.from_numpy(rng.standard_normal((batch, 16)).astype(np.float32))  # (batch, 16)
+    keys = tensors(rng, 500, 16)  # (500, 16)
+    queries = tensors(rng, batch, 16)  # (batch, 16)
     ids = torch.arange(500) * 3 + 1
     if bound:
-        with Database(None, dim=16, value_dim=2, score="dot", index="torch") as db:
-            got = torch.tensor([[h.id for h in row] for row in db_search(db, keys, queries)])
-            stored = db.store.ids
-        expected = stored[(queries @ keys.T).topk(10, dim=1).indices]  # (batch, 10)
+        index = TorchIndex(16, "ip", source=_Source(ids, keys))
+        assert index.derived().keys is keys  # the store's own tensor
     else:
         index = TorchIndex(16, "ip")
-        index.build(ids.numpy(), keys)
-        got = index.search_tensors(queries, 10)[1]
-        expected = ids[(queries @ keys.T).topk(10, dim=1).indices]  # (batch, 10)
+        index.build(ids, keys)
+    got = index.search(queries, 10).ids
+    expected = ids[(queries @ keys.T).topk(10, dim=1).indices]  # (batch, 10)
     assert torch.equal(got, expected)
     assert len(calls) == (1 if batch >= torch_index_module.FAISS_MIN_BATCH else 0)
     if calls:  # the FAISS path tunes the BLAS threshold itself (a scalar loop under ~334 queries otherwise)
         assert faiss.cvar.distance_compute_blas_threshold == 20
 
 
-def db_search(db, keys, queries):
-    db.add(keys, torch.zeros(len(keys), 2))
-    return db.search(queries, k=10)
-
-
 def test_fewer_vectors_than_k_are_padded(rng):
     ours = TorchIndex(4)
-    ours.add(np.array([3, 9]), rng.standard_normal((2, 4)).astype(np.float32))
-    scores, ids = ours.search(rng.standard_normal((2, 4)).astype(np.float32), 5)
-    assert (ids[:, 2:] == -1).all() and np.isnan(scores[:, 2:]).all()
+    ours.add(torch.tensor([3, 9]), tensors(rng, 2, 4))
+    scores, ids = ours.search(tensors(rng, 2, 4), 5)
+    assert (ids[:, 2:] == -1).all() and scores[:, 2:].isnan().all()
     assert sorted(ids[0, :2].tolist()) == [3, 9]
     empty = TorchIndex(4)
-    _, none = empty.search(np.zeros((1, 4), dtype=np.float32), 3)
+    _, none = empty.search(torch.zeros(1, 4), 3)
+    assert (none == -1).all()
+    _, none = empty.search(torch.zeros(1, 4), 3, allowed=torch.tensor([3]))
     assert (none == -1).all()
 
 
-def test_add_remove_and_allowed_match_faiss(rng):
-    vectors = rng.standard_normal((200, 8)).astype(np.float32)
-    ids = np.arange(200)
+@pytest.mark.parametrize("exact_filter_max", [4096, 0])
+def test_add_remove_and_allowed_match_faiss(rng, exact_filter_max):
+    """Filters give FAISS Flat's answer on either path: the allowed rows gathered and scanned (at most
+    max(8 k, exact_filter_max) of them), or the whole key tensor scanned with a mask."""
+    vectors = tensors(rng, 200, 8)
+    ids = torch.arange(200)
     ours, flat = TorchIndex(8, chunk_elements=64), Index(8, "Flat")
     for index in (ours, flat):
+        index.exact_filter_max = exact_filter_max
         index.add(ids[:150], vectors[:150])
         index.add(ids[150:], vectors[150:])
-        index.remove(np.array([0, 5, 77, 12345]))
+        index.remove(torch.tensor([0, 5, 77, 12345]))
     assert ours.ntotal == flat.ntotal == 197
-    np.testing.assert_array_equal(ours.ids(), flat.ids())
+    assert torch.equal(ours.ids(), flat.ids())
     queries = vectors[[0, 5, 10]] + 0.01  # the removed ids would be the nearest
-    assert_same_as_flat(*ours.search(queries, 12), *flat.search(queries, 12))
-    allowed = np.arange(0, 200, 3)
-    assert_same_as_flat(*ours.search(queries, 12, allowed=allowed), *flat.search(queries, 12, allowed=allowed))
-    _, few = ours.search(queries, 12, allowed=np.array([3, 6]))
+    assert_same_as_flat(ours.search(queries, 12), flat.search(queries, 12))
+    for allowed in (torch.arange(0, 200, 3), torch.arange(0, 200, 2)):  # 67 / 100 ids: <= and > 8 k
+        assert_same_as_flat(ours.search(queries, 12, allowed=allowed), flat.search(queries, 12, allowed=allowed))
+    _, few = ours.search(queries, 12, allowed=torch.tensor([3, 6, 5]))  # 5 was removed
     assert (few[:, 2:] == -1).all() and set(few[:, :2].ravel().tolist()) == {3, 6}
 
 
 @pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("bfloat16", 2e-2)])
 def test_half_precision_keys_find_the_clear_winners(rng, dtype, tol):
-    vectors = rng.standard_normal((500, 32)).astype(np.float32)
-    ids = np.arange(500)
-    queries = vectors[:20] + 0.05 * rng.standard_normal((20, 32)).astype(np.float32)
+    vectors = tensors(rng, 500, 32)
+    ids = torch.arange(500)
+    queries = vectors[:20] + 0.05 * tensors(rng, 20, 32)
     ours = TorchIndex(32, dtype=dtype)
     ours.build(ids, vectors)
-    assert ours._current().half.dtype == getattr(torch, dtype)
+    assert ours.derived().half.dtype == getattr(torch, dtype)
     scores, found = ours.search(queries, 1)
-    np.testing.assert_array_equal(found[:, 0], ids[:20])  # the perturbed point is far ahead
-    np.testing.assert_allclose(scores[:, 0], (queries * vectors[:20]).sum(1), rtol=tol)
-
-
-class _Source:
-    def __init__(self, ids, keys):
-        self.ids, self.keys, self.version = ids, keys, 1
+    assert torch.equal(found[:, 0], ids[:20])  # the perturbed point is far ahead
+    torch.testing.assert_close(scores[:, 0], (queries * vectors[:20]).sum(1), rtol=tol, atol=0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_bound_to_a_source_reads_its_keys_without_copying(rng, dtype):
-    keys = torch.from_numpy(rng.standard_normal((100, 8)).astype(np.float32))
+    keys = tensors(rng, 100, 8)
     source = _Source(torch.arange(100) * 2, keys)
     ours = TorchIndex(8, source=source, normalize=True, dtype=dtype)
-    queries = torch.nn.functional.normalize(keys[:4] + 0.01, dim=-1)
+    queries = 3 * (keys[:4] + 0.01)  # raw: the index normalises them
     flat = Index(8, "Flat")
-    flat.build(source.ids.numpy(), torch.nn.functional.normalize(keys, dim=-1).numpy())
-    scores, ids = ours.search(queries.numpy(), 5)
-    np.testing.assert_array_equal(ids[:, 0], [0, 2, 4, 6])
+    flat.build(source.ids, torch.nn.functional.normalize(keys, dim=-1))
+    unit_queries = torch.nn.functional.normalize(queries, dim=-1)
+    scores, ids = ours.search(queries, 5)
+    assert torch.equal(ids[:, 0], torch.tensor([0, 2, 4, 6]))
     if dtype == "float32":
-        assert ours._current().keys is keys  # the source's own tensor, no second copy
-        assert_same_as_flat(scores, ids, *flat.search(queries.numpy(), 5))
+        assert ours.derived().keys is keys  # the source's own tensor, no second copy
+        assert_same_as_flat(ours.search(queries, 5), flat.search(unit_queries, 5))
     # the source changes (a new version): the norms are recomputed
     source.keys = torch.cat([keys, 100 * keys[:1]])
     source.ids = torch.arange(101) * 2
     source.version = 2
-    _, ids = ours.search(queries.numpy(), 5)
+    _, ids = ours.search(queries, 5)
     assert ours.ntotal == 101 and 200 in ids[0].tolist()  # same direction as key 0: cosine ties it
 
 
+def test_rebuild_marks_derived_keys_stale_and_needs_a_source(rng):
+    """Keys changed in place under the same version (as an in-place update of the store's tensor would be):
+    rebuild() makes the next search recompute the norms."""
+    keys = tensors(rng, 50, 4)
+    source = _Source(torch.arange(50), keys)
+    index = TorchIndex(4, "l2", source=source)
+    before = index.derived().norm_term.clone()
+    keys[:5] *= 3
+    assert torch.equal(index.derived().norm_term, before)  # same tensor, same version: not noticed
+    index.rebuild()
+    torch.testing.assert_close(index.derived().norm_term, keys.square().sum(-1))
+    with pytest.raises(InvalidArgumentError, match="source"):
+        TorchIndex(4).rebuild()
+
+
 def test_database_with_torch_index_matches_flat(tmp_path, rng):
-    keys = torch.from_numpy(rng.standard_normal((300, 16)).astype(np.float32))
-    values = torch.from_numpy(rng.standard_normal((300, 4)).astype(np.float32))
-    queries = keys[:7] + 0.1 * torch.from_numpy(rng.standard_normal((7, 16)).astype(np.float32))
+    keys = tensors(rng, 300, 16)
+    values = tensors(rng, 300, 4)
+    queries = keys[:7] + 0.1 * tensors(rng, 7, 16)
     for score in ("cosine", "dot", "gaussian"):
         ours = Database(tmp_path / f"t-{score}", dim=16, value_dim=4, index="torch", score=score)
         flat = Database(tmp_path / f"f-{score}", dim=16, value_dim=4, index="Flat", score=score)
@@ -179,18 +209,38 @@ def test_specs_and_arguments_are_checked():
         TorchIndex(4, "cos")
     with pytest.raises(InvalidArgumentError):
         TorchIndex(4, "l2", normalize=True)
+    with pytest.raises(UnknownOptionError):
+        TorchIndex(4, dtype="int8")
+    with pytest.raises(InvalidArgumentError):
+        TorchIndex(4, chunk_elements=0)
     index = TorchIndex(4)
     with pytest.raises(DimensionMismatchError):
-        index.add(np.arange(2), np.zeros((2, 5), dtype=np.float32))
+        index.add(torch.arange(2), torch.zeros(2, 5))
     with pytest.raises(DimensionMismatchError):
-        index.search(np.zeros((1, 3), dtype=np.float32), 1)
+        index.search(torch.zeros(1, 3), 1)
     with pytest.raises(InvalidArgumentError):
-        index.search(np.zeros((1, 4), dtype=np.float32), 0)
+        index.search(torch.zeros(1, 4), 0)
+    with pytest.raises(InvalidArgumentError, match="torch.Tensor"):
+        index.search(np.zeros((1, 4), dtype=np.float32), 1)
     with pytest.raises(UnknownOptionError):
         index.set_params(nprobe=4)
+    with pytest.raises(InvalidArgumentError, match="half-precision"):
+        index.half_error_bound(torch.zeros(1, 4))
+    assert index.search_params == {} and not index.persisted and not index.needs_rebuild
 
 
 # ----------------------------------------------------------------------------- the embeddings side file
+
+
+WRITE_THEN_DIE = """
+import os, sys, torch
+from kvsearch import Database
+db = Database(sys.argv[1])
+db.delete([1, 2])
+new = db.add(torch.ones(2, 8), torch.ones(2, 3))
+torch.save((db.store.keys.clone(), new), sys.argv[2])
+os._exit(0)  # gone without closing: nothing written at close, the side file stays as it was
+"""
 
 
 def _side_db(path, n=30, seed=0):
@@ -212,12 +262,11 @@ def test_reopen_uses_the_side_file_only_when_it_is_this_versions(tmp_path, monke
     db = Database(path)
     assert torch.equal(db.store.keys, keys) and torch.equal(db.store.values, values)
     assert torch.equal(db.store.ids, ids)
-    # a write after the side file was made; the process "crashes" (no close): the file is stale
-    db.delete([1, 2])
-    new = db.add(torch.ones(2, 8), torch.ones(2, 3))
-    expect_keys = db.store.keys.clone()
-    db._store._connection.close()  # gone without writing the side file
-    db._closed = True
+    db.close()
+    # a write after the side file was made, by a process that dies without closing: the side file is stale
+    crashed = subprocess.run([sys.executable, "-c", WRITE_THEN_DIE, str(path), str(tmp_path / "out.pt")], timeout=120)
+    assert crashed.returncode == 0
+    expect_keys, new = torch.load(tmp_path / "out.pt")
     reopened = Database(path)
     assert torch.equal(reopened.store.keys, expect_keys) and reopened.store.ids[-2:].tolist() == new
     assert 1 not in reopened.store.ids.tolist()
@@ -305,13 +354,39 @@ def test_chunked_scan_equals_dense_topk(n, batch, k, rows, metric, seed):
     vectors = torch.randn(n, 6, generator=gen)
     queries = torch.randn(batch, 6, generator=gen)
     index = TorchIndex(6, metric, chunk_elements=rows * batch)
-    index.build(np.arange(n) + 100, vectors)
-    scores, ids = index.search(queries.numpy(), k)
+    index.build(torch.arange(n) + 100, vectors)
+    scores, ids = index.search(queries, k)
     ref_vals, ref_ids = _brute_topk(queries, vectors, k, metric)
     _assert_ids_match_reference(ids - 100, ref_vals, ref_ids, queries, vectors, metric, atol=1e-4)
     assert (ids[:, ref_ids.shape[1] :] == -1).all()
     expect = -ref_vals if metric == "l2" else ref_vals
-    np.testing.assert_allclose(scores[:, : ref_ids.shape[1]], expect.numpy(), atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(scores[:, : ref_ids.shape[1]].numpy(), expect.numpy(), atol=1e-4, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    k=st.integers(1, 40),
+    rows=st.integers(1, 50),
+    every=st.integers(1, 9),
+    metric=st.sampled_from(["ip", "l2"]),
+    seed=st.integers(0, 2**16),
+)
+def test_gathered_scan_equals_dense_topk_over_the_allowed_rows(n, k, rows, every, metric, seed):
+    """A small filter gathers its rows a chunk at a time: the dense top-k over exactly those rows."""
+    gen = torch.Generator().manual_seed(seed)
+    vectors = torch.randn(n, 6, generator=gen)
+    queries = torch.randn(3, 6, generator=gen)
+    index = TorchIndex(6, metric, chunk_elements=rows * 3)
+    index.build(torch.arange(n) + 100, vectors)
+    allowed = torch.arange(0, n, every)  # rows admitted
+    scores, ids = index.search(queries, k, allowed=allowed + 100)
+    ref_vals, ref_pos = _brute_topk(queries, vectors[allowed], k, metric)
+    got = ids[:, : ref_pos.shape[1]] - 100
+    assert torch.isin(got, allowed).all() and (ids[:, ref_pos.shape[1] :] == -1).all()
+    _assert_ids_match_reference(got, ref_vals, ref_pos, queries, vectors, metric, atol=1e-4)
+    expect = -ref_vals if metric == "l2" else ref_vals
+    np.testing.assert_allclose(scores[:, : ref_pos.shape[1]].numpy(), expect.numpy(), atol=1e-4, rtol=1e-5)
 
 
 def _hard_data(rng, kind, n=3000, dim=48):
@@ -340,11 +415,11 @@ def test_half_precision_search_gives_the_exact_ids(rng, kind, dtype, metric):
     """
     keys, queries = _hard_data(rng, kind)
     index = TorchIndex(keys.shape[1], metric, dtype=dtype, chunk_elements=4096)
-    index.build(np.arange(len(keys)), keys)
+    index.build(torch.arange(len(keys)), torch.from_numpy(keys))
     q_norm, k_norm = np.linalg.norm(queries, axis=1).max(), np.linalg.norm(keys, axis=1).max()
     scale = (q_norm + k_norm) ** 2 if metric == "l2" else q_norm * k_norm
     for k in (1, 10, 100):
-        _, ids = index.search(queries, k)
+        _, ids = index.search(torch.from_numpy(queries), k)
         ref_vals, ref_ids = _brute_topk(queries, keys, k, metric)
         _assert_ids_match_reference(ids, ref_vals, ref_ids, queries, keys, metric, atol=1e-5 * scale)
         if kind == "near_duplicates" and k == 10:
@@ -361,12 +436,12 @@ def test_half_error_bound_holds(rng, dtype, kind):
     """|half-precision score - float32 score| never exceeds the bound the check relies on."""
     keys, queries = _hard_data(rng, kind, n=2000)
     index = TorchIndex(keys.shape[1], dtype=dtype)
-    index.build(np.arange(len(keys)), keys)
-    derived = index._current()
+    index.build(torch.arange(len(keys)), torch.from_numpy(keys))
+    derived = index.derived()
     q = torch.from_numpy(queries)
     approx = (q.to(derived.half.dtype) @ derived.half.T).double()  # (b, n), rounded as the scan rounds
     exact = q.double() @ torch.from_numpy(keys).double().T  # (b, n)
-    bound = index._half_error(q, derived).double()  # (b,)
+    bound = index.half_error_bound(q).double()  # (b,)
     worst = (approx - exact).abs().amax(dim=1)  # (b,)
     finite = torch.isfinite(bound)
     assert (worst[finite] <= bound[finite]).all()
@@ -378,9 +453,9 @@ def test_half_error_bound_holds(rng, dtype, kind):
 
 def test_half_precision_database_matches_flat(tmp_path, rng):
     """A database with index "torch:bfloat16" answers with the ids of FAISS Flat, for every score."""
-    keys = torch.from_numpy(rng.standard_normal((400, 16)).astype(np.float32)) * 3
-    values = torch.from_numpy(rng.standard_normal((400, 4)).astype(np.float32))
-    queries = keys[:9] + 0.3 * torch.from_numpy(rng.standard_normal((9, 16)).astype(np.float32))
+    keys = tensors(rng, 400, 16) * 3
+    values = tensors(rng, 400, 4)
+    queries = keys[:9] + 0.3 * tensors(rng, 9, 16)
     for score in ("cosine", "dot", "gaussian"):
         half = Database(None, dim=16, value_dim=4, index="torch:bfloat16", score=score)
         flat = Database(None, dim=16, value_dim=4, index="Flat", score=score)

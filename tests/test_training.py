@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from kvsearch import Database, GaussianKernel, NgramEncoder, evaluate, finetune
+import kvsearch.losses
+import kvsearch.metrics
+import kvsearch.training
+from kvsearch import Database, FinetuneConfig, GaussianKernel, NgramEncoder, evaluate, finetune
 from kvsearch.attention import compute_scores
+from kvsearch.checks import MAX_K
 from kvsearch.errors import (
     DimensionMismatchError,
     InvalidArgumentError,
     KeyNotFoundError,
     UnknownOptionError,
 )
+from kvsearch.losses import LOSS_FNS, LOSSES, get_loss
 from kvsearch.training import Batch, History, answer_loss, answer_mse_loss, retrieval_loss
 
 names = pytest.importorskip("names")
@@ -157,7 +165,7 @@ def test_train_query_and_keys_refreshes_the_index(directory, tmp_path):
     assert db.query_encoder is None
     expected = db.encoder.encode(directory["keys"])
     assert torch.allclose(db.store.keys, expected, atol=1e-6)  # the stored keys are the trained encoder's
-    _, ids = db.index.search(db._index_vectors(expected[:50]), 1)
+    ids = db.index.search(expected[:50], 1).ids  # raw queries: the index normalises them for cosine
     assert ids[:, 0].tolist() == db.store.ids[:50].tolist()  # the index holds the refreshed keys
     assert torch.equal(db.store.values, values_before)  # values keep the untrained encoder's embeddings
     assert db.value_encoder is not db.encoder and not db.value_encoder.weights_changed()
@@ -329,6 +337,189 @@ def test_databases_without_a_query_encoder_entry_still_open(tmp_path):
 def test_bad_arguments_are_refused(names_db, kwargs, error):
     with pytest.raises(error):
         finetune(names_db, [("Lipton", "Lipton")], verbose=False, **{"loss": "retrieval", **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"temperature": math.inf}, InvalidArgumentError),
+        ({"temperature": math.nan}, InvalidArgumentError),
+        ({"temperature": -1.0}, InvalidArgumentError),
+        ({"temperature": True}, InvalidArgumentError),
+        ({"temperature": "0.1"}, InvalidArgumentError),
+        ({"k": 0}, InvalidArgumentError),
+        ({"k": MAX_K + 1}, InvalidArgumentError),
+        ({"k": 2.0}, InvalidArgumentError),
+        ({"k": True}, InvalidArgumentError),
+        ({"epochs": True}, InvalidArgumentError),
+        ({"epochs": 0}, InvalidArgumentError),
+        ({"refresh_every": 0}, InvalidArgumentError),
+        ({"batch_size": 0}, InvalidArgumentError),
+        ({"batch_size": "64"}, InvalidArgumentError),
+        ({"seed": -1}, InvalidArgumentError),
+        ({"seed": 1.5}, InvalidArgumentError),
+        ({"lr": 0.0}, InvalidArgumentError),
+        ({"lr": math.inf}, InvalidArgumentError),
+        ({"lr": True}, InvalidArgumentError),
+        ({"train_values": "yes"}, InvalidArgumentError),
+        ({"verbose": 1}, InvalidArgumentError),
+        ({"score": "additive"}, InvalidArgumentError),
+        ({"score": 3}, InvalidArgumentError),
+        ({"loss": "retrieval", "targets": "value"}, InvalidArgumentError),
+        ({"loss": "hinge"}, UnknownOptionError),
+        ({"loss": 3}, UnknownOptionError),
+        ({"train": "keys"}, UnknownOptionError),
+        ({"targets": "record"}, UnknownOptionError),
+        ({"score": "manhattan"}, UnknownOptionError),
+        ({"pooling": "max"}, UnknownOptionError),
+        ({"optimizer": "lbfgs"}, UnknownOptionError),
+    ],
+)
+def test_finetune_config_refuses_each_bad_option_before_any_step(names_db, kwargs, error):
+    with pytest.raises(error):
+        FinetuneConfig(**kwargs)
+    calls = []
+
+    def spy(batch: Batch) -> torch.Tensor:
+        calls.append(1)
+        return retrieval_loss(batch)
+
+    options = {"loss": spy, "verbose": False, **kwargs}
+    with pytest.raises(error):
+        finetune(names_db, [("Lipton", "Lipton")], **options)
+    with pytest.raises(error):  # options given over a config are checked the same way
+        finetune(names_db, [("Lipton", "Lipton")], config=FinetuneConfig(loss=spy, verbose=False), **kwargs)
+    assert calls == []  # refused before any step
+    assert names_db.query_encoder is None  # and before the run touched the database
+
+
+def test_finetune_refuses_unknown_option_names(names_db):
+    with pytest.raises(InvalidArgumentError, match="epoch"):
+        finetune(names_db, [("Lipton", "Lipton")], loss="retrieval", epoch=2, verbose=False)
+    with pytest.raises(InvalidArgumentError, match="learning_rate"):
+        finetune(names_db, [("Lipton", "Lipton")], config=FinetuneConfig(loss="retrieval"), learning_rate=0.1)
+    with pytest.raises(InvalidArgumentError, match="FinetuneConfig"):
+        finetune(names_db, [("Lipton", "Lipton")], config={"loss": "retrieval"})
+    assert names_db.query_encoder is None
+
+
+def test_finetune_config_is_frozen_and_canonical():
+    config = FinetuneConfig(k=np.int64(8), temperature=1, seed=np.int32(2), train_values=np.bool_(True))
+    assert (config.k, config.temperature, config.seed, config.train_values) == (8, 1.0, 2, True)
+    assert type(config.k) is int and type(config.temperature) is float and type(config.train_values) is bool
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.k = 4
+    assert FinetuneConfig(loss="answer").target_kind == "value"
+    assert FinetuneConfig(loss="answer_mse").target_kind == "value"
+    assert FinetuneConfig(loss="retrieval").target_kind == "key"
+    assert FinetuneConfig(loss=retrieval_loss).target_kind == "key"
+    assert FinetuneConfig(loss="answer", targets="key").target_kind == "key"
+    fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    keywords = set(inspect.signature(FinetuneConfig).parameters)
+    assert fields == keywords == {
+        "loss", "targets", "k", "epochs", "refresh_every", "train", "train_values", "score", "pooling",
+        "optimizer", "lr", "batch_size", "temperature", "seed", "verbose",
+    }  # fmt: skip
+
+
+def test_loss_registry():
+    assert set(LOSS_FNS) == set(LOSSES) == {"retrieval", "answer", "answer_mse"}
+    assert get_loss("answer") is answer_loss and get_loss(retrieval_loss) is retrieval_loss
+    with pytest.raises(UnknownOptionError, match="hinge"):
+        get_loss("hinge")
+    with pytest.raises(TypeError):
+        LOSS_FNS["hinge"] = answer_loss  # read-only
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss": "retrieval", "train": "query+keys", "refresh_every": 3},
+        {"loss": "answer", "train_values": True, "optimizer": "sgd", "lr": 0.05},
+    ],
+)
+def test_finetune_with_a_config_equals_finetune_with_the_same_options(directory, options):
+    value_of = directory["value_of"]
+    pairs, held = directory["train"][:48], directory["held"][:24]
+    if options["loss"] == "answer":
+        pairs = [(q, value_of[t]) for q, t in pairs]
+        held = [(q, value_of[t]) for q, t in held]
+    common = {"k": 6, "epochs": 2, "batch_size": 16, "seed": 3, "verbose": False, **options}
+    by_options = finetune(make_db(None, directory), pairs, eval_pairs=held, **common)
+    by_config = finetune(make_db(None, directory), pairs, eval_pairs=held, config=FinetuneConfig(**common))
+    overridden = finetune(
+        make_db(None, directory),
+        pairs,
+        eval_pairs=held,
+        config=FinetuneConfig(**{**common, "seed": 0, "epochs": 5}),
+        seed=3,
+        epochs=2,
+    )
+    for history in (by_config, overridden):
+        assert history.metrics == by_options.metrics  # bit for bit
+        assert history.losses == by_options.losses
+        assert history.epoch_losses == by_options.epoch_losses
+        assert history.refreshes == by_options.refreshes and history.k == by_options.k
+    other_seed = finetune(make_db(None, directory), pairs, eval_pairs=held, **{**common, "seed": 4})
+    assert other_seed.losses != by_options.losses  # the seed is not ignored
+
+
+class NoStoreDatabase(Database):
+    """A database whose store cannot be reached: training must get by with the facade's public methods."""
+
+    @property
+    def store(self):
+        raise AssertionError("training reached into db.store")
+
+
+@pytest.mark.parametrize("loss", ["retrieval", "answer"])
+def test_training_never_touches_the_store(directory, loss):
+    db = NoStoreDatabase(None, encoder=small_encoder(), device="cpu")
+    db.add(keys=directory["keys"], values=directory["values"])
+    with pytest.raises(AssertionError, match="store"):
+        db.store  # noqa: B018
+    value_of = directory["value_of"]
+    pairs, held = directory["train"][:60], directory["held"][:30]
+    if loss == "answer":
+        pairs = [(q, value_of[t]) for q, t in pairs]
+        held = [(q, value_of[t]) for q, t in held]
+    ids = db.ids()
+    _, before, _ = db.embeddings(ids)
+    history = finetune(
+        db,
+        pairs,
+        eval_pairs=held,
+        loss=loss,
+        k=6,
+        epochs=1,
+        batch_size=20,
+        refresh_every=2,
+        train="query+keys",
+        train_values=True,
+        verbose=False,
+    )
+    assert history.refreshes == 2 and len(history.metrics) == 2
+    _, after, _ = db.embeddings(ids)
+    assert torch.equal(after, before) == (loss == "retrieval")  # the answer loss trains the values
+    targets = "key" if loss == "retrieval" else "value"
+    assert evaluate(db, held, k=6, targets=targets) == pytest.approx(
+        {name: history.metrics[-1][name] for name in ("recall@1", "recall@k", "mrr")}
+    )
+    db.close()
+
+
+@pytest.mark.parametrize("module", [kvsearch.training, kvsearch.losses, kvsearch.metrics])
+def test_training_modules_use_public_names_only(module):
+    """No private name of another module is imported, and no ``.store`` or private attribute is read."""
+    tree = ast.parse(inspect.getsource(module))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvsearch"):
+            assert not [a.name for a in node.names if a.name.startswith("_")], ast.unparse(node)
+        if isinstance(node, ast.Attribute):
+            assert node.attr != "store", ast.unparse(node)
+            owner = node.value.id if isinstance(node.value, ast.Name) else None
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                assert owner in ("self", "cls"), ast.unparse(node)
 
 
 def test_bad_pairs_are_refused(names_db):

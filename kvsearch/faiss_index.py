@@ -1,0 +1,653 @@
+"""FAISS candidate search: :class:`Index`, built from an ``index_factory`` spec, behind the torch protocol.
+
+An implementation of :class:`kvsearch.index.CandidateIndex`: add / remove by id, search, save / load,
+normalisation for cosine, and filtered search with a guaranteed number of results (an exact top-up from the
+key source, :mod:`kvsearch.topk`). The boundary is torch; numpy and FAISS's ``D`` / ``I`` names stay inside
+this module. Ids are the store's global integer ids, never row positions. It knows nothing of SQLite, text
+or autograd.
+
+Every FAISS index type supports removal. Types that FAISS can remove from (Flat, IVF*) remove for real; graph
+indexes that cannot (HNSW) keep tombstones that a search excludes with an ``IDSelector``, so a deleted record
+never appears; :attr:`Index.needs_rebuild` turns true when tombstones outnumber live vectors. Types that need
+training (IVF, PQ, OPQ) are served by an exact flat index until enough vectors exist to train them
+(:attr:`Index.min_train`), then trained on everything stored and switched over through :meth:`Index.rebuild`
+(or :meth:`Index.build`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import faiss
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvsearch.checks import COSINE_EPS, check_k
+from kvsearch.errors import (
+    CorruptDatabaseError,
+    InvalidArgumentError,
+    UnknownOptionError,
+)
+from kvsearch.limits import check_fits, index_bytes
+from kvsearch.topk import (
+    EXACT_FILTER_MAX,
+    KeySource,
+    Metric,
+    SearchResult,
+    check_allowed,
+    check_ids,
+    check_index_args,
+    check_pairs,
+    check_queries,
+    exact_search,
+)
+
+__all__ = ["Index", "tune_faiss", "check_search_param", "default_search_params", "DEFAULT_EF_SEARCH"]
+
+_METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
+_SEARCH_PARAMS = ("nprobe", "efSearch", "efConstruction", "quantizer_efSearch", "ht")
+
+
+# ---------------------------------------------------------------------- FAISS
+
+
+def tune_faiss() -> None:
+    """Set FAISS's global BLAS threshold so small query batches use the BLAS path.
+
+    FAISS compares ``nq * d`` with ``distance_compute_blas_threshold`` (128,000 by default): at d=384 every
+    batch under ~334 queries takes a scalar loop that is ~10x slower than BLAS. 20 sends every batch of
+    two or more queries to BLAS. Called when an index is created and before each ``faiss.knn`` a torch index
+    runs (an assignment: cheap, and idempotent).
+    """
+    faiss.cvar.distance_compute_blas_threshold = 20
+
+
+def check_search_param(name: object, value: object) -> int:
+    """A search parameter's value, checked: a known name and an integer >= 1 (``ht``: >= 0).
+
+    Raises:
+        UnknownOptionError: an unknown name.
+        InvalidArgumentError: a value that is not such an integer (bool, float with a fraction, NaN, str...).
+    """
+    if name not in _SEARCH_PARAMS:
+        raise UnknownOptionError(f"expected search parameters among {_SEARCH_PARAMS}, got {name!r}")
+    low = 0 if name == "ht" else 1
+    ok = isinstance(value, (int, np.integer, float)) and not isinstance(value, bool)
+    if ok and isinstance(value, float):
+        ok = value.is_integer()
+    if not ok or not low <= int(value) <= 1 << 30:
+        raise InvalidArgumentError(f"expected {name} as an integer in [{low}, 2^30], got {value!r}")
+    return int(value)
+
+
+#: kvsearch's search parameters where the user sets none: FAISS's own defaults (efSearch 16, nprobe 1) trade
+#: most of the recall away (recall@10 0.88 and 0.43 on clustered data in benchmarks/RESULTS.md).
+DEFAULT_EF_SEARCH = 64
+
+
+def default_search_params(index: faiss.Index) -> dict[str, int]:
+    """kvsearch's default search parameters for an index of this type (empty for exact types).
+
+    HNSW: ``efSearch`` 64. IVF with ``nlist`` lists: ``nprobe`` = min(nlist, max(8, nlist // 16)), a sixteenth
+    of the lists (every list for small ``nlist``). Measured against recall@10 in benchmarks/RESULTS.md.
+    """
+    inner = _inner(index)
+    if isinstance(inner, faiss.IndexHNSW):
+        return {"efSearch": DEFAULT_EF_SEARCH}
+    if isinstance(inner, faiss.IndexIVF):
+        return {"nprobe": min(inner.nlist, max(8, inner.nlist // 16))}
+    return {}
+
+
+def _parse_spec(dim: int, spec: str, metric: Metric) -> faiss.Index:
+    if not isinstance(spec, str) or not spec.strip():
+        raise UnknownOptionError(f"expected an index_factory string such as 'Flat' or 'HNSW32', got {spec!r}")
+    if "IDMap" in spec:
+        raise UnknownOptionError(f"index spec {spec!r}: leave out IDMap, kvsearch maps ids itself")
+    try:
+        return faiss.index_factory(dim, spec, _METRICS[metric])
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        raise UnknownOptionError(
+            f"FAISS cannot build an index from the spec {spec!r} (dim {dim}); expected an index_factory string "
+            f"such as 'Flat', 'HNSW32', 'IVF256,Flat' or 'IVF256,PQ16'. FAISS said: {first}"
+        ) from None
+
+
+def _inner(index: faiss.Index) -> faiss.Index:
+    """The index under a pre-transform (PCA, OPQ...), or the index itself."""
+    return faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
+
+
+def _check_supported(index: faiss.Index, spec: str) -> None:
+    """Refuse index types that cannot grow by id and lose records (NSG is built once; refine wrappers cannot
+    add by id or remove); a database adds and deletes records one batch at a time.
+
+    Raises:
+        UnknownOptionError: the type is not one of the flat-coded (Flat, PQ, SQ, RQ), IVF or HNSW families.
+    """
+    if not isinstance(_inner(index), (faiss.IndexFlatCodes, faiss.IndexIVF, faiss.IndexHNSW)):
+        raise UnknownOptionError(
+            f"index spec {spec!r} builds a {type(_inner(index)).__name__}, which cannot add and delete records by "
+            "id; expected a flat-coded, IVF or HNSW spec such as 'Flat', 'PQ16', 'IVF256,Flat', 'IVF256,PQ16', "
+            "'OPQ16,IVF256,PQ16' or 'HNSW32'"
+        )
+
+
+def _can_remove(index: faiss.Index) -> bool:
+    return not isinstance(_inner(index), faiss.IndexHNSW)
+
+
+def _min_train(index: faiss.Index, spec: str) -> int:
+    """How many vectors an index needs before training is sensible (0 when it needs none)."""
+    if index.is_trained:
+        return 0
+    need = 2 * index.d  # a PCA / OPQ rotation needs more points than dimensions
+    try:
+        need = max(need, 39 * faiss.extract_index_ivf(index).nlist)  # FAISS warns below 39 points per centroid
+    except RuntimeError:
+        pass
+    if "PQ" in spec.upper():
+        need = max(need, 39 * 256)  # 256 centroids per PQ sub-quantizer
+    return need
+
+
+#: Flat-coded types whose search takes an ``IDSelector`` (PQ, RQ, LSH codes refuse one).
+_SELECTOR_FLAT = (faiss.IndexFlat, faiss.IndexScalarQuantizer)
+
+
+class Index:
+    """A FAISS index over ``(id, key)`` pairs with removal, tombstones, a flat fallback and guaranteed filters.
+
+    Implements :class:`CandidateIndex`.
+
+    Args:
+        dim: key dimension.
+        spec: an ``index_factory`` string: ``"Flat"``, ``"HNSW32"``, ``"IVF256,Flat"``, ``"IVF256,PQ16"``...
+        metric: ``"ip"`` (inner product) or ``"l2"`` (squared Euclidean distance).
+        normalize: hold unit keys and normalise queries (cosine); needs metric ``"ip"``.
+        source: the store: :meth:`rebuild` reads it, and filtered searches top up from its exact keys. Without
+            one, filtered searches top up by an exhaustive search over the index's own codes.
+        params: search parameters such as ``{"nprobe": 16}`` or ``{"efSearch": 128}``.
+
+    Raises:
+        UnknownOptionError: the spec or metric is not one FAISS knows.
+        InvalidArgumentError: ``dim`` is not a positive integer, or ``normalize`` with metric ``"l2"``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        spec: str = "Flat",
+        metric: Metric = "ip",
+        *,
+        normalize: bool = False,
+        source: KeySource | None = None,
+        params: dict[str, float] | None = None,
+    ) -> None:
+        check_index_args(dim, metric, normalize)
+        tune_faiss()
+        self.dim = dim
+        self.spec = spec
+        self.metric: Metric = metric
+        self.normalize = bool(normalize)
+        self.source = source
+        self.exact_filter_max = EXACT_FILTER_MAX
+        #: Queries of the last filtered search that the FAISS selector search gave too few results and that were
+        #: searched again exactly (0 when the admitted set was small enough to be scanned exactly outright).
+        self.last_redone = 0
+        self.params: dict[str, int] = {}
+        template = _parse_spec(dim, spec, metric)
+        _check_supported(template, spec)
+        self._template = template  # what search parameters are checked against (never holds vectors)
+        self.removable = _can_remove(template)
+        self.min_train = _min_train(template, spec)
+        self._faiss: faiss.Index = template
+        self._labels = np.empty(0, dtype=np.int64)  # label -> id, used where FAISS cannot remove (graphs)
+        self._dead = np.zeros(0, dtype=bool)  # label is a tombstone
+        self._label_of: dict[int, int] = {}  # live id -> label (graphs only)
+        self._fallback = False  # serving an exact flat index until enough vectors exist to train
+        self._build(np.empty(0, dtype=np.int64), np.empty((0, dim), dtype=np.float32))
+        if params:
+            self.set_params(**params)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def ntotal(self) -> int:
+        """The number of live (searchable) vectors."""
+        if self._removable_now:
+            return int(self._faiss.ntotal)
+        return len(self._label_of)
+
+    @property
+    def is_fallback(self) -> bool:
+        """True while an untrained spec is served by an exact flat index."""
+        return self._fallback
+
+    @property
+    def needs_rebuild(self) -> bool:
+        """True when tombstones outnumber live vectors, or when an untrained spec could now be trained."""
+        if self._fallback:
+            return self.ntotal >= self.min_train
+        return int(self._dead.sum()) > max(self.ntotal, 1024)
+
+    @property
+    def persisted(self) -> bool:
+        """True unless the spec is a plain ``"Flat"``: trained and graph types are worth a :meth:`save`."""
+        return not isinstance(self._template, faiss.IndexFlat)
+
+    @property
+    def faiss_index(self) -> faiss.Index:
+        """The underlying FAISS index (read it, do not change it): under an ``IndexIDMap2`` for flat-coded types
+        and during the flat fallback; with labels in insertion order (not ids) for graph types."""
+        return self._faiss
+
+    # ------------------------------------------------------------------ writing
+
+    def _new_faiss(self, vectors: np.ndarray) -> faiss.Index:
+        index = _parse_spec(self.dim, self.spec, self.metric)
+        self._fallback = False
+        if not index.is_trained:
+            if len(vectors) >= self.min_train and len(vectors) > 0:
+                index.train(vectors)
+            else:
+                index = faiss.IndexFlat(self.dim, _METRICS[self.metric])
+                self._fallback = True
+        if (self.removable or self._fallback) and not isinstance(_inner(index), faiss.IndexIVF):
+            # Flat / PQ / SQ codes (pre-transformed or not) renumber on removal, which is what IndexIDMap2
+            # expects; IVF indexes (pre-transformed or not) store ids themselves.
+            index = faiss.IndexIDMap2(index)
+        return index
+
+    def build(self, ids: Tensor, keys: Tensor) -> None:
+        """Replace the whole content with raw ``keys`` (n, dim) under ``ids`` (n,), training if needed.
+
+        Args:
+            ids: (n,) int64 global ids, unique, on any device.
+            keys: (n, dim) float, on any device (normalised here for a ``normalize`` index).
+
+        Raises:
+            InvalidArgumentError: not tensors.
+            DimensionMismatchError: keys are not (n, dim) or ids not (n,).
+        """
+        self._build(*self._to_numpy(ids, keys))
+
+    def rebuild(self) -> None:
+        """Replace the whole content with the source's ids and keys, training if needed.
+
+        Raises:
+            InvalidArgumentError: the index has no source.
+            MemoryLimitError: the index would not fit in memory (checked before anything is replaced).
+        """
+        if self.source is None:
+            raise InvalidArgumentError("rebuild() reads the index's source, and this index has none: use build()")
+        ids, keys = self.source.ids, self.source.keys
+        check_fits(index_bytes(self.spec, len(ids), self.dim), f"building the {self.spec} index")
+        self.build(ids, keys if keys is not None else torch.empty(0, self.dim))
+
+    def add(self, ids: Tensor, keys: Tensor) -> None:
+        """Add raw ``keys`` (n, dim) under new ``ids`` (n,).
+
+        Raises:
+            InvalidArgumentError: not tensors.
+            DimensionMismatchError: keys are not (n, dim) or ids not (n,).
+        """
+        self._add(*self._to_numpy(ids, keys))
+
+    def remove(self, ids: Tensor) -> None:
+        """Remove ``ids`` (n,); ids that are not present are ignored.
+
+        Raises:
+            InvalidArgumentError: ``ids`` is not an integer tensor.
+        """
+        ids = np.ascontiguousarray(check_ids(ids).numpy())
+        if not len(ids):
+            return
+        if self._removable_now:
+            self._faiss.remove_ids(faiss.IDSelectorBatch(ids))
+            return
+        for id_ in ids.tolist():
+            label = self._label_of.pop(id_, None)
+            if label is not None:
+                self._dead[label] = True
+
+    def _build(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        self._faiss = self._new_faiss(vectors)
+        self._removable_now = self.removable or self._fallback
+        self._labels = np.empty(0, dtype=np.int64)
+        self._dead = np.zeros(0, dtype=bool)
+        self._label_of = {}
+        self._apply_params()
+        if len(ids):
+            self._add(ids, vectors)
+
+    def _add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        if not len(ids):
+            return
+        if self._removable_now:
+            self._faiss.add_with_ids(vectors, ids)
+            return
+        start = len(self._labels)
+        self._faiss.add(vectors)
+        self._labels = np.concatenate([self._labels, ids])
+        self._dead = np.concatenate([self._dead, np.zeros(len(ids), dtype=bool)])
+        for offset, id_ in enumerate(ids.tolist()):
+            self._label_of[id_] = start + offset
+
+    # ------------------------------------------------------------------ reading
+
+    def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None) -> SearchResult:
+        """The ``k`` best ids for each query.
+
+        Args:
+            queries: (batch, dim) raw float queries on any device (normalised here for a ``normalize`` index).
+            k: candidates per query, 1 <= k <= MAX_K. Where fewer vectors exist, ids are -1.
+            allowed: (m,) int64 ids (sorted, any device): only these may come back, and each query gets
+                ``min(k, live allowed ids)`` of them. Live means in the source when the index has one (read
+                exactly from its keys where needed), else in the index. At most ``max(8 k, exact_filter_max)``
+                live ids: those rows are scanned exactly; more: a FAISS ``IDSelector`` search, redone exactly
+                for each query that got too few (a graph can, under a selective filter).
+
+        Returns:
+            :class:`SearchResult` on ``queries.device``: inner product, or squared L2 distance for
+            ``metric="l2"``, NaN where ids are -1.
+
+        Raises:
+            InvalidArgumentError: k is out of range, or queries are not a tensor.
+            DimensionMismatchError: queries are not (batch, dim).
+        """
+        k = check_k(k)
+        check_queries(queries, self.dim)
+        q = queries.detach().float()  # (batch, dim)
+        if self.normalize:
+            q = F.normalize(q, dim=-1, eps=COSINE_EPS)  # (batch, dim)
+        q = np.ascontiguousarray(q.cpu().numpy())  # (batch, dim) float32
+        if allowed is None:
+            D, I = self._search(q, k, None)  # noqa: E741 - FAISS's own names, kept inside this module
+        else:
+            D, I = self._filtered_search(q, k, check_allowed(allowed))  # noqa: E741
+        device = queries.device
+        return SearchResult(torch.from_numpy(D).to(device), torch.from_numpy(I).to(device))
+
+    def _search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """FAISS's search (with a selector admitting only ``allowed`` live ids): (batch, k) D and I, -1 padded."""
+        batch = queries.shape[0]
+        search_k = int(min(k, self.ntotal))
+        D = np.full((batch, k), np.nan, dtype=np.float32)
+        I = np.full((batch, k), -1, dtype=np.int64)  # noqa: E741
+        if search_k == 0 or batch == 0:
+            return D, I
+        params = self._search_parameters(search_k) if allowed is None else self._allowed_parameters(allowed, search_k)
+        d, i = self._faiss.search(queries, search_k, params=params) if params else self._faiss.search(queries, search_k)
+        if not self._removable_now:
+            valid = i >= 0
+            i = np.where(valid, self._labels[np.where(valid, i, 0)], -1)
+        D[:, :search_k] = np.where(i >= 0, d, np.nan)
+        I[:, :search_k] = i
+        return D, I
+
+    def _filtered_search(self, queries: np.ndarray, k: int, allowed: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k among the live ids of ``allowed`` (m,): min(k, live) of them for every query."""
+        batch = queries.shape[0]
+        live, rows = self._live(allowed)  # (a,) ids, (a,) their source rows or None
+        want = min(k, len(live))
+        D = np.full((batch, k), np.nan, dtype=np.float32)
+        I = np.full((batch, k), -1, dtype=np.int64)  # noqa: E741
+        self.last_redone = 0
+        if want == 0 or batch == 0:
+            return D, I
+        redo = np.ones(batch, dtype=bool)  # (batch,)
+        if len(live) > max(8 * k, self.exact_filter_max) and self._takes_selector():
+            D, I = self._search(queries, k, live)  # noqa: E741
+            redo = (I >= 0).sum(1) < want  # (batch,)
+            self.last_redone = int(redo.sum())
+        if redo.any():
+            if self.source is not None:
+                d, i = self._source_search(queries[redo], want, live, rows)
+            else:
+                d, i = self._codes_search(queries[redo], want, live)
+            D[redo] = np.nan
+            I[redo] = -1
+            D[redo, :want], I[redo, :want] = d, i
+        return D, I
+
+    def _live(self, allowed: Tensor) -> tuple[np.ndarray, Tensor | None]:
+        """The ids of ``allowed`` that are live (in the source if there is one, else in the index) and, with a
+        source, their rows in its keys."""
+        if self.source is not None:
+            rows = self.source.rows_of(allowed).reshape(-1).cpu()  # (m,)
+            present = rows >= 0  # (m,)
+            return np.ascontiguousarray(allowed[present].numpy()), rows[present]
+        ids = allowed.numpy()
+        if self._removable_now:
+            present = np.isin(ids, self._id_array())
+        else:
+            present = np.fromiter((i in self._label_of for i in ids.tolist()), dtype=bool, count=len(ids))
+        return np.ascontiguousarray(ids[present]), None
+
+    def _source_search(
+        self, queries: np.ndarray, k: int, live: np.ndarray, rows: Tensor
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-k over the source's keys at ``rows`` (ids ``live``), normalised for cosine."""
+        keys = self.source.keys
+        result = exact_search(
+            torch.from_numpy(queries),
+            keys,
+            torch.from_numpy(live),
+            k,
+            metric=self.metric,
+            rows=rows,
+            normalize_keys=self.normalize,
+        )  # (r, k) each, on the keys' device
+        return result.scores.cpu().numpy(), result.ids.cpu().numpy()
+
+    def _codes_search(self, queries: np.ndarray, k: int, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Exhaustive search over the index's own codes admitting only ``live`` ids (every one is scored).
+
+        IVF: every list probed, with a selector. Flat-coded types and a graph's storage: a selector search of
+        the flat codes where the type takes one, else the admitted vectors decoded and scanned in torch.
+        """
+        core = self._core()
+        if isinstance(core, faiss.IndexIVF):
+            selector = faiss.IDSelectorBatch(live)
+            params = faiss.SearchParametersIVF(sel=selector, nprobe=int(core.nlist))
+            D, I = self._faiss.search(queries, k, params=params)  # noqa: E741
+            return np.where(I >= 0, D, np.nan), I
+        if self._removable_now:  # an IndexIDMap2 over flat codes: labels are positions in its id map
+            label_ids = faiss.vector_to_array(self._faiss.id_map).astype(np.int64)
+            labels = np.flatnonzero(np.isin(label_ids, live)).astype(np.int64)
+            inner = faiss.downcast_index(self._faiss.index)
+        else:  # a graph: labels in insertion order
+            label_ids = self._labels
+            labels = np.fromiter((self._label_of[i] for i in live.tolist()), dtype=np.int64, count=len(live))
+            inner = self._faiss
+        if isinstance(inner, faiss.IndexPreTransform):
+            for step in range(inner.chain.size()):
+                queries = inner.chain.at(step).apply(queries)  # (batch, d') the codes' space
+            inner = faiss.downcast_index(inner.index)
+        flat = faiss.downcast_index(inner.storage) if isinstance(inner, faiss.IndexHNSW) else inner
+        if isinstance(flat, _SELECTOR_FLAT):
+            selector = faiss.IDSelectorBatch(labels)
+            D, L = flat.search(np.ascontiguousarray(queries), k, params=faiss.SearchParameters(sel=selector))
+        else:
+            vectors = torch.from_numpy(flat.reconstruct_batch(labels))  # (a, d') decoded codes
+            found = exact_search(torch.from_numpy(queries), vectors, torch.from_numpy(labels), k, metric=self.metric)
+            D, L = found.scores.numpy(), found.ids.numpy()
+        I = np.where(L >= 0, label_ids[np.maximum(L, 0)], -1)  # noqa: E741
+        return np.where(I >= 0, D, np.nan), I
+
+    def _takes_selector(self) -> bool:
+        """Whether a FAISS search of this type takes an ``IDSelector`` (IVF, HNSW, Flat, SQ do; PQ, RQ don't)."""
+        return isinstance(self._core(), (faiss.IndexIVF, faiss.IndexHNSW, *_SELECTOR_FLAT))
+
+    def _core(self) -> faiss.Index:
+        """The index that does the search: under the id map and the pre-transform (PCA, OPQ), downcast."""
+        index = faiss.downcast_index(self._faiss.index) if isinstance(self._faiss, faiss.IndexIDMap) else self._faiss
+        return faiss.downcast_index(_inner(index))
+
+    def _allowed_parameters(self, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
+        """Search parameters whose selector admits only ``allowed`` ids (live ones, for graph indexes)."""
+        allowed = np.ascontiguousarray(np.asarray(allowed, dtype=np.int64).reshape(-1))
+        if not self._removable_now:  # graphs search by label: map live ids to their labels
+            allowed = np.fromiter((self._label_of[i] for i in allowed.tolist() if i in self._label_of), dtype=np.int64)
+        selector = faiss.IDSelectorBatch(allowed)
+        params = self._parameters(k, selector, len(allowed))
+        params._keep = (selector, allowed)  # keep the selector and its ids alive as long as the parameters
+        return params
+
+    def _search_parameters(self, k: int) -> faiss.SearchParameters | None:
+        """Parameters of an unfiltered search: a selector that skips a graph's tombstones, if it has any."""
+        if self._removable_now or not self._dead.any():
+            return self._parameters(k, None, self.ntotal)
+        dead = np.flatnonzero(self._dead).astype(np.int64)
+        selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(dead))
+        params = self._parameters(k, selector, self.ntotal)
+        params._keep = selector  # keep the selector alive as long as the parameters
+        return params
+
+    def _parameters(self, k: int, selector: faiss.IDSelector | None, admitted: int) -> faiss.SearchParameters | None:
+        """The search parameters of one search whose ``selector`` (None: every entry) admits ``admitted`` entries.
+
+        Graph (HNSW): a search explores ``efSearch`` nodes, of which only the admitted fraction of the graph's
+        entries (tombstones count as entries) can be answers; below a fraction of 1, efSearch is raised to
+        ``max(efSearch, 4 k)`` divided by that fraction (at most the graph's size) to keep the recall of a clean
+        graph searched without a filter (which keeps FAISS's own efSearch).
+
+        IVF: ``nprobe`` lists are probed, every list while deletes keep a trained IVF below :attr:`min_train`
+        vectors (its lists then hold a few vectors each, so ``nprobe`` of them miss most neighbours, and probing
+        all costs no more than a flat search over fewer than ``min_train`` vectors).
+
+        Returns:
+            None where FAISS's own settings already do that (no selector, nothing raised).
+        """
+        core = self._core()
+        if isinstance(core, faiss.IndexHNSW):
+            entries, ef0 = max(len(self._labels), 1), int(core.hnsw.efSearch)
+            if admitted >= entries:
+                return None if selector is None else faiss.SearchParametersHNSW(sel=selector, efSearch=ef0)
+            ef = max(ef0, min(entries, int(np.ceil(max(ef0, 4 * k) * entries / max(admitted, 1)))))
+            return faiss.SearchParametersHNSW(sel=selector, efSearch=ef)
+        if isinstance(core, faiss.IndexIVF):
+            nprobe = int(core.nlist) if not self._fallback and self.ntotal < self.min_train else int(core.nprobe)
+            if selector is None and nprobe == core.nprobe:
+                return None
+            return faiss.SearchParametersIVF(sel=selector, nprobe=nprobe)
+        return None if selector is None else faiss.SearchParameters(sel=selector)
+
+    def set_params(self, **params: float) -> None:
+        """Set search parameters, e.g. ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW).
+
+        Every parameter is checked before any is kept: its name, its value (an integer >= 1; ``ht`` >= 0) and
+        that it applies to this spec's index type (even while an untrained spec is served by a flat fallback).
+
+        Raises:
+            UnknownOptionError: a parameter name FAISS does not know, or one that does not apply to this type.
+            InvalidArgumentError: a value that is not a positive integer.
+        """
+        checked = {name: check_search_param(name, value) for name, value in params.items()}
+        space = faiss.ParameterSpace()
+        for name, value in checked.items():
+            try:
+                space.set_index_parameter(self._template, name, value)
+            except RuntimeError:
+                raise UnknownOptionError(f"search parameter {name!r} does not apply to index {self.spec!r}") from None
+        self.params.update(checked)
+        self._apply_params()
+
+    @property
+    def search_params(self) -> dict[str, int]:
+        """The search parameters in effect: kvsearch's defaults for this type, overridden by those set."""
+        return {**default_search_params(self._template), **self.params}
+
+    def _apply_params(self) -> None:
+        params = self.search_params
+        if not params or self._fallback:
+            return
+        space = faiss.ParameterSpace()
+        target = self._faiss.index if isinstance(self._faiss, faiss.IndexIDMap) else self._faiss
+        for name, value in params.items():
+            space.set_index_parameter(target, name, value)  # checked against the same type by set_params
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the index to ``path`` atomically (a temporary file, then a rename); read it with :func:`load_index`."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        blob = faiss.serialize_index(self._faiss)  # uint8 array
+        np.savez(
+            tmp.with_suffix(".npz"),
+            faiss=blob,
+            labels=self._labels,
+            dead=self._dead,
+            fallback=np.array(self._fallback),
+        )
+        os.replace(tmp.with_suffix(".npz"), path)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        dim: int,
+        spec: str,
+        metric: Metric,
+        params: dict[str, float] | None = None,
+        *,
+        normalize: bool = False,
+        source: KeySource | None = None,
+    ) -> Index:
+        """Read an index written by :meth:`save` (see :func:`load_index`).
+
+        Raises:
+            CorruptDatabaseError: the file is missing, truncated, foreign or of another dim / metric.
+        """
+        index = cls(dim, spec, metric, normalize=normalize, source=source)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                blob, labels, dead = data["faiss"], data["labels"], data["dead"]
+                fallback = bool(data["fallback"])
+            loaded = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
+        except Exception as exc:  # numpy and FAISS raise many types on damaged input
+            raise CorruptDatabaseError(f"index file {path} cannot be read: {exc}".splitlines()[0]) from None
+        if loaded.d != dim or loaded.metric_type != _METRICS[metric] or len(labels) != len(dead):
+            raise CorruptDatabaseError(f"index file {path} does not match dim {dim} and metric {metric!r}")
+        index._faiss = loaded
+        index._fallback = fallback
+        index._removable_now = index.removable or fallback
+        index._labels = labels.astype(np.int64)
+        index._dead = dead.astype(bool)
+        index._label_of = {int(i): n for n, i in enumerate(index._labels.tolist()) if not index._dead[n]}
+        index.set_params(**(params or {}))  # the parameters in effect, defaults included, not the file's
+        return index
+
+    def ids(self) -> Tensor:
+        """The live ids, sorted: (n,) int64 on the CPU (for consistency checks against the store)."""
+        return torch.from_numpy(np.sort(self._id_array()))  # (n,)
+
+    def _id_array(self) -> np.ndarray:
+        """The live ids, unsorted."""
+        if self._removable_now:
+            target = self._faiss
+            if isinstance(target, faiss.IndexIDMap):
+                return faiss.vector_to_array(target.id_map).astype(np.int64)
+            invlists = faiss.extract_index_ivf(target).invlists
+            parts = [
+                faiss.rev_swig_ptr(invlists.get_ids(lst), invlists.list_size(lst)).copy()
+                for lst in range(invlists.nlist)
+                if invlists.list_size(lst)
+            ]
+            return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, dtype=np.int64)
+        return np.fromiter(self._label_of.keys(), dtype=np.int64, count=len(self._label_of))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _to_numpy(self, ids: Tensor, keys: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Checked ids (n,) int64 and keys (n, dim) float32 as FAISS reads them (unit rows for cosine)."""
+        ids, keys = check_pairs(ids, keys, self.dim)  # (n,), (n, dim)
+        if self.normalize:
+            keys = F.normalize(keys, dim=-1, eps=COSINE_EPS)  # (n, dim)
+        return np.ascontiguousarray(ids.numpy()), np.ascontiguousarray(keys.cpu().numpy())

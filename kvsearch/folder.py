@@ -1,0 +1,664 @@
+"""The database folder: its file names, the index manifest, the encoder files and their digests, and the rollback
+of the files a failed creation made.
+
+A database folder holds:
+
+- ``store.sqlite`` (+ SQLite's ``-wal``, ``-shm``, ``-journal``, and the store's embeddings side files
+  ``store.sqlite.emb*``) — the records, the single source of truth (:mod:`kvsearch.store`);
+- ``write.lock`` — the inter-process write lock (:mod:`kvsearch.locking`);
+- for each encoder prefix (``encoder``, ``value_encoder``, ``query_encoder``): ``{prefix}.json``, and
+  ``{prefix}.safetensors`` (a trained n-gram encoder) or the folder ``{prefix}_model`` (a fine-tuned sentence
+  encoder), written by :func:`save_encoder` and read back by :func:`load_encoder`;
+- ``index.npz`` and ``manifest.json`` — a saved index and what it is the index of (:func:`write_index`,
+  :func:`saved_index_path`).
+
+Encoder files are written crash-safely and checked on load: the store records the SHA-256 of each file in the
+meta entry ``encoder_files`` = ``{"current": {name: hex}, "pending": {name: hex} | None}``. :class:`EncoderFiles`
+saves in three steps: the files are written into a staging folder and their digests recorded as *pending*; the
+files are moved into place (``os.replace``, the json last, as the commit point); the digests become *current*
+together with the database configuration, in one transaction. A stop anywhere leaves files that match the
+current or the pending digests. Nothing is ever pickled.
+
+This module knows nothing of search or autograd: it moves bytes between the folder and the objects that own them
+(encoders, an index, the store's meta table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from kvsearch.encoders import ENCODER_KINDS, Encoder, SentenceEncoder
+from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, InvalidArgumentError, UnknownOptionError
+from kvsearch.locking import LOCK_FILE
+
+if TYPE_CHECKING:
+    from kvsearch.store import Store
+
+__all__ = [
+    "STORE_FILE",
+    "LOCK_FILE",
+    "INDEX_FILE",
+    "MANIFEST_FILE",
+    "ENCODER_PREFIXES",
+    "ENCODER_FILES_META",
+    "is_database",
+    "files_of_database",
+    "Creation",
+    "sha256_file",
+    "save_encoder",
+    "load_encoder",
+    "EncoderFiles",
+    "write_index",
+    "saved_index_path",
+]
+
+#: The SQLite store: the file that makes a folder a database.
+STORE_FILE = "store.sqlite"
+#: The saved index (written only for index types that are slower to rebuild than to read).
+INDEX_FILE = "index.npz"
+#: What the saved index is the index of: ``{"version", "spec", "ntotal", "sha256"}``.
+MANIFEST_FILE = "manifest.json"
+#: The file name stems of a database's encoders: the key encoder, a value encoder of its own, a query encoder.
+ENCODER_PREFIXES = ("encoder", "value_encoder", "query_encoder")
+#: The store meta entry with the SHA-256 of every encoder file: ``{"current": {name: hex}, "pending": ... | None}``.
+ENCODER_FILES_META = "encoder_files"
+
+_SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")  # what SQLite writes beside the store
+_STAGING = (".encoders.", ".staging")  # prefix, suffix of the staging folders of an encoder save
+_MODEL_DIR = "{prefix}_model"  # the model folder of a saved sentence encoder
+
+
+# --------------------------------------------------------------------------- the folder and its files
+
+
+def is_database(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a database folder: it holds a :data:`STORE_FILE`.
+
+    Args:
+        path: a folder (it need not exist).
+
+    Returns:
+        True if ``path / STORE_FILE`` is a file.
+    """
+    return (Path(path) / STORE_FILE).is_file()
+
+
+def _patterns() -> list[str]:
+    """Glob patterns of every file and folder kvsearch writes into a database folder, leftovers included."""
+    patterns = [STORE_FILE, *(STORE_FILE + s for s in _SQLITE_SIDE_FILES), f"{STORE_FILE}.emb*", LOCK_FILE]
+    patterns += [INDEX_FILE, f"{INDEX_FILE}.*", MANIFEST_FILE, f"{MANIFEST_FILE}.*.tmp", f"{_STAGING[0]}*{_STAGING[1]}"]
+    for prefix in ENCODER_PREFIXES:
+        model_dir = _MODEL_DIR.format(prefix=prefix)
+        patterns += [f"{prefix}.json", f"{prefix}.safetensors", model_dir]
+        patterns += [f".{prefix}.json.*.tmp", f".{prefix}.safetensors.*.tmp", f".{model_dir}.*"]
+    return patterns
+
+
+def files_of_database(path: str | os.PathLike[str]) -> list[Path]:
+    """The kvsearch files and folders present in the folder ``path``, sorted by name.
+
+    The store (with SQLite's ``-wal`` / ``-shm`` / ``-journal`` and the store's embeddings side files), the write
+    lock, every encoder's json, weights and model folder, the index and its manifest, and what an interrupted
+    write of one of them leaves (temporary files, staging folders). Nothing else: a user's own files in the
+    folder are never listed.
+
+    Args:
+        path: a folder; one that does not exist (or is not a folder) holds nothing.
+
+    Returns:
+        The paths (files and folders, not what is inside the folders).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        return []
+    found = {p for pattern in _patterns() for p in folder.glob(pattern)}
+    return sorted(found, key=lambda p: p.name)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, or a folder with what it holds; never raises for a path that is gone or cannot go."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+class Creation:
+    """What a database creation is about to make in ``path``, so that a creation that fails can remove it again.
+
+    Constructed before the folder is made: it notes which of the folder and its parents do not exist yet, and
+    which kvsearch files (see :func:`files_of_database`) the folder already holds. A folder that already holds a
+    store is an existing database: nothing is noted and :meth:`rollback` removes nothing.
+
+    Args:
+        path: the database folder, or None for a database in memory (then everything is a no-op).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = None if path is None else Path(path)
+        self._folder: Path | None = None  # the folder whose creation is watched; None: nothing to undo
+        self._new_folders: list[Path] = []  # outermost first
+        self._before: set[Path] = set()
+        if self.path is not None and not (self.path / STORE_FILE).exists():
+            self._folder = self.path
+            self._new_folders = [d for d in (self.path, *self.path.parents) if not d.exists()][::-1]
+            self._before = set(files_of_database(self.path))
+
+    def rollback(self) -> None:
+        """Remove what the creation made: the kvsearch files and folders that were not there, then the folders
+        it made (innermost first, and only if empty). Never anything that existed before; never raises for a
+        file that cannot be removed; a second call finds nothing left to do.
+        """
+        if self._folder is None:
+            return
+        made = [p for p in files_of_database(self._folder) if p not in self._before]
+        for path in sorted(made, key=lambda p: p.is_dir()):  # files, then model and staging folders
+            _remove(path)
+        for folder in reversed(self._new_folders):
+            try:
+                folder.rmdir()  # only if empty
+            except OSError:
+                pass
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes, read a MiB at a time.
+
+    Args:
+        path: a file.
+
+    Returns:
+        The hex digest.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+@contextlib.contextmanager
+def _temp_path(folder: Path, name: str) -> Iterator[Path]:
+    """A fresh temporary file name in ``folder`` (same file system, so ``os.replace`` is atomic)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+    finally:
+        tmp_path.unlink(missing_ok=True)  # no-op once it has been moved into place
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    with _temp_path(path.parent, path.name) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def _write_safetensors_atomic(path: Path, state: Mapping[str, Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+    with _temp_path(path.parent, path.name) as tmp:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished folder ``src`` to ``dst``, replacing an older ``dst`` (rename, then delete)."""
+    old = None
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old."))
+        os.replace(dst, old / dst.name)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- one encoder's files
+
+
+def _check_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str) or not prefix or prefix in (".", "..") or any(s in prefix for s in "/\\\x00"):
+        raise InvalidArgumentError(
+            f"prefix must be a non-empty file name without a path separator or NUL, got {prefix!r}"
+        )
+    return prefix
+
+
+def save_encoder(encoder: Encoder, folder: str | os.PathLike[str], prefix: str) -> None:
+    """Write ``{prefix}.json`` and, where the config cannot rebuild them, the encoder's weights into ``folder``.
+
+    The json holds :meth:`Encoder.config` plus ``"weights"``: the name of what holds the weights, or ``null``.
+    The weights are written only when :meth:`Encoder.needs_weights` says so: an n-gram encoder whose table
+    differs from its seeded initialisation writes ``{prefix}.safetensors`` (a stale one is removed when it does
+    not); a sentence encoder that was trained, or given as a model instance, writes the model folder
+    ``{prefix}_model`` (safetensors), which the json's ``"model"`` then names relative to ``folder``. Each file is
+    written to a temporary name and moved into place; the json goes last, so it is the commit point.
+
+    Args:
+        encoder: the encoder to save.
+        folder: the folder to write into (created if missing).
+        prefix: the file name stem, without a path separator.
+
+    Raises:
+        InvalidArgumentError: ``prefix`` is empty or holds a path separator or NUL, or ``encoder`` is not an
+            Encoder.
+    """
+    prefix = _check_prefix(prefix)
+    if not isinstance(encoder, Encoder):
+        raise InvalidArgumentError(f"expected a kvsearch Encoder, got {type(encoder).__name__}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {**encoder.config(), "weights": None}
+    needs_weights = encoder.needs_weights()
+    if isinstance(encoder, SentenceEncoder):
+        if needs_weights:
+            model_dir = folder / _MODEL_DIR.format(prefix=prefix)
+            tmp_dir = Path(tempfile.mkdtemp(dir=folder, prefix=f".{model_dir.name}."))
+            try:
+                encoder.model.save(str(tmp_dir), create_model_card=False, safe_serialization=True)
+                _replace_dir(tmp_dir, model_dir)
+            finally:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            data["model"] = data["weights"] = model_dir.name
+        _write_json_atomic(folder / f"{prefix}.json", data)
+        return
+    weights_path = folder / f"{prefix}.safetensors"
+    if needs_weights:
+        _write_safetensors_atomic(weights_path, encoder.state_dict())
+        data["weights"] = weights_path.name
+    _write_json_atomic(folder / f"{prefix}.json", data)
+    if not needs_weights:
+        weights_path.unlink(missing_ok=True)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CorruptDatabaseError(f"encoder config {path} is missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptDatabaseError(f"encoder config {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CorruptDatabaseError(f"encoder config {path} must hold a JSON object, got {type(data).__name__}")
+    if not isinstance(data.get("kind"), str):
+        raise CorruptDatabaseError(f"encoder config {path} has no string 'kind' entry")
+    weights = data.get("weights")
+    if weights is not None and (not isinstance(weights, str) or not weights or any(s in weights for s in "/\\")):
+        raise CorruptDatabaseError(f"encoder config {path}: 'weights' must be a file name or null, got {weights!r}")
+    return data
+
+
+def _load_safetensors_into(encoder: Encoder, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CorruptDatabaseError(f"encoder weights {path} are missing")
+    try:
+        state = load_file(str(path), device="cpu")
+    except Exception as exc:  # safetensors raises its own SafetensorError, and OSError
+        raise CorruptDatabaseError(
+            f"encoder weights {path} cannot be read (truncated or not safetensors): {exc}"
+        ) from exc
+    bad = {name: t.dtype for name, t in state.items() if t.dtype != torch.float32}
+    if bad:
+        raise CorruptDatabaseError(f"encoder weights {path}: expected float32 tensors, got {bad}")
+    try:
+        encoder.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise CorruptDatabaseError(f"encoder weights {path} do not fit the encoder config: {exc}") from exc
+
+
+def load_encoder(folder: str | os.PathLike[str], prefix: str, device: str | torch.device | None = None) -> Encoder:
+    """Rebuild an encoder that :func:`save_encoder` wrote.
+
+    Reads ``{prefix}.json``, builds the encoder named by its ``"kind"``, and loads the weights the json names
+    (``{prefix}.safetensors`` for an n-gram encoder, strictly; the ``{prefix}_model`` folder, resolved relative
+    to ``folder``, for a sentence encoder). The files are not checked against digests here (see
+    :meth:`EncoderFiles.load`).
+
+    Args:
+        folder: the folder the encoder was saved in.
+        prefix: the file name stem given to :func:`save_encoder`.
+        device: where to put the encoder; None -> CUDA when present, else the CPU.
+
+    Returns:
+        The encoder, in eval mode; ``trained`` is True if saved weights were loaded.
+
+    Raises:
+        CorruptDatabaseError: the json or the weights it names are missing, garbled, or do not fit the config.
+        UnknownOptionError: the json's kind is not a known encoder kind.
+        InvalidArgumentError: ``prefix`` is empty or holds a path separator or NUL.
+    """
+    prefix = _check_prefix(prefix)
+    folder = Path(folder)
+    json_path = folder / f"{prefix}.json"
+    data = _read_config(json_path)
+    kind = data.pop("kind")
+    weights = data.pop("weights", None)
+    if kind not in ENCODER_KINDS:
+        raise UnknownOptionError(
+            f"encoder config {json_path}: unknown encoder kind {kind!r}, expected one of {sorted(ENCODER_KINDS)}"
+        )
+    if kind == "sentence" and weights is not None:
+        model_dir = folder / weights
+        if not (model_dir / "modules.json").is_file() and not (model_dir / "config.json").is_file():
+            raise CorruptDatabaseError(f"encoder model folder {model_dir} (named by {json_path}) is missing or empty")
+        data["model"] = str(model_dir)
+    if kind == "ngram" and "ngram_range" in data and isinstance(data["ngram_range"], list):
+        data["ngram_range"] = tuple(data["ngram_range"])
+    try:
+        encoder = ENCODER_KINDS[kind](**data, device=device)
+    except (TypeError, InvalidArgumentError) as exc:
+        raise CorruptDatabaseError(f"encoder config {json_path} does not describe a {kind} encoder: {exc}") from exc
+    if kind == "ngram" and weights is not None:
+        _load_safetensors_into(encoder, folder / weights)
+    encoder.trained = weights is not None
+    return encoder
+
+
+# --------------------------------------------------------------------------- a database's encoder files
+
+
+def _install_encoders(
+    folder: Path, encoders: Mapping[str, Encoder], record_pending: Callable[[dict[str, str]], None]
+) -> dict[str, str]:
+    """Write ``encoders`` (prefix -> encoder) into ``folder`` crash-safely; return the digests of the files written.
+
+    Staging folders left by a writer that stopped are removed first (the caller holds the write lock). The
+    encoders are saved into a fresh staging folder; ``record_pending(digests)`` is called after the files are
+    staged and before any is moved into place; then the files are moved into place, the json files last. A
+    ``{prefix}.safetensors`` left from an earlier save is removed when the new save has none (its weights are
+    rebuilt from the seed). Model folders are moved into place but not hashed.
+
+    Args:
+        folder: the database folder.
+        encoders: prefix -> encoder.
+        record_pending: records the digests as pending (in the store).
+
+    Returns:
+        file name -> SHA-256 of every file written (not of model folders).
+    """
+    folder = Path(folder)
+    for old in folder.glob(f"{_STAGING[0]}*{_STAGING[1]}"):
+        shutil.rmtree(old, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(dir=folder, prefix=_STAGING[0], suffix=_STAGING[1]))
+    try:
+        for prefix, encoder in encoders.items():
+            save_encoder(encoder, staging, prefix)
+        written = sorted(staging.iterdir(), key=lambda p: (p.suffix == ".json", p.name))  # json last
+        digests = {p.name: sha256_file(p) for p in written if p.is_file()}
+        record_pending(digests)
+        for path in written:
+            if path.is_dir():
+                _replace_dir(path, folder / path.name)
+            else:
+                os.replace(path, folder / path.name)
+        for prefix in encoders:
+            if f"{prefix}.safetensors" not in digests:
+                (folder / f"{prefix}.safetensors").unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return digests
+
+
+def _check_encoder_files(folder: Path, prefix: str, record: Any) -> None:
+    """Check ``{prefix}.json`` and ``{prefix}.safetensors`` against the record's current or pending SHA-256.
+
+    No record (a database made before digests were kept) checks nothing; a file with no recorded digest (a
+    leftover the json does not name) or missing (:func:`load_encoder` reports that) is skipped.
+
+    Args:
+        folder: the database folder.
+        prefix: the encoder's file name stem.
+        record: the meta entry ``{"current": {name: hex}, "pending": {name: hex} | None}``, or None.
+
+    Raises:
+        CorruptDatabaseError: a file matches neither digest (naming the file, the expected and the found one),
+            or cannot be read.
+    """
+    if not isinstance(record, dict):
+        return
+    known = [d for d in (record.get("current"), record.get("pending")) if isinstance(d, dict)]
+    for name in (f"{prefix}.json", f"{prefix}.safetensors"):
+        expected = sorted({d[name] for d in known if name in d})
+        path = Path(folder) / name
+        if not expected or not path.is_file():
+            continue
+        try:
+            found = sha256_file(path)
+        except OSError as exc:
+            raise CorruptDatabaseError(f"encoder file {path} cannot be read: {exc}") from None
+        if found not in expected:
+            raise CorruptDatabaseError(
+                f"encoder file {path} was changed or damaged since it was saved: expected SHA-256 "
+                f"{' or '.join(expected)}, found {found}"
+            )
+
+
+def _files_match(folder: Path, digests: Mapping[str, str]) -> bool:
+    """Whether every file named in ``digests`` exists in ``folder`` with that SHA-256 (False if one cannot be read)."""
+    try:
+        return all(
+            (Path(folder) / name).is_file() and sha256_file(Path(folder) / name) == hex_
+            for name, hex_ in digests.items()
+        )
+    except OSError:
+        return False
+
+
+class EncoderFiles:
+    """The encoder files of one database folder, with their digests in the store's meta entry
+    :data:`ENCODER_FILES_META`.
+
+    Args:
+        folder: the database folder, or None for a database in memory (then :meth:`save` and :meth:`settle` do
+            nothing and there is nothing to load).
+        store: the database's store (its meta table keeps the digests and the configuration).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str] | None, store: Store) -> None:
+        self.folder = None if folder is None else Path(folder)
+        self.store = store
+
+    def has(self, prefix: str) -> bool:
+        """Whether ``{prefix}.json`` exists in the folder (always False in memory)."""
+        return self.folder is not None and (self.folder / f"{_check_prefix(prefix)}.json").exists()
+
+    def load(self, prefix: str, device: str | torch.device | None = None) -> Encoder:
+        """Load the encoder ``prefix`` after checking its files against their recorded SHA-256.
+
+        A file is good if it matches the current or the pending digest (a save that stopped between writing the
+        files and recording them leaves either). Databases made before digests were recorded have none: their
+        files load unchecked. On a mismatch the record is read once more on a fresh SQLite connection (another
+        process may have saved newer encoders after this view's read snapshot) before giving up.
+
+        Args:
+            prefix: the encoder's file name stem (one of :data:`ENCODER_PREFIXES`).
+            device: where to put the encoder; None -> CUDA when present, else the CPU.
+
+        Returns:
+            The encoder, in eval mode.
+
+        Raises:
+            CorruptDatabaseError: a file differs from what was saved (naming it, the expected and the found
+                digest), cannot be read, or does not describe an encoder.
+            InvalidArgumentError: a database in memory has no encoder files; a bad prefix.
+        """
+        if self.folder is None:
+            raise InvalidArgumentError(f"expected a database folder to load {prefix!r} from, got one in memory")
+        try:
+            _check_encoder_files(self.folder, prefix, self.store.get_meta(ENCODER_FILES_META))
+        except CorruptDatabaseError:
+            _check_encoder_files(self.folder, prefix, self._latest_record(self.folder))
+        return load_encoder(self.folder, prefix, device=device)
+
+    def _latest_record(self, folder: Path) -> Any:
+        """The digest record as last committed, read on a fresh connection (outside this view's read snapshot)."""
+        path = folder / STORE_FILE
+        try:
+            with contextlib.closing(sqlite3.connect(str(path), timeout=10.0)) as conn:
+                row = conn.execute("SELECT value FROM meta WHERE name = ?", (ENCODER_FILES_META,)).fetchone()
+        except sqlite3.Error as exc:
+            raise CorruptDatabaseError(f"{path}: cannot read {ENCODER_FILES_META!r}: {exc}") from None
+        return None if row is None else json.loads(row[0])
+
+    def save(self, encoders: Mapping[str, Encoder], config: dict[str, Any]) -> None:
+        """Write ``encoders`` (prefix -> encoder) into the folder, and record them with ``config``.
+
+        Crash-safe in three steps: the encoders are written into a staging folder and their digests recorded as
+        *pending* (one transaction); the files are moved into place (``os.replace``, the json last); then one
+        transaction sets the meta entry ``"config"`` to ``config`` and makes the digests *current*. A stop
+        anywhere leaves files that match the current or the pending digests.
+
+        The caller holds ``store.lock`` and ``store.write_lock`` (both are reentrant; they are taken here too).
+
+        Args:
+            encoders: prefix -> encoder, the encoders the database has (a prefix left out is not written).
+            config: the database configuration to record with them.
+
+        Raises:
+            DatabaseLockedError: another writer held the write lock for longer than its timeout.
+        """
+        if self.folder is None:
+            return
+        with self.store.lock, self.store.write_lock:
+
+            def record_pending(digests: dict[str, str]) -> None:
+                current = (self.store.get_meta(ENCODER_FILES_META) or {}).get("current") or {}
+                self.store.set_meta(ENCODER_FILES_META, {"current": current, "pending": digests})
+
+            digests = _install_encoders(self.folder, encoders, record_pending)
+            with self.store.transaction():
+                self.store.set_meta("config", config)
+                self.store.set_meta(ENCODER_FILES_META, {"current": digests, "pending": None})
+
+    def settle(self) -> None:
+        """Finish the digest record of a save that stopped between writing the encoder files and recording them.
+
+        Only when pending digests exist and the write lock is free at once: if every recorded file matches the
+        pending digests they become current, if every one matches the current digests pending is dropped;
+        otherwise (or when another writer holds the lock) the record is left as it is (still accepted on load).
+        """
+        record = self.store.get_meta(ENCODER_FILES_META)
+        if self.folder is None or not isinstance(record, dict) or not record.get("pending"):
+            return
+        try:
+            self.store.write_lock.acquire(timeout=0.0)
+        except DatabaseLockedError:
+            return
+        try:
+            record = self.store.get_meta(ENCODER_FILES_META) or {}
+            pending, current = record.get("pending"), record.get("current") or {}
+            if not pending:
+                return
+            if _files_match(self.folder, pending):
+                self.store.set_meta(ENCODER_FILES_META, {"current": pending, "pending": None})
+            elif _files_match(self.folder, current):
+                self.store.set_meta(ENCODER_FILES_META, {"current": current, "pending": None})
+        finally:
+            self.store.write_lock.release()
+
+
+# --------------------------------------------------------------------------- the saved index
+
+
+class SavableIndex(Protocol):
+    """What :func:`write_index` needs of an index."""
+
+    spec: str
+
+    @property
+    def ntotal(self) -> int: ...
+
+    def save(self, path: str | os.PathLike[str]) -> None: ...
+
+
+def write_index(folder: str | os.PathLike[str], index: SavableIndex, *, version: int) -> None:
+    """Save ``index`` as :data:`INDEX_FILE` and tag it with a manifest: the store version it reflects.
+
+    The manifest ``{"version", "spec", "ntotal", "sha256"}`` is written after the index, to a temporary file
+    moved into place: a stop in between leaves a manifest whose digest no longer matches (the next open
+    rebuilds the index from the store).
+
+    Args:
+        folder: the database folder.
+        index: an index with ``spec``, ``ntotal`` and ``save(path)``.
+        version: the store version the index reflects.
+
+    Raises:
+        OSError: a file cannot be written.
+    """
+    folder = Path(folder)
+    index_path = folder / INDEX_FILE
+    index.save(index_path)
+    manifest = {"version": version, "spec": index.spec, "ntotal": index.ntotal, "sha256": sha256_file(index_path)}
+    tmp = folder / f"{MANIFEST_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(manifest))
+        os.replace(tmp, folder / MANIFEST_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)  # no-op once it has been moved into place
+
+
+def saved_index_path(folder: str | os.PathLike[str], *, version: int, spec: str, ntotal: int) -> Path | None:
+    """The saved index file if it is exactly the index asked for, else None.
+
+    Served only when both :data:`INDEX_FILE` and :data:`MANIFEST_FILE` exist and the manifest says the index is
+    of this store version, this spec and this size, and the file holds the very bytes the manifest was written
+    for (a torn, truncated or swapped file fails the hash before FAISS reads it). A damaged or foreign manifest
+    (not JSON, not an object, unreadable) gives None: the store is the truth, the caller rebuilds from it.
+
+    Args:
+        folder: the database folder.
+        version: the store version the index must reflect.
+        spec: the index spec it must have.
+        ntotal: how many vectors it must hold.
+
+    Returns:
+        The path of the index file, or None.
+    """
+    folder = Path(folder)
+    index_path, manifest_path = folder / INDEX_FILE, folder / MANIFEST_FILE
+    try:
+        if not (manifest_path.is_file() and index_path.is_file()):
+            return None
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict):
+            return None
+        if (
+            manifest.get("version") == version
+            and manifest.get("spec") == spec
+            and manifest.get("ntotal") == ntotal
+            and manifest.get("sha256") == sha256_file(index_path)
+        ):
+            return index_path
+    except (OSError, ValueError, TypeError):  # ValueError: bad JSON or UTF-8
+        pass
+    return None

@@ -1,0 +1,216 @@
+"""What a user passes in, checked and put in one shape: query texts or tensors, record keys and values, metadata.
+
+Every function raises a typed error that says what was expected and what came, before anything is encoded,
+searched or written. This module knows nothing of storage, search or autograd: the facade
+(:class:`~kvsearch.Database`) calls it first and hands the checked texts and tensors on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvsearch.checks import check_batch, check_finite
+from kvsearch.encoders import Encoder
+from kvsearch.errors import (
+    DimensionMismatchError,
+    DuplicateKeyError,
+    EmptyKeyError,
+    InvalidArgumentError,
+    NonFiniteError,
+)
+
+__all__ = [
+    "Queries",
+    "KeysIn",
+    "query_texts",
+    "query_tensor",
+    "record_side",
+    "encode_side",
+    "check_metadata",
+    "delete_items",
+]
+
+Queries = str | Sequence[str] | Tensor | np.ndarray
+KeysIn = str | Sequence[str] | Tensor | np.ndarray
+
+
+def query_texts(queries: Queries) -> list[str] | None:
+    """The query texts of ``queries`` (a str or a list of str), or None when queries are not text.
+
+    Raises:
+        InvalidArgumentError: an empty list, a non-str item, an empty or blank text, too many queries.
+    """
+    if not (isinstance(queries, str) or (isinstance(queries, Sequence) and not isinstance(queries, str))):
+        return None
+    texts = [queries] if isinstance(queries, str) else list(queries)
+    if not texts:
+        raise InvalidArgumentError("expected at least one query, got an empty list")
+    check_batch(len(texts), "queries")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise InvalidArgumentError(f"expected query texts, got {type(t).__name__} at position {i}")
+        if not t.strip():
+            raise InvalidArgumentError(f"expected non-empty query texts, got {t!r} at position {i}")
+    return texts
+
+
+def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
+    """Query embeddings as a float32 (batch, dim) tensor on their own device, and whether one came unbatched.
+
+    Args:
+        queries: (dim,) or (batch, dim), a tensor (its graph kept) or a numpy array.
+        dim: the database's key dimension.
+
+    Returns:
+        queries (batch, dim) float32, and True for a single (dim,) query.
+
+    Raises:
+        InvalidArgumentError: not a tensor or array, an empty batch, too many queries.
+        DimensionMismatchError: the wrong shape.
+        NonFiniteError: NaN or Inf.
+    """
+    if isinstance(queries, np.ndarray):
+        queries = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
+    if not isinstance(queries, Tensor):
+        raise InvalidArgumentError(f"expected a query text, a list of texts or a tensor, got {type(queries).__name__}")
+    single = queries.dim() == 1
+    q = queries.unsqueeze(0) if single else queries  # (b, dim)
+    if q.dim() != 2 or q.shape[1] != dim:
+        raise DimensionMismatchError(
+            f"expected queries of shape (dim={dim},) or (batch, {dim}), got {tuple(queries.shape)}"
+        )
+    if q.shape[0] == 0:
+        raise InvalidArgumentError("expected at least one query, got an empty batch")
+    check_batch(q.shape[0], "queries")
+    q = q.float() if q.dtype != torch.float32 else q  # (b, dim)
+    check_finite(q, "queries")
+    return q, single
+
+
+def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> tuple[list[str | None], Tensor | None]:
+    """Check the keys or the values of a write: (texts, None) for text, ([None] * n, embeddings) for tensors.
+
+    Nothing is encoded here (that happens under the write lock, see :func:`encode_side`).
+
+    Args:
+        items: texts (a str is one record), or embeddings (n, dim) (or (n,) when dim is 1).
+        name: ``"keys"`` or ``"values"`` — keys are also checked for emptiness and duplicates.
+        encoder: the encoder of this side (texts need one).
+        dim: the embedding dimension of this side.
+
+    Returns:
+        The texts (or Nones) and the (n, dim) float32 embeddings (or None).
+
+    Raises:
+        DimensionMismatchError, NonFiniteError, EmptyKeyError, DuplicateKeyError, InvalidArgumentError.
+    """
+    if isinstance(items, str):
+        items = [items]
+    if isinstance(items, np.ndarray) and items.dtype.kind in "fiu":
+        items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
+    if isinstance(items, Tensor):
+        embs = items.detach().float()
+        if embs.dim() == 1 and dim == 1:
+            embs = embs.unsqueeze(1)  # (n,) -> (n, 1): scalar values such as regression targets
+        if embs.dim() != 2 or embs.shape[1] != dim:
+            raise DimensionMismatchError(f"expected {name} of shape (n, {dim}), got {tuple(items.shape)}")
+        check_finite(embs, name)
+        return [None] * embs.shape[0], embs
+    if not isinstance(items, Sequence):
+        raise InvalidArgumentError(f"expected {name} as a list of str or a tensor, got {type(items).__name__}")
+    texts = list(items)
+    seen: dict[str, int] = {}
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise InvalidArgumentError(f"expected {name} as str, got {type(t).__name__} at position {i}")
+        if name == "keys":
+            if not t.strip():
+                raise EmptyKeyError(f"expected a non-empty key, got {t!r} at position {i}")
+            if t in seen:
+                raise DuplicateKeyError(f"expected unique keys, got {t!r} at positions {seen[t]} and {i}")
+            seen[t] = i
+        if "\x00" in t:
+            raise InvalidArgumentError(f"expected {name} without NUL characters, got one at position {i}")
+    if texts and encoder is None:
+        raise InvalidArgumentError(
+            f"expected {name} as embeddings (n, {dim}): this database has no encoder for {name} text"
+        )
+    return texts, None
+
+
+def encode_side(
+    texts: Sequence[str | None], embs: Tensor | None, encoder: Encoder | None, dim: int, name: str
+) -> Tensor:
+    """The embeddings of one side of a write: the given ones, or the encoder's of the texts. (n, dim) float32.
+
+    Raises:
+        NonFiniteError: the encoder produced NaN or Inf.
+        DimensionMismatchError: the embeddings are not of dim ``dim``.
+    """
+    if embs is None:
+        embs = encoder.encode(list(texts)).float()  # (n, dim)
+        check_finite(embs, f"{name} embeddings from the encoder")
+    if embs.shape[1] != dim:
+        raise DimensionMismatchError(f"expected {name} embeddings of dim {dim}, got {embs.shape[1]}")
+    return embs
+
+
+def check_metadata(metadata: object, n: int) -> list[dict[str, Any] | None]:
+    """One JSON-serialisable dict (or None) per record.
+
+    Raises:
+        InvalidArgumentError: not a list of n dicts with str keys, or not JSON-serialisable.
+        NonFiniteError: a NaN or infinite number.
+    """
+    if metadata is None:
+        return [None] * n
+    if isinstance(metadata, Mapping) and n == 1:
+        metadata = [metadata]
+    if not isinstance(metadata, Sequence) or len(metadata) != n:
+        raise InvalidArgumentError(f"expected a list of {n} metadata dicts, got {type(metadata).__name__}")
+    out: list[dict[str, Any] | None] = []
+    for i, m in enumerate(metadata):
+        if m is None:
+            out.append(None)
+            continue
+        if not isinstance(m, Mapping) or not all(isinstance(key, str) for key in m):
+            raise InvalidArgumentError(f"expected metadata as a dict with str keys, got {m!r} at position {i}")
+        for key, value in m.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise NonFiniteError(f"expected finite numbers in metadata, got {key}={value} at position {i}")
+        try:
+            json.dumps(m, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"expected JSON-serialisable metadata at position {i}: {exc}") from None
+        out.append(dict(m))
+    return out
+
+
+def delete_items(key_or_keys: object) -> list[str | int]:
+    """What a delete names: key texts and int ids, from one item, a list, or an integer tensor / array.
+
+    Raises:
+        InvalidArgumentError: an array of non-integers, or an item that is neither str nor int.
+    """
+    if isinstance(key_or_keys, (Tensor, np.ndarray)):  # ids as an integer tensor or array
+        array = key_or_keys.detach().cpu().numpy() if isinstance(key_or_keys, Tensor) else key_or_keys
+        if array.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"expected integer ids, got an array of {array.dtype}")
+        return [int(i) for i in array.reshape(-1).tolist()]
+    items = [key_or_keys] if isinstance(key_or_keys, (str, int, np.integer)) else list(key_or_keys)
+    out: list[str | int] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            out.append(int(item))
+        else:
+            raise InvalidArgumentError(f"expected key texts or int ids, got {type(item).__name__}")
+    return out

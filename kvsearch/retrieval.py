@@ -1,0 +1,263 @@
+"""The retrieval seam: query tensors in, :class:`~kvsearch.attention.Candidates` out.
+
+    retriever = Retriever(store, dim=256, spec="Flat", score="cosine", folder=path)
+    retriever.open()                                   # the saved index if it is this store version's, else rebuilt
+    cand = retriever.candidates(queries, k=16)         # ids (b, k), keys (b, k, dim), values (b, k, value_dim), mask
+
+A :class:`Retriever` owns the candidate index of one store: it creates it from the spec and the score's metric,
+serves the saved one or rebuilds it, mirrors every committed write in it, and answers ``candidates``: the index
+picks ids without gradient (filters applied by the index, which guarantees ``min(k, matches)``), and the keys and
+values are gathered *by id* from the store, on the store's device, for attention to score and pool. It also
+finds exact-key targets (``pooling="exact"``, forced training targets).
+
+It is the one object a sharded retriever replaces: its interface is small and speaks torch tensors. It knows
+nothing of text, encoders, locking (the caller holds the store's locks) or training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from kvsearch import folder as folders
+from kvsearch.attention import Candidates
+from kvsearch.checks import check_k
+from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError, UnknownOptionError
+from kvsearch.index import CandidateIndex, load_index, make_index
+from kvsearch.limits import check_fits
+from kvsearch.store import Store
+
+__all__ = ["Retriever", "DB_SCORES", "metric_of", "check_db_score"]
+
+#: Score functions a database can use as its default (they decide the index metric).
+DB_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
+#: Rows of keys compared at once when looking for an exactly equal key embedding.
+EXACT_MATCH_ROWS = 65_536
+
+
+def check_db_score(score: object) -> str:
+    """``score`` if a database can use it as its default score.
+
+    Raises:
+        UnknownOptionError: anything else.
+    """
+    if score not in DB_SCORES:
+        raise UnknownOptionError(f"expected a database score among {DB_SCORES}, got {score!r}")
+    return score
+
+
+def metric_of(score: str) -> Literal["ip", "l2"]:
+    """The index metric of a database score: squared L2 for ``gaussian``, inner product otherwise."""
+    return "l2" if score == "gaussian" else "ip"
+
+
+class Retriever:
+    """The candidate index of a store, and candidates gathered by id for a batch of query tensors.
+
+    Args:
+        store: the record store (the single source of truth; its in-memory ids and key / value tensors).
+        dim: the key dimension.
+        spec: the index spec (a FAISS ``index_factory`` string or ``"torch[:dtype]"``).
+        score: the database's score (one of :data:`DB_SCORES`): it decides the metric, and cosine normalises.
+        params: search parameters (``nprobe``, ``efSearch``...).
+        folder: the database folder whose saved index :meth:`open` may serve and :meth:`save` writes; None in memory.
+
+    Raises:
+        UnknownOptionError: an unknown spec, score or search parameter.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        dim: int,
+        spec: str,
+        score: str,
+        params: Mapping[str, float] | None = None,
+        folder: Path | None = None,
+    ) -> None:
+        self.store = store
+        self.dim = dim
+        self.spec = spec
+        self.score = check_db_score(score)
+        self.metric = metric_of(score)
+        self.folder = folder
+        self.params: dict[str, float] = dict(params or {})
+        self.index: CandidateIndex = self._new_index()
+        #: Whether the index differs from what is saved in the folder (written by :meth:`save`).
+        self.dirty = False
+
+    def _new_index(self) -> CandidateIndex:
+        return make_index(
+            self.spec,
+            self.dim,
+            metric=self.metric,
+            normalize=self.score == "cosine",
+            source=self.store,
+            params=self.params,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Serve the saved index if it is exactly the index of the store's loaded version, else rebuild it.
+
+        Served only if the manifest names this store version, spec and size, the file has the very bytes the
+        manifest was written for, and the index holds the very ids the store holds. A damaged or foreign side
+        file is never an error: the store is the truth, the index is rebuilt from it.
+        """
+        if self.folder is not None:
+            path = folders.saved_index_path(
+                self.folder, version=self.store.loaded_version, spec=self.spec, ntotal=len(self.store)
+            )
+            if path is not None:
+                try:
+                    index = load_index(
+                        path,
+                        self.spec,
+                        self.dim,
+                        metric=self.metric,
+                        normalize=self.score == "cosine",
+                        source=self.store,
+                        params=self.params,
+                    )
+                    if index.ntotal == len(self.store) and torch.equal(index.ids(), self.store.ids):
+                        self.index, self.dirty = index, False
+                        return
+                except (CorruptDatabaseError, ValueError, OSError, KeyError, AttributeError, TypeError):
+                    pass  # a damaged or foreign side file: rebuild from the store
+        self.index = self._new_index()
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Rebuild the index from everything the store holds now (after a refresh, at open, when it asks).
+
+        Raises:
+            MemoryLimitError: the index would not fit in memory (checked before building).
+        """
+        self.index.rebuild()
+        self.dirty = True
+
+    def apply(self, *, removed: list[int], added: list[int], keys: Tensor | None) -> None:
+        """Mirror a committed store write: remove ids, add ids with their key embeddings (added, dim).
+
+        The store has committed: should the index fail to follow, it is rebuilt from the store (the truth)
+        rather than left behind it; it is also rebuilt when it asks (tombstones, or enough vectors to train).
+        """
+        self.dirty = True
+        try:
+            self.index.remove(torch.tensor(removed, dtype=torch.long))
+            if added:
+                self.index.add(torch.tensor(added, dtype=torch.long), keys)
+        except (RuntimeError, ValueError):
+            self.index = self._new_index()
+            self.rebuild()
+            return
+        if self.index.needs_rebuild:
+            self.rebuild()
+
+    def set_params(self, **params: float) -> None:
+        """Set search parameters on the index (checked by it) and keep them for later rebuilds.
+
+        Raises:
+            UnknownOptionError, InvalidArgumentError: a parameter the index type does not take, or a bad value.
+        """
+        self.index.set_params(**params)
+        self.params.update(params)
+
+    @property
+    def needs_save(self) -> bool:
+        """Whether :meth:`save` would write anything: the index changed and its type is worth saving."""
+        return self.folder is not None and self.dirty and self.index.persisted
+
+    def save(self) -> None:
+        """Write the index and its manifest (tagged with the store's loaded version) if :attr:`needs_save`.
+
+        The caller holds the write lock and has checked that no other process committed since (else the
+        index would be tagged with a version it does not reflect).
+        """
+        if self.needs_save:
+            folders.write_index(self.folder, self.index, version=self.store.loaded_version)
+            self.dirty = False
+
+    # ------------------------------------------------------------------ reading
+
+    def candidates(
+        self,
+        queries: Tensor,
+        k: int | Literal["all"],
+        *,
+        targets: Tensor | None = None,
+        where: Mapping[str, Any] | None = None,
+    ) -> Candidates:
+        """The candidates for a batch of query embeddings, gathered by id from the store.
+
+        Args:
+            queries: (batch, dim); detached for the index search.
+            k: candidates per query, or ``"all"``.
+            targets: (batch,) ids that must be among the candidates (-1 for none); the worst candidate makes
+                room. ``match`` is then ``ids == targets``.
+            where: a metadata filter (see :mod:`kvsearch.filters`): only matching records are candidates.
+
+        Returns:
+            :class:`~kvsearch.attention.Candidates` with ids (batch, t), keys (batch, t, dim), values
+            (batch, t, value_dim), mask (batch, t), where t = min(k, records) (no more candidates than records
+            are gathered); for ``k="all"`` ids (m,), keys (m, dim), values (m, value_dim), mask None.
+
+        Raises:
+            InvalidArgumentError: a bad ``k`` or filter.
+            DimensionMismatchError: queries are not (batch, dim).
+            MemoryLimitError: the gathered candidates would not fit in memory (refused before any work).
+        """
+        k = check_k(k, allow_all=True)
+        if queries.dim() != 2 or queries.shape[1] != self.dim:
+            raise DimensionMismatchError(f"expected queries (batch, {self.dim}), got {tuple(queries.shape)}")
+        store, device = self.store, self.store.device
+        allowed = None if where is None else store.ids_where(where)  # (m,) sorted ids
+        if allowed is not None and targets is not None:
+            targets = torch.where(torch.isin(targets.cpu(), allowed), targets.cpu(), -1)  # (b,)
+        if k == "all":
+            if allowed is None:
+                ids, keys, values = store.ids.to(device), store.keys, store.values  # (m,), (m, dim), (m, value_dim)
+            else:
+                rows = store.rows_of(allowed).to(device)  # (m,)
+                ids, keys, values = allowed.to(device), store.keys[rows], store.values[rows]
+            match = None if targets is None else ids.unsqueeze(0) == targets.to(device).unsqueeze(1)  # (b, m)
+            return Candidates(ids=ids, keys=keys, values=values, mask=None, match=match)
+        # never gather more candidates than there are records (k may be far larger than the database)
+        take = max(1, min(int(k), len(store) if allowed is None else len(allowed)))
+        per_candidate = (self.dim + store.values.shape[-1]) * 4 * 3 + 24  # gathered, scored, their gradients; ids
+        check_fits(queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates")
+        ids = self.index.search(queries.detach(), take, allowed=allowed).ids.cpu()  # (b, take)
+        if targets is not None:
+            targets = targets.cpu()
+            missing = (targets >= 0) & ~(ids == targets.unsqueeze(1)).any(1)  # (b,)
+            ids[missing, -1] = targets[missing]
+        keys, values, mask = store.gather(ids)  # (b, take, dim), (b, take, value_dim), (b, take)
+        ids = ids.to(device)  # (b, take)
+        match = None if targets is None else (ids == targets.to(device).unsqueeze(1)) & (ids >= 0)  # (b, take)
+        return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
+
+    def exact_targets(self, queries: Tensor) -> Tensor:
+        """For each query embedding, the id of the first record whose key embedding equals it, else -1.
+
+        Args:
+            queries: (batch, dim).
+
+        Returns:
+            (batch,) int64 CPU ids.
+        """
+        keys = self.store.keys  # (m, dim)
+        q = queries.detach().to(self.store.device)  # (b, dim)
+        targets = torch.full((q.shape[0],), -1, dtype=torch.long)  # (b,)
+        for start in range(0, len(keys), EXACT_MATCH_ROWS):
+            chunk = keys[start : start + EXACT_MATCH_ROWS]  # (c, dim)
+            eq = (chunk.unsqueeze(0) == q.unsqueeze(1)).all(-1)  # (b, c)
+            hit = eq.any(-1).cpu() & (targets < 0)  # (b,)
+            first = eq.float().argmax(-1).cpu() + start  # (b,)
+            targets = torch.where(hit, self.store.ids[first.clamp(max=len(self.store.ids) - 1)], targets)
+        return targets

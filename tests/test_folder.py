@@ -1,0 +1,314 @@
+"""Tests of kvsearch.folder: the file names of a database folder, the rollback of a failed creation, the index
+manifest, and the encoder files with their digests in the store."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvsearch
+from kvsearch import folder
+from kvsearch.errors import CorruptDatabaseError
+from kvsearch.folder import (
+    ENCODER_FILES_META,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    STORE_FILE,
+    Creation,
+    EncoderFiles,
+    files_of_database,
+    is_database,
+    saved_index_path,
+    sha256_file,
+    write_index,
+)
+from kvsearch.store import Store
+
+DIM = 8
+
+
+def touch(path: Path, data: bytes = b"x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def names(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+# --------------------------------------------------------------------------- the files of a database folder
+
+
+def test_file_names() -> None:
+    assert (STORE_FILE, INDEX_FILE, MANIFEST_FILE) == ("store.sqlite", "index.npz", "manifest.json")
+    assert folder.ENCODER_PREFIXES == ("encoder", "value_encoder", "query_encoder")
+    assert ENCODER_FILES_META == "encoder_files"
+
+
+def test_is_database(tmp_path: Path) -> None:
+    assert not is_database(tmp_path / "missing")
+    assert not is_database(tmp_path)
+    (tmp_path / STORE_FILE).mkdir()
+    assert not is_database(tmp_path)  # a folder of that name is not a store
+    (tmp_path / STORE_FILE).rmdir()
+    touch(tmp_path / STORE_FILE)
+    assert is_database(tmp_path) and is_database(str(tmp_path))
+
+
+def test_files_of_database_lists_ours_and_only_ours(tmp_path: Path) -> None:
+    assert files_of_database(tmp_path / "missing") == []
+    assert files_of_database(touch(tmp_path / "a-file")) == []
+    db = tmp_path / "db"
+    ours = [
+        "store.sqlite",
+        "store.sqlite-wal",
+        "store.sqlite-shm",
+        "store.sqlite-journal",
+        "store.sqlite.emb.json",
+        "store.sqlite.emb-3.keys.npy",
+        "write.lock",
+        "encoder.json",
+        "encoder.safetensors",
+        "value_encoder.json",
+        "query_encoder.json",
+        "index.npz",
+        "manifest.json",
+        "manifest.json.123.tmp",  # leftovers of interrupted writes
+        ".encoder.json.k2j3.tmp",
+    ]
+    for name in ours:
+        touch(db / name)
+    touch(db / "query_encoder_model" / "modules.json")
+    touch(db / ".encoders.abc.staging" / "encoder.json")
+    theirs = ["notes.txt", "encoder_notes.txt", "store.sqlite3", "my_model", "manifest.json.bak"]
+    for name in theirs:
+        touch(db / name)
+    found = files_of_database(db)
+    assert [p.name for p in found] == sorted([*ours, "query_encoder_model", ".encoders.abc.staging"])
+    assert all(p.parent == db for p in found)
+
+
+def test_files_of_database_lists_every_file_a_database_writes(tmp_path: Path) -> None:
+    path = tmp_path / "db"
+    encoder = kvsearch.NgramEncoder(dim=DIM, num_buckets=64, device="cpu")
+    with torch.no_grad():
+        encoder.embedding.weight.add_(0.1)  # trained: its weights are written too
+    db = kvsearch.Database(path, encoder=encoder, value_encoder=kvsearch.NgramEncoder(dim=4, num_buckets=32))
+    db.add([f"k{i}" for i in range(50)], [f"v{i}" for i in range(50)])
+    db.query_encoder = kvsearch.NgramEncoder(dim=DIM, num_buckets=64, seed=5)
+    db.close()
+    touch(path / "notes.txt")
+    assert {p.name for p in files_of_database(path)} == set(names(path)) - {"notes.txt"}
+    assert {"encoder.safetensors", "value_encoder.json", "query_encoder.json"} <= set(names(path))
+
+
+# --------------------------------------------------------------------------- the rollback of a creation
+
+
+def test_creation_rollback_removes_new_folders_and_files(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "db"
+    creation = Creation(target)
+    for name in (STORE_FILE, STORE_FILE + "-wal", "write.lock", "encoder.json", "index.npz"):
+        touch(target / name)
+    touch(target / "encoder_model" / "config.json")
+    creation.rollback()
+    assert names(tmp_path) == []
+    creation.rollback()  # a second call finds nothing to do
+
+
+def test_creation_rollback_never_removes_what_existed_before(tmp_path: Path) -> None:
+    existing = tmp_path / "existing"
+    touch(existing / "notes.txt", b"mine")
+    touch(existing / "encoder.json", b"an older file of ours")  # there before: kept
+    creation = Creation(existing)
+    touch(existing / STORE_FILE)
+    touch(existing / "encoder.json", b"overwritten")
+    touch(existing / "value_encoder.json")
+    creation.rollback()
+    assert names(existing) == ["encoder.json", "notes.txt"]
+    assert (existing / "notes.txt").read_bytes() == b"mine"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    creation = Creation(empty)
+    touch(empty / STORE_FILE)
+    creation.rollback()
+    assert empty.is_dir() and names(empty) == []  # the folder was there: it stays
+
+
+def test_creation_rollback_keeps_a_made_folder_that_holds_other_files(tmp_path: Path) -> None:
+    target = tmp_path / "new"
+    creation = Creation(target)
+    touch(target / STORE_FILE)
+    touch(target / "theirs.txt")
+    creation.rollback()
+    assert names(target) == ["theirs.txt"]
+
+
+def test_creation_of_an_existing_database_or_in_memory_rolls_back_nothing(tmp_path: Path) -> None:
+    touch(tmp_path / STORE_FILE)
+    creation = Creation(tmp_path)
+    touch(tmp_path / "write.lock")
+    creation.rollback()
+    assert names(tmp_path) == [STORE_FILE, "write.lock"]
+    Creation(None).rollback()
+
+
+# --------------------------------------------------------------------------- the saved index and its manifest
+
+
+class FakeIndex:
+    """What write_index needs of an index: spec, ntotal, save(path)."""
+
+    def __init__(self, spec: str = "HNSW8", ntotal: int = 3, data: bytes = b"index bytes") -> None:
+        self.spec, self.ntotal, self.data = spec, ntotal, data
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_bytes(self.data)
+
+
+def test_write_index_then_saved_index_path(tmp_path: Path) -> None:
+    write_index(tmp_path, FakeIndex(), version=7)
+    assert names(tmp_path) == [INDEX_FILE, MANIFEST_FILE]  # no temporary file left
+    manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    sha = sha256_file(tmp_path / INDEX_FILE)
+    assert manifest == {"version": 7, "spec": "HNSW8", "ntotal": 3, "sha256": sha}
+    assert saved_index_path(tmp_path, version=7, spec="HNSW8", ntotal=3) == tmp_path / INDEX_FILE
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [{"version": 8}, {"version": 6}, {"spec": "IVF4,Flat"}, {"ntotal": 4}, {"ntotal": 0}],
+    ids=["newer version", "older version", "other spec", "more records", "no records"],
+)
+def test_saved_index_path_is_none_for_another_index(tmp_path: Path, asked: dict) -> None:
+    write_index(tmp_path, FakeIndex(), version=7)
+    assert saved_index_path(tmp_path, **{"version": 7, "spec": "HNSW8", "ntotal": 3, **asked}) is None
+
+
+def changed_byte(folder: Path) -> None:
+    path = folder / INDEX_FILE
+    data = bytearray(path.read_bytes())
+    data[3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        changed_byte,
+        lambda f: (f / INDEX_FILE).write_bytes(b""),
+        lambda f: (f / INDEX_FILE).unlink(),
+        lambda f: (f / MANIFEST_FILE).unlink(),
+        lambda f: (f / MANIFEST_FILE).write_text("{not json"),
+        lambda f: (f / MANIFEST_FILE).write_bytes(b"\xff\xfe\x00garbage"),
+        lambda f: (f / MANIFEST_FILE).write_text("[7, 3]"),
+        lambda f: (f / MANIFEST_FILE).write_text(""),
+        lambda f: (f / MANIFEST_FILE).unlink() or (f / MANIFEST_FILE).mkdir(),
+    ],
+    ids=[
+        "changed byte",
+        "empty index",
+        "missing index",
+        "missing manifest",
+        "garbage manifest",
+        "binary manifest",
+        "manifest not an object",
+        "empty manifest",
+        "manifest a folder",
+    ],
+)
+def test_saved_index_path_is_none_for_damaged_side_files(tmp_path: Path, damage) -> None:
+    write_index(tmp_path, FakeIndex(), version=7)
+    damage(tmp_path)
+    assert saved_index_path(tmp_path, version=7, spec="HNSW8", ntotal=3) is None
+
+
+def test_saved_index_path_in_a_missing_folder(tmp_path: Path) -> None:
+    assert saved_index_path(tmp_path / "missing", version=0, spec="Flat", ntotal=0) is None
+
+
+# --------------------------------------------------------------------------- encoder files and their digests
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    store = Store(tmp_path / STORE_FILE, "cpu")
+    yield store
+    store.close()
+
+
+def trained(seed: int = 0) -> kvsearch.NgramEncoder:
+    encoder = kvsearch.NgramEncoder(dim=DIM, num_buckets=64, seed=seed, device="cpu")
+    with torch.no_grad():
+        encoder.embedding.weight.add_(0.25)
+    return encoder
+
+
+def test_encoder_files_save_records_config_and_digests(tmp_path: Path, store: Store) -> None:
+    files = EncoderFiles(tmp_path, store)
+    assert not files.has("encoder")
+    encoder = trained()
+    files.save({"encoder": encoder, "query_encoder": kvsearch.NgramEncoder(dim=DIM, num_buckets=64)}, {"dim": DIM})
+    assert store.get_meta("config") == {"dim": DIM}
+    record = store.get_meta(ENCODER_FILES_META)
+    written = ("encoder.json", "encoder.safetensors", "query_encoder.json")
+    assert record == {"current": {name: sha256_file(tmp_path / name) for name in written}, "pending": None}
+    assert files.has("encoder") and files.has("query_encoder") and not files.has("value_encoder")
+    assert not list(tmp_path.glob(".encoders.*"))
+    loaded = files.load("encoder", "cpu")
+    assert torch.equal(loaded.embedding.weight, encoder.embedding.weight) and loaded.trained
+
+
+def test_encoder_files_refuse_a_changed_file(tmp_path: Path, store: Store) -> None:
+    files = EncoderFiles(tmp_path, store)
+    files.save({"encoder": trained()}, {})
+    path = tmp_path / "encoder.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptDatabaseError, match=r"encoder\.safetensors.*expected SHA-256.*found"):
+        files.load("encoder", "cpu")
+
+
+def test_encoder_files_reread_the_record_once_on_a_mismatch(tmp_path: Path, store: Store) -> None:
+    """A reader inside a read snapshot sees the old digests; the files on disk are another process's newer save."""
+    EncoderFiles(tmp_path, store).save({"encoder": trained(0)}, {})
+    other = Store(tmp_path / STORE_FILE, "cpu")
+    try:
+        with store.snapshot():
+            store.get_meta(ENCODER_FILES_META)  # the snapshot starts at the first read
+            EncoderFiles(tmp_path, other).save({"encoder": trained(1)}, {})
+            assert store.get_meta(ENCODER_FILES_META)["current"] != other.get_meta(ENCODER_FILES_META)["current"]
+            assert EncoderFiles(tmp_path, store).load("encoder", "cpu").seed == 1
+    finally:
+        other.close()
+
+
+def test_encoder_files_settle_a_stopped_save(tmp_path: Path, store: Store) -> None:
+    files = EncoderFiles(tmp_path, store)
+    files.save({"encoder": trained()}, {})
+    record = store.get_meta(ENCODER_FILES_META)
+    store.set_meta(ENCODER_FILES_META, {"current": {}, "pending": record["current"]})  # stopped before current
+    files.settle()
+    assert store.get_meta(ENCODER_FILES_META) == record
+    store.set_meta(ENCODER_FILES_META, {"current": record["current"], "pending": {"encoder.json": "0" * 64}})
+    files.settle()  # the files are the current ones: pending is dropped
+    assert store.get_meta(ENCODER_FILES_META) == record
+
+
+def test_encoder_files_in_memory_write_nothing() -> None:
+    store = Store(None, "cpu")
+    try:
+        files = EncoderFiles(None, store)
+        files.save({"encoder": trained()}, {"dim": DIM})
+        files.settle()
+        assert not files.has("encoder")
+        assert store.get_meta("config") is None and store.get_meta(ENCODER_FILES_META) is None
+    finally:
+        store.close()
