@@ -23,9 +23,8 @@ from kvsearch import (
     NonFiniteError,
     UnknownOptionError,
 )
+from kvsearch.checks import MAX_BATCH, MAX_K
 from kvsearch.folder import load_encoder, save_encoder
-from kvsearch.index import MAX_K
-from kvsearch.checks import MAX_BATCH
 
 DIM = 16
 NAN, INF = float("nan"), float("inf")
