@@ -23,11 +23,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvsearch import folder as folders
-from kvsearch.attention import POOLINGS, Candidates, ScoreFn, attend, check_score, compute_scores
+from kvsearch.attention import POOLINGS, Candidates, ScoreFn, check_score, compute_scores
 from kvsearch.checks import check_batch, check_device, check_finite, check_k, check_path, check_temperature
 from kvsearch.config import check_reopen, new_config
 from kvsearch.encoder_set import EncoderSet
@@ -36,7 +35,6 @@ from kvsearch.errors import (
     DatabaseClosedError,
     DatabaseLockedError,
     DimensionMismatchError,
-    DuplicateKeyError,
     EmptyDatabaseError,
     InvalidArgumentError,
     KeyNotFoundError,
@@ -56,10 +54,10 @@ from kvsearch.inputs import (
 )
 from kvsearch.limits import check_fits, index_bytes
 from kvsearch.locking import DEFAULT_LOCK_TIMEOUT
-from kvsearch.results import Answer, Hit, LazyKeys
+from kvsearch.results import Answer, Hit, LazyKeys, make_answer, make_hits
 from kvsearch.retrieval import DB_SCORES, Retriever
 from kvsearch.store import Record, Store
-from kvsearch.streaming import STREAMING_SCORES, streaming_attend
+from kvsearch.streaming import attend_candidates
 
 __all__ = ["Database", "Hit", "Answer", "LazyKeys", "DB_SCORES"]
 
@@ -141,9 +139,13 @@ class Database:
         config, value_encoder = new_config(encoder, value_encoder, dim, value_dim, index, score, search_params)
         self._adopt(config)
         self._retriever = Retriever(
-            self._store, dim=self.dim, spec=self.index_spec, score=self.score, params=config["search_params"],
+            self._store,
+            dim=self.dim,
+            spec=self.index_spec,
+            score=self.score,
+            params=config["search_params"],
             folder=self.path,
-        )  # fmt: skip
+        )
         self._encoders = EncoderSet.create(self._files, self.device, key=encoder, value=value_encoder)
         self._config = {**config, **self._encoders.flags()}
         self._store.set_meta("config", self._config)
@@ -159,9 +161,13 @@ class Database:
         self._files.settle()
         self._store.load(self.dim, self.value_dim)
         self._retriever = Retriever(
-            self._store, dim=self.dim, spec=self.index_spec, score=self.score,
-            params=self._config.get("search_params") or {}, folder=self.path,
-        )  # fmt: skip
+            self._store,
+            dim=self.dim,
+            spec=self.index_spec,
+            score=self.score,
+            params=self._config.get("search_params") or {},
+            folder=self.path,
+        )
         self._retriever.open()
 
     def _adopt(self, config: dict[str, Any]) -> None:
@@ -338,14 +344,7 @@ class Database:
         need = (len(self._store) + 2 * n) * (self.dim + self.value_dim) * 4 + index_bytes(self.index_spec, n, self.dim)
         check_fits(need, f"adding {n:,} records")
         with self._writing():
-            existing: list[int | None] = [None] * n
-            for i, key in enumerate(key_texts):
-                if key is not None and key in self._store.id_of_key:
-                    if not upsert:
-                        raise DuplicateKeyError(
-                            f"expected new keys, got {key!r} (record {i}) which is already stored; use upsert"
-                        )
-                    existing[i] = self._store.id_of_key[key]
+            existing = self._store.stored_ids_of_keys(key_texts, allow=upsert)  # raises DuplicateKeyError
             if n == 0:
                 return []
             key_embs = encode_side(key_texts, key_embs, self.encoder, self.dim, "keys")  # (n, dim)
@@ -370,17 +369,7 @@ class Database:
         self._check_open()
         items = delete_items(key_or_keys)
         with self._writing():
-            ids: list[int] = []
-            for item in items:
-                if isinstance(item, str):
-                    if item not in self._store.id_of_key:
-                        raise KeyNotFoundError(f"expected a stored key, got {item!r}; nothing was deleted")
-                    ids.append(self._store.id_of_key[item])
-                else:
-                    if not self._store.contains_id(item):
-                        raise KeyNotFoundError(f"expected a stored id, got {item}; nothing was deleted")
-                    ids.append(item)
-            ids = list(dict.fromkeys(ids))
+            ids = self._store.resolve(items, "nothing was deleted")  # raises KeyNotFoundError
             if ids:
                 self._store.delete(ids)
                 self._retriever.apply(removed=ids, added=[], keys=None)
@@ -458,13 +447,7 @@ class Database:
             raise DimensionMismatchError(f"expected values ({len(ids)}, {self.value_dim}), got {tuple(values.shape)}")
         check_finite(values, "value embeddings")
         with self._writing():
-            rows = self._store.rows_of(ids)  # (n,)
-            if bool((rows < 0).any()):
-                missing = ids[rows < 0][:5].tolist()
-                raise KeyNotFoundError(f"expected stored ids, got {missing}; nothing was written")
-            table = self._store.values.clone()  # (m, value_dim)
-            table[rows.to(table.device)] = values.to(table.device)
-            self._store.replace_embeddings(values=table)
+            self._store.replace_values(ids, values)
 
     def save(self) -> None:
         """Write what changed since it was loaded or saved: the encoders, and a trained / graph index.
@@ -597,13 +580,8 @@ class Database:
             scores = scores.masked_fill(~cand.mask, -math.inf)  # (b, k)
             order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
             ids = cand.ids.gather(1, order).cpu()  # (b, k)
-            scores = scores.gather(1, order).cpu()  # (b, k)
             values = self._values_of(ids[ids >= 0].tolist())
-            key_of = self._store.key_of_id
-            hits = [
-                [Hit(id=i, key=key_of.get(i), value=values.get(i), score=s) for i, s in zip(row, row_s) if i >= 0]
-                for row, row_s in zip(ids.tolist(), scores.tolist())
-            ]
+            hits = make_hits(ids, scores.gather(1, order).cpu(), self._store.key_of_id, values)
         return hits[0] if single else hits
 
     def query(
@@ -659,50 +637,24 @@ class Database:
                 else:
                     targets = torch.tensor([self._store.id_of_key.get(t, -1) for t in texts], dtype=torch.long)
             cand = self._retriever.candidates(q, k, targets=targets, where=where)
-            score_fn = self.score if score is None else score
-            output, weights = self._attend(q, cand, k, score_fn, pooling, temperature)  # (b, value_dim), (b, t)
-            ids = cand.ids if cand.ids.dim() == 2 else cand.ids.unsqueeze(0).expand(weights.shape[0], -1)  # (b, t)
-            if k != "all" and weights.shape[1] < k:  # fewer records than k: pad as "no candidate"
-                weights = F.pad(weights, (0, k - weights.shape[1]))  # (b, k) zeros
-                ids = F.pad(ids, (0, k - ids.shape[1]), value=-1)  # (b, k)
-            found = weights.detach().sum(-1) > 0  # (b,)
-            best = ids.gather(1, weights.detach().argmax(-1, keepdim=True)).squeeze(1)  # (b,)
-            best = torch.where(found, best.to(found.device), -1).cpu()  # (b,)
-            values = self._values_of(best[best >= 0].tolist())
-            keys = LazyKeys(ids.cpu(), self._store.key_of_id)  # texts looked up on access, not per row here
-        answer = Answer(
-            output=output.to(out_device),
-            weights=weights.to(out_device),
-            ids=ids.to(out_device),
-            keys=keys,
-            value=[values.get(i) if i >= 0 else None for i in best.tolist()],
-            found=found.cpu().tolist(),
-        )
+            output, weights = attend_candidates(
+                q,
+                cand,
+                every=k == "all",
+                score=self.score if score is None else score,
+                pooling=pooling,
+                temperature=temperature,
+            )  # (b, value_dim), (b, t)
+            answer = make_answer(
+                output,
+                weights,
+                cand.ids,
+                k=None if k == "all" else k,
+                key_of_id=self._store.key_of_id,
+                values_of=self._values_of,
+                device=out_device,
+            )
         return answer.row(0) if single else answer
-
-    def _attend(
-        self, q: Tensor, cand: Candidates, k: int | str, score: str | ScoreFn, pooling: str, temperature: float
-    ) -> tuple[Tensor, Tensor]:
-        """Score and pool the candidates: output (b, value_dim) and weights (b, t).
-
-        Softmax over every record with a built-in score streams in chunks (memory O(b x chunk) instead of
-        O(b x m) for the autograd graph); other ``k="all"`` poolings are dense, refused if they cannot fit.
-        """
-        every = k == "all"
-        if every and pooling == "softmax" and isinstance(score, str) and score in STREAMING_SCORES and len(cand.keys):
-            return streaming_attend(q, cand.keys, cand.values, score=score, temperature=temperature)
-        if every:  # dense over every record: scores, weights and their gradients, (b, m) each
-            check_fits(q.shape[0] * len(cand.keys) * 16, f"attention of {q.shape[0]:,} queries over every record")
-        return attend(
-            q,
-            cand.keys,
-            cand.values,
-            score=score,
-            pooling=pooling,
-            mask=cand.mask,
-            match=cand.match,
-            temperature=temperature,
-        )
 
     def candidates(
         self,

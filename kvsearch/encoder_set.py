@@ -61,9 +61,15 @@ class EncoderSet:
 
     @classmethod
     def reopen(
-        cls, files: EncoderFiles, device: torch.device, config: dict[str, Any], *, key: Encoder | None,
-        value: Encoder | None, where: object,
-    ) -> EncoderSet:  # fmt: skip
+        cls,
+        files: EncoderFiles,
+        device: torch.device,
+        config: dict[str, Any],
+        *,
+        key: Encoder | None,
+        value: Encoder | None,
+        where: object,
+    ) -> EncoderSet:
         """The encoders a stored configuration records, loaded (and checked) from the folder.
 
         An encoder passed in must have the stored configuration; it gets the stored (possibly fine-tuned)

@@ -6,13 +6,15 @@ These are plain result objects: they hold tensors, ids and texts, and know nothi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Hit", "Answer", "LazyKeys"]
+__all__ = ["Hit", "Answer", "LazyKeys", "make_hits", "make_answer"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +130,55 @@ class LazyKeys(Sequence):
 
     def __repr__(self) -> str:
         return repr(self.tolist())
+
+
+def make_hits(
+    ids: Tensor, scores: Tensor, key_of_id: Mapping[int, str], values: Mapping[int, str | Tensor | None]
+) -> list[list[Hit]]:
+    """One list of :class:`Hit` per query, best first, from ranked ids and scores.
+
+    Args:
+        ids: (batch, k) int64 CPU ids, best first, -1 where there is no candidate (skipped).
+        scores: (batch, k) float scores.
+        key_of_id: id -> key text. values: id -> value (text or CPU tensor).
+    """
+    return [
+        [Hit(id=i, key=key_of_id.get(i), value=values.get(i), score=s) for i, s in zip(row, row_s) if i >= 0]
+        for row, row_s in zip(ids.tolist(), scores.tolist())
+    ]
+
+
+def make_answer(
+    output: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    *,
+    k: int | None,
+    key_of_id: Mapping[int, str],
+    values_of: Callable[[list[int]], Mapping[int, str | Tensor | None]],
+    device: torch.device,
+) -> Answer:
+    """A batched :class:`Answer` from pooled attention over candidates.
+
+    Args:
+        output: (batch, value_dim). weights: (batch, t). ids: (batch, t) or (t,) shared by every query.
+        k: pad to k candidates ("no candidate": weight 0, id -1) when fewer came; None for every record.
+        key_of_id: id -> key text, read lazily. values_of: ids -> their values, for the best candidates.
+        device: where the tensors of the answer go (the queries' device).
+    """
+    ids = ids if ids.dim() == 2 else ids.unsqueeze(0).expand(weights.shape[0], -1)  # (batch, t)
+    if k is not None and weights.shape[1] < k:
+        weights = F.pad(weights, (0, k - weights.shape[1]))  # (batch, k) zeros
+        ids = F.pad(ids, (0, k - ids.shape[1]), value=-1)  # (batch, k)
+    found = weights.detach().sum(-1) > 0  # (batch,)
+    best = ids.gather(1, weights.detach().argmax(-1, keepdim=True)).squeeze(1)  # (batch,)
+    best = torch.where(found, best.to(found.device), -1).cpu()  # (batch,)
+    values = values_of(best[best >= 0].tolist())
+    return Answer(
+        output=output.to(device),
+        weights=weights.to(device),
+        ids=ids.to(device),
+        keys=LazyKeys(ids.cpu(), key_of_id),  # texts looked up on access, not per row here
+        value=[values.get(i) if i >= 0 else None for i in best.tolist()],
+        found=found.cpu().tolist(),
+    )

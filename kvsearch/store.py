@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, KeyNotFoundError
+from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, DuplicateKeyError, KeyNotFoundError
 from kvsearch.filters import where_sql
 from kvsearch.locking import LOCK_FILE, WriteLock
 
@@ -441,6 +441,63 @@ class Store:
                 self._delete_rows(ids)
                 self.bump_version()
             self._drop_from_memory(ids)
+
+    def replace_values(self, ids: Tensor, values: Tensor) -> None:
+        """Overwrite the value embeddings (n, value_dim) of stored ids (n,), in one transaction.
+
+        Raises:
+            KeyNotFoundError: an id is not stored (nothing is written).
+        """
+        with self.lock:
+            rows = self.rows_of(ids)  # (n,)
+            if bool((rows < 0).any()):
+                missing = ids[rows < 0][:5].tolist()
+                raise KeyNotFoundError(f"expected stored ids, got {missing}; nothing was written")
+            table = self.values.clone()  # (m, value_dim)
+            table[rows.to(table.device)] = values.to(table.device, torch.float32)
+            self.replace_embeddings(values=table)
+
+    def stored_ids_of_keys(self, keys: Sequence[str | None], *, allow: bool) -> list[int | None]:
+        """The stored id of each key text (None for a new key or no text).
+
+        Args:
+            keys: key texts, or None for keys given as embeddings.
+            allow: whether stored keys are allowed (an upsert); else one raises.
+
+        Raises:
+            DuplicateKeyError: a key is already stored and ``allow`` is False.
+        """
+        out: list[int | None] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            if key is not None and key in self.id_of_key:
+                if not allow:
+                    raise DuplicateKeyError(
+                        f"expected new keys, got {key!r} (record {i}) which is already stored; use upsert"
+                    )
+                out[i] = self.id_of_key[key]
+        return out
+
+    def resolve(self, items: Sequence[str | int], consequence: str) -> list[int]:
+        """The stored ids of key texts and ids, in order, without repeats.
+
+        Args:
+            items: key texts and int ids.
+            consequence: what the error message adds, e.g. ``"nothing was deleted"``.
+
+        Raises:
+            KeyNotFoundError: a key or an id is not stored.
+        """
+        ids: list[int] = []
+        for item in items:
+            if isinstance(item, str):
+                if item not in self.id_of_key:
+                    raise KeyNotFoundError(f"expected a stored key, got {item!r}; {consequence}")
+                ids.append(self.id_of_key[item])
+            else:
+                if not self.contains_id(item):
+                    raise KeyNotFoundError(f"expected a stored id, got {item}; {consequence}")
+                ids.append(int(item))
+        return list(dict.fromkeys(ids))
 
     def replace_embeddings(self, keys: Tensor | None = None, values: Tensor | None = None) -> None:
         """Overwrite every record's key and/or value embedding (rows in id order), in one transaction.

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.attention import compute_scores
+from kvsearch.attention import Candidates, ScoreFn, attend, compute_scores
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.limits import check_fits
 
-__all__ = ["streaming_attention", "streaming_attend", "STREAMING_SCORES", "default_chunk"]
+__all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
 
 #: Score functions streaming attention computes.
 STREAMING_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
@@ -226,3 +227,35 @@ def streaming_attend(
             scores = compute_scores(queries.detach(), keys[start : start + step], score) / temperature  # (b, c)
             weights[:, start : start + step] = torch.exp(scores - lse.unsqueeze(1))  # (batch, c)
     return output, weights
+
+
+def attend_candidates(
+    queries: Tensor, cand: Candidates, *, every: bool, score: str | ScoreFn, pooling: str, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """Score and pool gathered candidates: ``attend``, or over every record streaming where it can.
+
+    Softmax over every record (``every``) with a built-in score streams in chunks (memory O(batch x chunk)
+    instead of O(batch x m) for the autograd graph); other poolings over every record are dense, refused
+    up front if their (batch, m) scores, weights and gradients cannot fit.
+
+    Returns:
+        output (batch, value_dim) and weights (batch, t).
+
+    Raises:
+        MemoryLimitError: dense attention over every record would not fit; as :func:`~kvsearch.attend`.
+    """
+    if every and pooling == "softmax" and isinstance(score, str) and score in STREAMING_SCORES and len(cand.keys):
+        return streaming_attend(queries, cand.keys, cand.values, score=score, temperature=temperature)
+    if every:  # dense over every record: scores, weights and their gradients, (b, m) each
+        batch = queries.shape[0]
+        check_fits(batch * len(cand.keys) * 16, f"attention of {batch:,} queries over every record")
+    return attend(
+        queries,
+        cand.keys,
+        cand.values,
+        score=score,
+        pooling=pooling,
+        mask=cand.mask,
+        match=cand.match,
+        temperature=temperature,
+    )
