@@ -223,6 +223,7 @@ def main() -> None:
     )
     train_seconds = time.perf_counter() - t
     print(f"fine-tuned in {train_seconds:.0f} s; monitor metrics {history.metrics}", flush=True)
+    print(history.summary(), flush=True)
     name_d = (
         f"(d) NgramEncoder dim {args.dim}, n-grams {lo}-{hi}, fine-tuned (train={args.train!r}, {args.epochs} epochs)"
     )
@@ -286,6 +287,8 @@ def main() -> None:
         f"- fine-tuning: loss='retrieval', k={args.k}, batch {args.batch_size}, temperature {args.temperature}, "
         f"lr {args.lr}, {len(history.losses)} steps in "
         f"{train_seconds:.0f} s; n-gram buckets {args.buckets}; reopening the folder gave the same top-10: {same}.",
+        f"- kept (keep={history.keep!r}, metric {history.metric} on {len(monitor)} monitor queries drawn from the "
+        f"held-out ones): epoch {history.kept_epoch} of {args.epochs} — {history.summary()}",
         f"- FAISS OpenMP threads: {args.faiss_threads} (with 2 threads on this shared 2-core machine a flat search of "
         "256 queries took ~1 s instead of ~0.15 s: OpenMP spin-waits stall when the cores are oversubscribed).",
         f"- MiniLM: all {len(keys)} keys encoded in {minilm_seconds:.0f} s in a second process (one thread) while "

@@ -5,8 +5,13 @@
     kvsearch query indexes/authors Li --pooling exact --json
     kvsearch info indexes/authors
     kvsearch delete indexes/authors Li
-    kvsearch finetune indexes/authors --pairs pairs.csv --epochs 3
+    kvsearch finetune indexes/authors --pairs pairs.csv --eval held_out.csv --epochs 3
+    kvsearch rollback indexes/authors
     kvsearch demo
+
+``finetune`` prints one row per evaluation (epoch 0 is before training) with the kept epoch marked, and says
+whether the database switched to a new generation of encoders or kept its old retriever; ``rollback``
+returns once to the generation before the last switch.
 
 Every command has ``--help``. Errors are one line on stderr: exit status 2 for a usage error, 1 for
 anything else (a bad file, a key that is not stored, "not found" in exact mode); ``--debug`` shows the
@@ -23,9 +28,12 @@ import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvsearch import folder as folders
+
+if TYPE_CHECKING:
+    from kvsearch.training import History
 
 __all__ = ["main", "build_parser"]
 
@@ -68,7 +76,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``kvsearch`` command (subcommands build, query, info, delete, finetune, demo)."""
+    """The argument parser of the ``kvsearch`` command (build, query, info, delete, finetune, rollback, demo)."""
     parser = _Parser(
         prog=PROG,
         description="A differentiable key-value search engine: FAISS candidates, attention pooling in torch.",
@@ -126,8 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "info",
-        help="what a database holds: counts, dims, encoders, index, score, size",
-        description="Describe the database DB: record count, dimensions, encoders, index type, score, size.",
+        help="what a database holds: counts, dims, encoders, generation, last fine-tuning, index, size",
+        description="Describe the database DB: record count, dimensions, encoders (key, query-side, value), "
+        "the generation of the encoders (and the previous one, if a rollback can return to it), the last "
+        "fine-tuning run, index type, score, size.",
     )
     p.add_argument("db", metavar="DB", help="the database folder")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -146,7 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
         "finetune",
         help="fine-tune the query encoder on (query, target key) pairs",
         description="Fine-tune DB's encoder end to end on the pairs of FILE (a CSV, TSV or JSONL file with a "
-        "query column and a target column naming a stored key), with kvsearch.finetune.",
+        "query column and a target column naming a stored key), with kvsearch.finetune. Prints the eval "
+        "metrics before training (epoch 0) and after each epoch, marks the epoch that was kept, and says "
+        "whether the database switched to the fine-tuned encoders (a new generation, which 'kvsearch "
+        "rollback' undoes) or kept its old retriever because the run did not improve the metric.",
     )
     p.add_argument("db", metavar="DB", help="the database folder")
     p.add_argument("--pairs", metavar="FILE", required=True, help="a .csv, .tsv or .jsonl file of training pairs")
@@ -174,8 +187,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=_positive_float, default=None, metavar="LR", help="learning rate")
     p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N", help="pairs per step (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seeds the shuffling (default 0)")
+    p.add_argument(
+        "--keep",
+        choices=("best", "last"),
+        default="best",
+        help="keep the epoch with the best eval metric, the start included (default), or the last epoch",
+    )
+    p.add_argument(
+        "--metric",
+        choices=("recall@1", "recall@k", "mrr"),
+        default="recall@1",
+        help="the eval metric that --keep best compares (default recall@1)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars (not even a model's loading bar)")
     p.set_defaults(run=_cmd_finetune)
+
+    p = sub.add_parser(
+        "rollback",
+        help="return to the encoders before the last fine-tuning (once)",
+        description="Switch DB back to the previous generation of its encoders and embeddings (the one before "
+        "the last fine-tuning run). Possible once: with nothing to roll back, it says so and exits with "
+        "status 1.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.set_defaults(run=_cmd_rollback, quiet=True)
 
     p = sub.add_parser(
         "demo",
@@ -217,12 +252,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _loads_a_sentence_model(args: argparse.Namespace) -> bool:
-    """Whether the command will load a sentence-transformers model: ``--encoder`` names one, or the database
-    folder's encoder files (``{prefix}.json`` for each of :data:`kvsearch.folder.ENCODER_PREFIXES`) do."""
+    """Whether the command will load a sentence-transformers model: ``--encoder`` names one, or the encoder
+    files of the database's current generation (``{prefix}.json`` for each of
+    :data:`kvsearch.folder.ENCODER_PREFIXES`, in :func:`kvsearch.folder.current_generation_dir`) do."""
+    from kvsearch.errors import KVSearchError
+
     encoder = getattr(args, "encoder", None)
     if encoder and encoder.strip().lower() != "ngram":
         return True
     folder = Path(getattr(args, "db", None) or ".")
+    if folders.is_database(folder):
+        try:
+            folder = folders.current_generation_dir(folder)
+        except KVSearchError:  # an unreadable store: opening the database reports it
+            pass
     for prefix in folders.ENCODER_PREFIXES:
         try:
             kind = json.loads((folder / f"{prefix}.json").read_text()).get("kind")
@@ -417,36 +460,104 @@ def _answer_table(results: list[dict[str, Any]], pooling: str) -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     path = Path(args.db)
     with _open_existing(args.db) as db:
-        encoder = None if db.encoder is None else db.encoder.config()
-        if db.value_encoder is None:
-            value_encoder: Any = None
-        elif db.value_encoder is db.encoder:
-            value_encoder = "the key encoder"
-        else:
-            value_encoder = db.value_encoder.config()
-        info = {
+        encoders = db.encoders_info()
+        value_encoder = encoders.get("value_encoder")
+        info: dict[str, Any] = {
             "path": str(path),
             "records": len(db),
             "dim": db.dim,
             "value_dim": db.value_dim,
-            "encoder": encoder,
-            "value_encoder": value_encoder,
+            "encoder": encoders.get("encoder"),
+            "query_encoder": encoders.get("query_encoder"),
+            "value_encoder": "the key encoder" if value_encoder == "key" else value_encoder,
             "index": db.index_spec,
             "indexed": db.index.ntotal,
             "score": db.score,
             "store_version": db.store.version,
+            "generation": encoders["generation"],
+            "previous_generation": encoders.get("previous"),
+            "last_run": encoders.get("last_run"),
         }
     info["size_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    width = max(len(name) for name in info)
-    for name, value in info.items():
-        shown = _human_size(value) if name == "size_bytes" else value
-        if isinstance(shown, dict):
-            shown = ", ".join(f"{k}={v}" for k, v in shown.items())
-        print(f"{name.replace('_bytes', ' on disk'):<{width}}  {shown}")
+    print(_info_text(info))
     return 0
+
+
+def _info_text(info: dict[str, Any]) -> str:
+    """The text form of ``kvsearch info``: one ``name  value`` line each, the encoders as kind and dim."""
+    previous = info["previous_generation"]
+    rows = [
+        ("path", info["path"]),
+        ("records", info["records"]),
+        ("dim", info["dim"]),
+        ("value_dim", info["value_dim"]),
+        ("encoder", _encoder_text(info["encoder"], info["dim"])),
+        ("query_encoder", _encoder_text(info["query_encoder"], info["dim"], absent="none (the key encoder)")),
+        ("value_encoder", _encoder_text(info["value_encoder"], info["value_dim"])),
+        ("index", info["index"]),
+        ("indexed", info["indexed"]),
+        ("score", info["score"]),
+        ("store_version", info["store_version"]),
+        (
+            "generation",
+            f"{info['generation']} (no previous generation to roll back to)"
+            if previous is None
+            else f"{info['generation']} (previous {previous}: kvsearch rollback returns to it)",
+        ),
+        ("last_run", "none" if not info["last_run"] else _last_run_text(info["last_run"])),
+        ("size on disk", _human_size(info["size_bytes"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _encoder_text(config: dict[str, Any] | str | None, dim: int | None, *, absent: str = "none") -> str:
+    """An encoder as ``kind=ngram, dim=256`` (and its model, if named); ``absent`` for None; a string as is."""
+    if config is None:
+        return absent
+    if isinstance(config, str):
+        return config
+    parts = {"kind": config.get("kind"), "dim": config.get("dim", dim)}
+    if config.get("model") is not None:
+        parts["model"] = config["model"]
+    return ", ".join(f"{name}={value}" for name, value in parts.items() if value is not None)
+
+
+def _last_run_text(run: dict[str, Any]) -> str:
+    """One line for a fine-tuning run recorded by ``finetune`` (``encoders_info()["last_run"]``).
+
+    Shows what the record holds, in this order: the metric before -> after, the kept epoch, epochs, steps,
+    seconds, what was trained and with which loss, the date. Records written by older versions may lack some.
+    """
+    parts = []
+    metric = run.get("metric", "metric")
+    before, after = run.get("before"), run.get("after")
+    if before is not None or after is not None:
+        parts.append(f"{metric} {_number(before)} -> {_number(after)}")
+    if run.get("kept_epoch") is not None:
+        kept = int(run["kept_epoch"])
+        of = f" of {run['epochs']}" if run.get("epochs") is not None else ""
+        parts.append(f"kept epoch {kept}{of}" + (" (the start: nothing was committed)" if kept == 0 else ""))
+    elif run.get("epochs") is not None:
+        parts.append(f"{run['epochs']} epochs")
+    if run.get("steps") is not None:
+        parts.append(f"{run['steps']} steps")
+    if run.get("seconds") is not None:
+        parts.append(f"{float(run['seconds']):.1f} s")
+    if run.get("train") is not None:
+        parts.append(f"train={run['train']}")
+    if run.get("loss") is not None:
+        parts.append(f"loss={run['loss']}")
+    if run.get("date") is not None:
+        parts.append(str(run["date"]))
+    return ", ".join(parts) or json.dumps(run)
+
+
+def _number(value: Any) -> str:
+    return "?" if value is None else f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
 
 
 def _human_size(n: int) -> str:
@@ -480,20 +591,59 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         "loss": args.loss,
         "train": args.train,
         "seed": args.seed,
+        "keep": args.keep,
+        "metric": args.metric,
         "verbose": not args.quiet,
     }
     for name in ("targets", "lr", "batch_size"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     with _open_existing(args.db) as db:
+        before = db.generation
         history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
-    for m in history.metrics:
-        print("  ".join(f"{k}={int(v)}" if k in ("epoch", "step") else f"{k}={v:.4f}" for k, v in m.items()))
-    print(
-        f"fine-tuned {args.db} on {len(pairs)} pairs for {args.epochs} epochs in {history.seconds:.1f} s "
-        f"(final training loss {history.losses[-1]:.4f}); the encoder is saved with the database"
-    )
+        after = db.generation
+    evaluated = f", evaluated on {len(eval_pairs)} held-out pairs" if eval_pairs is not None else ""
+    print(f"fine-tuned {args.db} on {len(pairs)} pairs for {args.epochs} epochs{evaluated} ({history.seconds:.1f} s)")
+    if history.metrics:
+        print(_history_table(history))
+    print(history.summary())
+    if history.committed:
+        print(
+            f"{args.db} now answers with the fine-tuned retriever: generation {before} -> {after} "
+            f"('kvsearch rollback {args.db}' returns to generation {before})"
+        )
+    else:
+        print(f"nothing was committed: {args.db} keeps its old retriever (generation {after} unchanged)")
     return 0
+
+
+def _history_table(history: History) -> str:
+    """The eval metrics of a fine-tuning run, one row per evaluation (epoch 0 is before training), as a table.
+
+    Columns: the epoch, the step, the mean training loss of that epoch, then every metric (recall@1, recall@k
+    shown with its k, MRR, or the eval loss on tensor pairs). The row of the kept epoch is marked.
+    """
+    names = [name for name in history.metrics[0] if name not in ("epoch", "step")]
+    headers = {"recall@k": f"recall@{history.k}", "mrr": "MRR", "loss": "eval loss"}
+    header = ["epoch", "step", "train loss", *(headers.get(name, name) for name in names)]
+    rows = []
+    for m in history.metrics:
+        epoch = int(m["epoch"])
+        train_loss = history.epoch_losses[epoch - 1] if 1 <= epoch <= len(history.epoch_losses) else None
+        row = [str(epoch), str(int(m["step"])), "-" if train_loss is None else f"{train_loss:.4f}"]
+        row += [f"{m[name]:.4f}" if name in m else "-" for name in names]
+        if epoch == history.kept_epoch:
+            row.append("<- kept" + (" (the start)" if epoch == 0 else ""))
+        elif epoch == 0:
+            row.append("(before)")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(f"{cell:>{w}}" for cell, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        cells = "  ".join(f"{cell:>{w}}" for cell, w in zip(row, widths))
+        lines.append(f"{cells}  {row[len(widths)]}" if len(row) > len(widths) else cells)
+    return "\n".join(lines)
 
 
 def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -516,6 +666,14 @@ def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     if not pairs:
         raise CommandError(f"{path!r} holds no pairs")
     return pairs
+
+
+def _cmd_rollback(args: argparse.Namespace) -> int:
+    with _open_existing(args.db) as db:
+        before = db.generation
+        after = db.rollback_encoders()
+    print(f"rolled back {args.db}: generation {before} -> {after}")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

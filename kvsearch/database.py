@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from kvsearch import folder as folders
+from kvsearch import generations
 from kvsearch.attention import POOLINGS, Candidates, ScoreFn, check_score, compute_scores
 from kvsearch.checks import check_batch, check_device, check_finite, check_k, check_path, check_temperature
 from kvsearch.config import check_reopen, new_config
@@ -36,11 +38,14 @@ from kvsearch.errors import (
     DatabaseLockedError,
     DimensionMismatchError,
     EmptyDatabaseError,
+    InconsistentDatabaseError,
     InvalidArgumentError,
     KeyNotFoundError,
+    NonFiniteError,
     UnknownOptionError,
 )
 from kvsearch.filters import check_where
+from kvsearch.generations import Draft
 from kvsearch.index import CandidateIndex
 from kvsearch.inputs import (
     KeysIn,
@@ -149,8 +154,8 @@ class Database:
         self._encoders = EncoderSet.create(self._files, self.device, key=encoder, value=value_encoder)
         self._config = {**config, **self._encoders.flags()}
         self._store.set_meta("config", self._config)
-        self.save_encoders()
         self._store.load(self.dim, self.value_dim)
+        self.commit_generation()  # generation 1: the encoders as given
 
     def _reopen(self, saved, encoder, value_encoder, dim, value_dim, index, score, search_params) -> None:
         given = {"dim": dim, "value_dim": value_dim, "index": index, "score": score}
@@ -169,6 +174,18 @@ class Database:
             folder=self.path,
         )
         self._retriever.open()
+        mismatch = generations.key_mismatch(self._store, self.encoder)
+        if mismatch > generations.KEY_TOLERANCE:  # written by an older version during a run that stopped, or damaged
+            self._repair(mismatch)
+
+    def _repair(self, mismatch: float) -> None:
+        """Re-encode the keys of a database whose stored key embeddings are not its key encoder's."""
+        what = f"{self.path}: the stored key embeddings differ from the key encoder's by up to {mismatch:.3g}"
+        try:
+            self.commit_generation(reencode={"keys"})
+        except (DatabaseLockedError, NonFiniteError) as exc:
+            raise InconsistentDatabaseError(f"{what}; they could not be re-encoded ({exc})") from None
+        warnings.warn(f"kvsearch: {what}; every key was re-encoded with the stored encoder", RuntimeWarning, 3)
 
     def _adopt(self, config: dict[str, Any]) -> None:
         self._config = config
@@ -387,67 +404,104 @@ class Database:
             self._store.set_meta("config", self._config)
 
     def save_encoders(self) -> None:
-        """Write the encoders' configuration (and trained weights) into the database folder.
+        """Record the encoders as they are now, if one changed since it was loaded or saved, as a new generation.
 
-        The key encoder goes under the prefix ``encoder``, a value encoder of its own under ``value_encoder``
-        and a query encoder (see :attr:`query_encoder`) under ``query_encoder``; the configuration records
-        which of them exist (and a counter other processes watch to reload them), so reopening the folder
-        rebuilds the same encoders. :meth:`close` calls it when an encoder changed since it was loaded.
-        The files are written crash-safely and their SHA-256 recorded in the store (see
-        :class:`kvsearch.folder.EncoderFiles`); every load checks them.
+        The encoders (key, value of its own, query-side; see :attr:`query_encoder`) and the embeddings computed
+        with them are one generation (see :mod:`kvsearch.generations`): when the key encoder changed, every key
+        is re-encoded (and the values, when their encoder changed), and the new files and embeddings switch in
+        one store transaction. :meth:`close` calls it. Nothing changed, nothing is written.
 
         Raises:
+            NonFiniteError: an encoder's weights are not finite (nothing is written).
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
         """
-        if self.path is None:
-            return
-        with self._store.lock, self._store.write_lock:
-            latest = self._store.get_meta("config") or {}
-            counter = max(int(latest.get("encoders_version", 0)), int(self._config.get("encoders_version", 0))) + 1
-            self._config = self._encoders.save({**self._config, "encoders_version": counter})
+        if self._encoders.changed():
+            self.commit_generation()
 
     def refresh(self) -> None:
-        """Re-encode every key from its text with the key encoder and rebuild the index.
+        """Re-encode every key from its text with the key encoder, as a new generation, and rebuild the index.
 
-        Call it after the key encoder changed (fine-tuning does, every ``refresh_every`` steps): the stored
-        key embeddings and the index are then those of the current encoder. Keys stored as embeddings (no
-        text) keep their embedding.
+        Call it after changing the key encoder yourself: the stored key embeddings, the index and the saved
+        encoder are then those of the current encoder. Keys stored as embeddings (no text) keep theirs.
 
         Raises:
+            NonFiniteError: the encoder's weights or outputs are not finite (nothing is written).
             DatabaseClosedError: the database was closed.
         """
-        with self._writing():
-            if len(self._store) == 0:
-                return
-            keys = self._store.keys.clone()  # (n, dim)
-            ids = self._store.ids.tolist()
-            rows = [row for row, id_ in enumerate(ids) if id_ in self._store.key_of_id]
-            if rows and self.encoder is not None:
-                texts = [self._store.key_of_id[ids[row]] for row in rows]
-                fresh = encode_side(texts, None, self.encoder, self.dim, "keys")  # (r, dim)
-                keys[torch.tensor(rows, dtype=torch.long, device=keys.device)] = fresh.to(keys.device)
-            self._store.replace_embeddings(keys=keys)
-            self._retriever.rebuild()
+        self.commit_generation(reencode={"keys"})
 
-    def replace_value_embeddings(self, ids: Tensor | Sequence[int], values: Tensor) -> None:
-        """Overwrite the value embeddings of these records (e.g. trained ones), in one transaction.
+    def commit_generation(
+        self,
+        *,
+        values: tuple[Tensor, Tensor] | None = None,
+        summary: Mapping[str, Any] | None = None,
+        reencode: set[str] | None = None,
+    ) -> int:
+        """Record the encoders as they are now as a new generation and switch to it atomically.
+
+        Keys are re-encoded when the key encoder changed (values when theirs did). Fine-tuning calls it through a
+        :class:`~kvsearch.generations.Draft` (:meth:`begin_generation`); see :func:`kvsearch.generations.commit`.
 
         Args:
-            ids: (n,) stored ids, unique.
-            values: (n, value_dim) finite embeddings.
+            values: (ids (n,), value embeddings (n, value_dim)) to write for those ids (e.g. trained ones).
+            summary: a JSON-able description of the run that made it (see :meth:`encoders_info`).
+            reencode: ``{"keys", "values"}``: re-encode these from their texts whatever changed.
+
+        Returns:
+            The new generation.
 
         Raises:
-            KeyNotFoundError: an id is not stored (nothing is written).
-            DimensionMismatchError: values are not (n, value_dim).
-            NonFiniteError: values hold NaN or Inf.
+            NonFiniteError: weights or embeddings are not finite (nothing is written).
+            DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
         """
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()  # (n,)
-        values = values.detach().float()
-        if values.shape != (len(ids), self.value_dim):
-            raise DimensionMismatchError(f"expected values ({len(ids)}, {self.value_dim}), got {tuple(values.shape)}")
-        check_finite(values, "value embeddings")
         with self._writing():
-            self._store.replace_values(ids, values)
+            config = generations.commit(
+                self._store, self._files, self._encoders, self._config, force=reencode, values=values, summary=summary
+            )
+            self._config = config
+            self._retriever.rebuild()
+        return int(config["generation"])
+
+    def begin_generation(self) -> Draft:
+        """Start preparing a new generation in memory (a fine-tuning run): see :class:`~kvsearch.generations.Draft`.
+
+        Returns:
+            The draft; the run ends with its ``commit()`` or ``discard()`` (which puts the encoders back).
+        """
+        self._check_open()
+        return Draft(self, self._encoders.snapshot(), self._encoders.restore)
+
+    def rollback_encoders(self) -> int:
+        """Return to the previous generation of encoders (once): keys re-encoded with them, values restored.
+
+        Returns:
+            The generation now current.
+
+        Raises:
+            NothingToRollBackError: there is no previous generation (or it was already rolled back).
+            CorruptDatabaseError: a file of the previous generation is missing or damaged.
+        """
+        with self._writing():
+            self._config = generations.rollback(self._store, self._files, self._encoders, self._config)
+            self._retriever.rebuild()
+        return self.generation
+
+    @property
+    def generation(self) -> int:
+        """The current generation of encoders and embeddings (0: written before generations existed)."""
+        with self._reading():
+            return int(self._config.get("generation") or 0)
+
+    @property
+    def previous_generation(self) -> int | None:
+        """The generation :meth:`rollback_encoders` returns to, or None."""
+        with self._reading():
+            return generations.describe(self._files, self._encoders, self._config)["previous"]
+
+    def encoders_info(self) -> dict[str, Any]:
+        """The encoders and their generation (see :func:`kvsearch.generations.describe`)."""
+        with self._reading():
+            return generations.describe(self._files, self._encoders, self._config)
 
     def save(self) -> None:
         """Write what changed since it was loaded or saved: the encoders, and a trained / graph index.
@@ -472,7 +526,10 @@ class Database:
         if self.path is None:
             return
         if self._encoders.changed():
-            self.save_encoders()
+            try:
+                self.save_encoders()
+            except NonFiniteError as exc:  # never saved: the folder keeps its last good generation
+                warnings.warn(f"kvsearch: the changed encoders were not saved: {exc}", RuntimeWarning, stacklevel=3)
         if not self._retriever.needs_save:
             return
         with self._store.lock:
@@ -696,6 +753,11 @@ class Database:
         with self._reading():
             id_of_key = self._store.id_of_key
             return torch.tensor([id_of_key.get(t, -1) for t in texts], dtype=torch.long)
+
+    def values_present(self, texts: Sequence[str]) -> Tensor:
+        """Whether some stored record has each value text: (n,) bool on the CPU."""
+        with self._reading():
+            return self._store.values_present(list(texts))
 
     def key_texts(self, ids: Tensor | Sequence[int]) -> list[str | None]:
         """The key text of each id, in order: None where the record has no key text or is not stored."""

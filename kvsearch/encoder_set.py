@@ -1,13 +1,14 @@
 """The encoders of one database — key, value, query-side — as one object: opened, reloaded, marked and saved.
 
-    encoders = EncoderSet.create(files, device, key=NgramEncoder(), value=None, value_dim=256)
+    encoders = EncoderSet.create(files, device, key=NgramEncoder(), value=None)
     encoders.query                      # the query-side encoder after fine-tuning, else None
-    encoders.changed()                  # whether any weight changed since they were loaded or saved
-    encoders.save(config)               # crash-safe, with digests (see kvsearch.folder.EncoderFiles)
+    encoders.changed_parts()            # which encoders changed since they were loaded or saved
+    snap = encoders.snapshot(); ...; encoders.restore(snap)   # a fine-tuning run that is not kept
 
 It knows which encoders a configuration records (``"encoder"``, ``"value_encoder"``: None / ``"key"`` /
 ``"own"``, ``"query_encoder"``), checks encoders a user passes on reopen against the stored ones, and notices
-changes without hashing weights. It knows nothing of the store's records, search or attention.
+changes without hashing weights; new generations are written by :mod:`kvsearch.generations`. It knows nothing
+of the store's records, search or attention.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class EncoderSet:
         self.key: Encoder | None = None
         self.value: Encoder | None = None
         self.query: Encoder | None = None
-        self._marks: tuple = ()
+        self._marks: dict[str, tuple] = {}
 
     @classmethod
     def create(
@@ -137,43 +138,83 @@ class EncoderSet:
             "query_encoder": self.query is not None,
         }
 
-    def _state(self) -> tuple:
-        """A cheap mark of the weights: each tensor's storage and its in-place-write counter.
+    def _state(self) -> dict[str, tuple]:
+        """A cheap mark of each encoder's weights: its identity, each tensor's storage and in-place-write counter.
 
         Every optimizer step, ``load_state_dict`` or in-place change bumps a tensor's version counter; a new
-        tensor has a new storage.
+        tensor has a new storage. ``"value_encoder"`` is marked by identity only when it is the key encoder.
         """
-        marks = []
-        for prefix, encoder in self.by_prefix().items():
-            if encoder is not None:
+        marks: dict[str, tuple] = {}
+        for prefix, encoder in (("encoder", self.key), ("value_encoder", self.value), ("query_encoder", self.query)):
+            if encoder is None:
+                marks[prefix] = ()
+            elif prefix == "value_encoder" and encoder is self.key:
+                marks[prefix] = ("key", id(encoder))
+            else:
                 tensors = encoder.state_dict(keep_vars=True)
-                marks.append((prefix, id(encoder), tuple((n, t.data_ptr(), t._version) for n, t in tensors.items())))
-        return tuple(marks)
+                marks[prefix] = (id(encoder), tuple((n, t.data_ptr(), t._version) for n, t in tensors.items()))
+        return marks
 
     def mark(self) -> None:
         """Remember the current weights as the saved ones."""
         self._marks = self._state()
 
+    def changed_parts(self) -> set[str]:
+        """The prefixes whose encoder changed (trained, replaced, added, removed) since the last load or save."""
+        now = self._state()
+        return {prefix for prefix, mark in now.items() if self._marks.get(prefix) != mark}
+
     def changed(self) -> bool:
-        """Whether an encoder changed (trained, replaced, added) since the last load or save."""
-        return self._state() != self._marks
+        """Whether any encoder changed since the last load or save."""
+        return bool(self.changed_parts())
+
+    def snapshot(self) -> dict[str, Any]:
+        """The encoders as they are now — which objects, and a copy of their weights — for :meth:`restore`."""
+        objects = {id(e): e for e in (self.key, self.value, self.query) if e is not None}
+        states = {i: {n: t.detach().clone() for n, t in e.state_dict().items()} for i, e in objects.items()}
+        return {
+            "key": self.key,
+            "value": self.value,
+            "query": self.query,
+            "states": states,
+            "marked": not self.changed(),
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Put the encoders back as :meth:`snapshot` found them (objects and weights)."""
+        self.key, self.value, self.query = snapshot["key"], snapshot["value"], snapshot["query"]
+        for encoder in {id(e): e for e in (self.key, self.value, self.query) if e is not None}.values():
+            encoder.load_state_dict(snapshot["states"][id(encoder)])
+        if snapshot["marked"]:
+            self.mark()
+
+    def install(self, loaded: dict[str, Encoder | None], flags: dict[str, Any]) -> None:
+        """Take the encoders of another generation: weights loaded into the objects held where they fit.
+
+        Args:
+            loaded: prefix -> the loaded encoder (or None) for ``"encoder"``, ``"value_encoder"``, ``"query_encoder"``.
+            flags: that generation's :meth:`flags` (``"value_encoder"``: None, ``"key"`` or ``"own"``).
+        """
+
+        def adopt(held: Encoder | None, new: Encoder | None) -> Encoder | None:
+            if new is None:
+                return None
+            if held is not None and held.config() == new.config():
+                held.load_state_dict(new.state_dict())
+                return held
+            return new.to(self.device)
+
+        value_held = None if self.value is self.key else self.value
+        self.key = adopt(self.key, loaded.get("encoder"))
+        kind = flags.get("value_encoder")
+        self.value = self.key if kind == "key" else adopt(value_held, loaded.get("value_encoder") if kind else None)
+        self.query = adopt(self.query, loaded.get("query_encoder"))
+        self.mark()
 
     def reload(self, config: dict[str, Any]) -> None:
-        """Load the weights another process saved into these encoder objects (and a new query encoder)."""
-        for prefix, encoder in self.by_prefix().items():
-            if encoder is not None and self.files.has(prefix):
-                encoder.load_state_dict(self.files.load(prefix, self.device).state_dict())
-        if config.get("query_encoder") and self.query is None:
-            self.query = self.files.load("query_encoder", self.device)
-        self.mark()
-
-    def save(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Write every encoder with its digests and ``config`` updated with :meth:`flags`; the caller holds the locks.
-
-        Returns:
-            The configuration as stored.
-        """
-        config = {**config, **self.flags()}
-        self.files.save({prefix: e for prefix, e in self.by_prefix().items() if e is not None}, config)
-        self.mark()
-        return config
+        """Take the encoders another process switched to (the current generation's, per ``config``'s flags)."""
+        loaded = {
+            prefix: self.files.load(prefix, self.device) if self.files.has(prefix) else None
+            for prefix in ("encoder", "value_encoder", "query_encoder")
+        }
+        self.install(loaded, config)

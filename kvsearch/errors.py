@@ -77,6 +77,14 @@ class CorruptDatabaseError(KVSearchError, RuntimeError):
     """A file of the database is damaged or foreign and cannot be rebuilt from the store."""
 
 
+class InconsistentDatabaseError(CorruptDatabaseError):
+    """The stored key embeddings are not the key encoder's: written by an older version, or damaged."""
+
+
+class NothingToRollBackError(KVSearchError, RuntimeError):
+    """There is no previous generation of encoders to return to (none yet, or it was already rolled back)."""
+
+
 class DatabaseLockedError(KVSearchError, RuntimeError):
     """Another process holds the write lock of this database."""
 

@@ -6,18 +6,19 @@ A database folder holds:
 - ``store.sqlite`` (+ SQLite's ``-wal``, ``-shm``, ``-journal``, and the store's embeddings side files
   ``store.sqlite.emb*``) — the records, the single source of truth (:mod:`kvsearch.store`);
 - ``write.lock`` — the inter-process write lock (:mod:`kvsearch.locking`);
-- for each encoder prefix (``encoder``, ``value_encoder``, ``query_encoder``): ``{prefix}.json``, and
+- ``generations/<G>/`` — the encoder files of generation G (the current one and the previous one, kept once for
+  a rollback): for each encoder prefix (``encoder``, ``value_encoder``, ``query_encoder``) ``{prefix}.json``, and
   ``{prefix}.safetensors`` (a trained n-gram encoder) or the folder ``{prefix}_model`` (a fine-tuned sentence
-  encoder), written by :func:`save_encoder` and read back by :func:`load_encoder`;
+  encoder), written by :func:`save_encoder` and read back by :func:`load_encoder`; ``previous_values.safetensors``
+  when the generation replaced value embeddings. A database written before generations holds its encoder files
+  at the top of the folder instead (generation 0);
 - ``index.npz`` and ``manifest.json`` — a saved index and what it is the index of (:func:`write_index`,
   :func:`saved_index_path`).
 
-Encoder files are written crash-safely and checked on load: the store records the SHA-256 of each file in the
-meta entry ``encoder_files`` = ``{"current": {name: hex}, "pending": {name: hex} | None}``. :class:`EncoderFiles`
-saves in three steps: the files are written into a staging folder and their digests recorded as *pending*; the
-files are moved into place (``os.replace``, the json last, as the commit point); the digests become *current*
-together with the database configuration, in one transaction. A stop anywhere leaves files that match the
-current or the pending digests. Nothing is ever pickled.
+A generation's folder is written whole or not at all (:func:`write_generation`: a staging folder, then a
+rename) before the store records it; the store's meta entry ``encoder_files`` names the current generation and
+the SHA-256 of each of its files, which every load checks (:class:`EncoderFiles`). :mod:`kvsearch.generations`
+orders the steps. Nothing is ever pickled.
 
 This module knows nothing of search or autograd: it moves bytes between the folder and the objects that own them
 (encoders, an index, the store's meta table).
@@ -32,7 +33,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -60,6 +61,11 @@ __all__ = [
     "save_encoder",
     "load_encoder",
     "EncoderFiles",
+    "GENERATIONS_DIR",
+    "generation_dir",
+    "current_generation_dir",
+    "write_generation",
+    "remove_generations",
     "write_index",
     "saved_index_path",
 ]
@@ -72,8 +78,13 @@ INDEX_FILE = "index.npz"
 MANIFEST_FILE = "manifest.json"
 #: The file name stems of a database's encoders: the key encoder, a value encoder of its own, a query encoder.
 ENCODER_PREFIXES = ("encoder", "value_encoder", "query_encoder")
-#: The store meta entry with the SHA-256 of every encoder file: ``{"current": {name: hex}, "pending": ... | None}``.
+#: The store meta entry naming the current generation of encoders and the SHA-256 of each of its files:
+#: ``{"generation": G, "current": {name: hex}, "previous": {"generation", "current", "flags"} | None,
+#: "pending": None}`` (a database written before generations has no ``"generation"``: its files are generation 0,
+#: at the top of the folder, and may have ``"pending"`` digests of an interrupted save).
 ENCODER_FILES_META = "encoder_files"
+#: The folder of the encoder generations: ``generations/<G>/encoder.json``, ...
+GENERATIONS_DIR = "generations"
 
 _SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")  # what SQLite writes beside the store
 _STAGING = (".encoders.", ".staging")  # prefix, suffix of the staging folders of an encoder save
@@ -99,6 +110,7 @@ def _patterns() -> list[str]:
     """Glob patterns of every file and folder kvsearch writes into a database folder, leftovers included."""
     patterns = [STORE_FILE, *(STORE_FILE + s for s in _SQLITE_SIDE_FILES), f"{STORE_FILE}.emb*", LOCK_FILE]
     patterns += [INDEX_FILE, f"{INDEX_FILE}.*", MANIFEST_FILE, f"{MANIFEST_FILE}.*.tmp", f"{_STAGING[0]}*{_STAGING[1]}"]
+    patterns += [GENERATIONS_DIR]
     for prefix in ENCODER_PREFIXES:
         model_dir = _MODEL_DIR.format(prefix=prefix)
         patterns += [f"{prefix}.json", f"{prefix}.safetensors", model_dir]
@@ -386,48 +398,6 @@ def load_encoder(folder: str | os.PathLike[str], prefix: str, device: str | torc
 # --------------------------------------------------------------------------- a database's encoder files
 
 
-def _install_encoders(
-    folder: Path, encoders: Mapping[str, Encoder], record_pending: Callable[[dict[str, str]], None]
-) -> dict[str, str]:
-    """Write ``encoders`` (prefix -> encoder) into ``folder`` crash-safely; return the digests of the files written.
-
-    Staging folders left by a writer that stopped are removed first (the caller holds the write lock). The
-    encoders are saved into a fresh staging folder; ``record_pending(digests)`` is called after the files are
-    staged and before any is moved into place; then the files are moved into place, the json files last. A
-    ``{prefix}.safetensors`` left from an earlier save is removed when the new save has none (its weights are
-    rebuilt from the seed). Model folders are moved into place but not hashed.
-
-    Args:
-        folder: the database folder.
-        encoders: prefix -> encoder.
-        record_pending: records the digests as pending (in the store).
-
-    Returns:
-        file name -> SHA-256 of every file written (not of model folders).
-    """
-    folder = Path(folder)
-    for old in folder.glob(f"{_STAGING[0]}*{_STAGING[1]}"):
-        shutil.rmtree(old, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(dir=folder, prefix=_STAGING[0], suffix=_STAGING[1]))
-    try:
-        for prefix, encoder in encoders.items():
-            save_encoder(encoder, staging, prefix)
-        written = sorted(staging.iterdir(), key=lambda p: (p.suffix == ".json", p.name))  # json last
-        digests = {p.name: sha256_file(p) for p in written if p.is_file()}
-        record_pending(digests)
-        for path in written:
-            if path.is_dir():
-                _replace_dir(path, folder / path.name)
-            else:
-                os.replace(path, folder / path.name)
-        for prefix in encoders:
-            if f"{prefix}.safetensors" not in digests:
-                (folder / f"{prefix}.safetensors").unlink(missing_ok=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return digests
-
-
 def _check_encoder_files(folder: Path, prefix: str, record: Any) -> None:
     """Check ``{prefix}.json`` and ``{prefix}.safetensors`` against the record's current or pending SHA-256.
 
@@ -473,31 +443,146 @@ def _files_match(folder: Path, digests: Mapping[str, str]) -> bool:
         return False
 
 
-class EncoderFiles:
-    """The encoder files of one database folder, with their digests in the store's meta entry
-    :data:`ENCODER_FILES_META`.
+def generation_dir(folder: str | os.PathLike[str], generation: int) -> Path:
+    """The folder of one generation's encoder files: ``generations/<G>``, or the database folder for generation 0.
+
+    Generation 0 is what a database written before generations holds: its encoder files at the top.
+    """
+    folder = Path(folder)
+    return folder if int(generation) == 0 else folder / GENERATIONS_DIR / str(int(generation))
+
+
+def write_generation(
+    folder: str | os.PathLike[str],
+    generation: int,
+    encoders: Mapping[str, Encoder],
+    *,
+    tensors: Mapping[str, Mapping[str, Tensor]] | None = None,
+) -> dict[str, str]:
+    """Write a new generation's encoder files into ``generations/<G>``, whole or not at all.
+
+    The files go into a staging folder that is renamed to ``generations/<G>`` once complete (a stale folder of
+    that number, left by a writer that stopped before recording it, is replaced). The caller holds the write lock
+    and records the digests in the store afterwards: until then the new folder is not part of the database.
 
     Args:
-        folder: the database folder, or None for a database in memory (then :meth:`save` and :meth:`settle` do
-            nothing and there is nothing to load).
-        store: the database's store (its meta table keeps the digests and the configuration).
+        folder: the database folder.
+        generation: G >= 1.
+        encoders: prefix -> encoder.
+        tensors: extra files, name stem -> tensors, saved as ``<stem>.safetensors`` (e.g. the value embeddings
+            a rollback would restore).
+
+    Returns:
+        file name -> SHA-256 of every file written (model folders excepted).
+    """
+    from safetensors.torch import save_file
+
+    if int(generation) < 1:
+        raise InvalidArgumentError(f"expected a generation >= 1 to write, got {generation!r}")
+    target = generation_dir(folder, generation)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=_STAGING[1]))
+    try:
+        for prefix, encoder in encoders.items():
+            save_encoder(encoder, staging, prefix)
+        for stem, state in (tensors or {}).items():
+            save_file(
+                {name: t.detach().cpu().contiguous() for name, t in state.items()}, str(staging / f"{stem}.safetensors")
+            )
+        digests = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        _fsync_dir(staging)
+        if target.exists():
+            _remove(target)
+        os.replace(staging, target)
+        _fsync_dir(target.parent)
+    finally:
+        _remove(staging)
+    return digests
+
+
+def current_generation_dir(path: str | os.PathLike[str]) -> Path:
+    """The folder holding the current generation's encoder files of the database at ``path``, read from its store.
+
+    Raises:
+        CorruptDatabaseError: the store cannot be read.
+    """
+    store = Path(path) / STORE_FILE
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=10.0)) as conn:
+            row = conn.execute("SELECT value FROM meta WHERE name = ?", (ENCODER_FILES_META,)).fetchone()
+    except sqlite3.Error as exc:
+        raise CorruptDatabaseError(f"{store}: cannot read {ENCODER_FILES_META!r}: {exc}") from None
+    record = json.loads(row[0]) if row else {}
+    return generation_dir(path, int((record or {}).get("generation") or 0))
+
+
+def remove_generations(folder: str | os.PathLike[str], keep: set[int]) -> None:
+    """Remove every generation folder (and staging leftover) not in ``keep``; generation 0's top-level encoder files too
+    unless 0 is kept. The caller holds the write lock and has recorded what is current."""
+    folder = Path(folder)
+    root = folder / GENERATIONS_DIR
+    if root.is_dir():
+        for child in root.iterdir():
+            if not (child.name.isdigit() and int(child.name) in keep):
+                _remove(child)
+    if 0 not in keep:
+        for prefix in ENCODER_PREFIXES:
+            for name in (f"{prefix}.json", f"{prefix}.safetensors", _MODEL_DIR.format(prefix=prefix)):
+                _remove(folder / name)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new files, renames) durable where the OS allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class EncoderFiles:
+    """The encoder files of one database folder, checked against the digests its store records.
+
+    The meta entry :data:`ENCODER_FILES_META` names the current generation and the SHA-256 of each of its files;
+    :mod:`kvsearch.generations` writes new generations and switches to them.
+
+    Args:
+        folder: the database folder, or None for a database in memory (then there is nothing to load).
+        store: the database's store (its meta table keeps the record).
     """
 
     def __init__(self, folder: str | os.PathLike[str] | None, store: Store) -> None:
         self.folder = None if folder is None else Path(folder)
         self.store = store
 
+    def record(self) -> dict[str, Any]:
+        """The meta entry as this view reads it (``{}`` for a database without one)."""
+        record = self.store.get_meta(ENCODER_FILES_META)
+        return record if isinstance(record, dict) else {}
+
+    def current_dir(self, record: Mapping[str, Any] | None = None) -> Path:
+        """The folder of the current generation's files (the database folder for generation 0)."""
+        if self.folder is None:
+            raise InvalidArgumentError("expected a database folder, got one in memory")
+        record = self.record() if record is None else record
+        return generation_dir(self.folder, int(record.get("generation") or 0))
+
     def has(self, prefix: str) -> bool:
-        """Whether ``{prefix}.json`` exists in the folder (always False in memory)."""
-        return self.folder is not None and (self.folder / f"{_check_prefix(prefix)}.json").exists()
+        """Whether the current generation has ``{prefix}.json`` (always False in memory)."""
+        return self.folder is not None and (self.current_dir() / f"{_check_prefix(prefix)}.json").exists()
 
     def load(self, prefix: str, device: str | torch.device | None = None) -> Encoder:
-        """Load the encoder ``prefix`` after checking its files against their recorded SHA-256.
+        """Load the encoder ``prefix`` of the current generation after checking its files against their SHA-256.
 
-        A file is good if it matches the current or the pending digest (a save that stopped between writing the
-        files and recording them leaves either). Databases made before digests were recorded have none: their
-        files load unchecked. On a mismatch the record is read once more on a fresh SQLite connection (another
-        process may have saved newer encoders after this view's read snapshot) before giving up.
+        Generation 0 (a database written before generations) may also match *pending* digests (a save of that
+        version that stopped between writing and recording); it may have none at all (older still): its files
+        load unchecked. On a mismatch the record is read once more on a fresh SQLite connection (another process
+        may have switched generations after this view's read snapshot) before giving up.
 
         Args:
             prefix: the encoder's file name stem (one of :data:`ENCODER_PREFIXES`).
@@ -511,70 +596,69 @@ class EncoderFiles:
                 digest), cannot be read, or does not describe an encoder.
             InvalidArgumentError: a database in memory has no encoder files; a bad prefix.
         """
-        if self.folder is None:
-            raise InvalidArgumentError(f"expected a database folder to load {prefix!r} from, got one in memory")
+        record = self.record()
         try:
-            _check_encoder_files(self.folder, prefix, self.store.get_meta(ENCODER_FILES_META))
-        except CorruptDatabaseError:
-            _check_encoder_files(self.folder, prefix, self._latest_record(self.folder))
-        return load_encoder(self.folder, prefix, device=device)
+            _check_encoder_files(self.current_dir(record), prefix, record or None)
+            return load_encoder(self.current_dir(record), prefix, device=device)
+        except CorruptDatabaseError:  # changed, or gone: another process may have switched generations since
+            record = self._latest_record()
+            _check_encoder_files(self.current_dir(record), prefix, record or None)
+            return load_encoder(self.current_dir(record), prefix, device=device)
 
-    def _latest_record(self, folder: Path) -> Any:
-        """The digest record as last committed, read on a fresh connection (outside this view's read snapshot)."""
-        path = folder / STORE_FILE
+    def load_generation(
+        self, generation: int, digests: Mapping[str, str], prefix: str, device: str | torch.device | None = None
+    ) -> Encoder:
+        """Load the encoder ``prefix`` of another generation (the previous one, for a rollback), checked.
+
+        Raises:
+            CorruptDatabaseError: a file differs from its digest, is missing or cannot be read.
+        """
+        if self.folder is None:
+            raise InvalidArgumentError("expected a database folder, got one in memory")
+        path = generation_dir(self.folder, generation)
+        _check_encoder_files(path, prefix, {"current": dict(digests)})
+        return load_encoder(path, prefix, device=device)
+
+    def current_digests(self) -> dict[str, str]:
+        """The digests of the current generation's files; for generation 0 the pending ones when the files on
+        disk are those of a save that stopped before recording them as current."""
+        record = self.record()
+        pending = record.get("pending")
+        if not record.get("generation") and pending and self.folder is not None and _files_match(self.folder, pending):
+            return dict(pending)
+        return dict(record.get("current") or {})
+
+    def has_files(self) -> bool:
+        """Whether the current generation has any encoder file (a database written before digests has no record)."""
+        return self.folder is not None and any(self.has(prefix) for prefix in ENCODER_PREFIXES)
+
+    def _latest_record(self) -> dict[str, Any]:
+        """The record as last committed, read on a fresh connection (outside this view's read snapshot)."""
+        path = self.folder / STORE_FILE
         try:
             with contextlib.closing(sqlite3.connect(str(path), timeout=10.0)) as conn:
                 row = conn.execute("SELECT value FROM meta WHERE name = ?", (ENCODER_FILES_META,)).fetchone()
         except sqlite3.Error as exc:
             raise CorruptDatabaseError(f"{path}: cannot read {ENCODER_FILES_META!r}: {exc}") from None
-        return None if row is None else json.loads(row[0])
-
-    def save(self, encoders: Mapping[str, Encoder], config: dict[str, Any]) -> None:
-        """Write ``encoders`` (prefix -> encoder) into the folder, and record them with ``config``.
-
-        Crash-safe in three steps: the encoders are written into a staging folder and their digests recorded as
-        *pending* (one transaction); the files are moved into place (``os.replace``, the json last); then one
-        transaction sets the meta entry ``"config"`` to ``config`` and makes the digests *current*. A stop
-        anywhere leaves files that match the current or the pending digests.
-
-        The caller holds ``store.lock`` and ``store.write_lock`` (both are reentrant; they are taken here too).
-
-        Args:
-            encoders: prefix -> encoder, the encoders the database has (a prefix left out is not written).
-            config: the database configuration to record with them.
-
-        Raises:
-            DatabaseLockedError: another writer held the write lock for longer than its timeout.
-        """
-        if self.folder is None:
-            return
-        with self.store.lock, self.store.write_lock:
-
-            def record_pending(digests: dict[str, str]) -> None:
-                current = (self.store.get_meta(ENCODER_FILES_META) or {}).get("current") or {}
-                self.store.set_meta(ENCODER_FILES_META, {"current": current, "pending": digests})
-
-            digests = _install_encoders(self.folder, encoders, record_pending)
-            with self.store.transaction():
-                self.store.set_meta("config", config)
-                self.store.set_meta(ENCODER_FILES_META, {"current": digests, "pending": None})
+        record = None if row is None else json.loads(row[0])
+        return record if isinstance(record, dict) else {}
 
     def settle(self) -> None:
-        """Finish the digest record of a save that stopped between writing the encoder files and recording them.
+        """Finish the record of a generation-0 save (an older version's) that stopped between writing and recording.
 
         Only when pending digests exist and the write lock is free at once: if every recorded file matches the
         pending digests they become current, if every one matches the current digests pending is dropped;
         otherwise (or when another writer holds the lock) the record is left as it is (still accepted on load).
         """
-        record = self.store.get_meta(ENCODER_FILES_META)
-        if self.folder is None or not isinstance(record, dict) or not record.get("pending"):
+        record = self.record()
+        if self.folder is None or not record.get("pending") or record.get("generation"):
             return
         try:
             self.store.write_lock.acquire(timeout=0.0)
         except DatabaseLockedError:
             return
         try:
-            record = self.store.get_meta(ENCODER_FILES_META) or {}
+            record = self.record()
             pending, current = record.get("pending"), record.get("current") or {}
             if not pending:
                 return

@@ -1,31 +1,35 @@
 """Retrieval metrics on (query, target) pairs: recall@1, recall@k and MRR, and the pairs they are measured on.
 
     metrics = evaluate(db, [("Липтон", "Lipton"), ...], k=10)   # {"recall@1": ..., "recall@k": ..., "mrr": ...}
+    metrics = evaluate(db, pairs, k=10, retriever=draft)          # search a draft generation instead of the db
 
 A pair is ``(query text, target text)``; ``targets="key"`` reads the target as the key of the right record,
 ``targets="value"`` as the value text of the answer (any record holding it counts). Fine-tuning measures its
-runs with :func:`evaluate` and checks its pairs with :func:`check_pairs`.
+runs with :func:`evaluate` (searching its draft generation through ``retriever=``), checks its pairs with
+:func:`check_pairs` and their targets with :func:`check_targets`, and picks the epoch to keep by one of
+:data:`METRICS` (:func:`higher_is_better` says which way is better).
 
-This module owns the metrics, their ranking helpers and the checks of the pairs. It talks to the database
-through its public methods only (``candidates``, ``ids_of_keys``, ``value_texts``, the encoders); it knows
-nothing of the store, the index, the losses or the training loop.
+This module owns the metrics, their names, their ranking helpers and the checks of the pairs. It talks to the
+database through its public methods only (``candidates``, ``ids_of_keys``, ``values_present``,
+``value_texts``, the encoders); it knows nothing of the store, the index, the losses or the training loop.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
 
-from kvsearch.attention import ScoreFn, compute_scores
-from kvsearch.checks import check_int, check_k
+from kvsearch.attention import Candidates, ScoreFn, compute_scores
+from kvsearch.checks import all_finite, check_int, check_k
 from kvsearch.errors import (
     DimensionMismatchError,
     InvalidArgumentError,
     KeyNotFoundError,
+    NonFiniteError,
     UnknownOptionError,
 )
 
@@ -37,8 +41,16 @@ __all__ = [
     "TargetKind",
     "TARGET_KINDS",
     "Pairs",
+    "MetricName",
+    "METRICS",
+    "TEXT_METRICS",
+    "TENSOR_METRICS",
+    "CandidateSource",
+    "higher_is_better",
+    "check_metric",
     "is_tensor_pairs",
     "check_pairs",
+    "check_targets",
     "target_ids",
     "hit_matrix",
     "ranked_ids",
@@ -50,6 +62,56 @@ TargetKind = Literal["key", "value"]
 TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 #: ``[(query text, target text), ...]``, or ``(queries (n, dim), values (n, value_dim))`` for databases without text.
 Pairs = Sequence[tuple[str, str]] | tuple[Tensor, Tensor]
+
+MetricName = Literal["recall@1", "recall@k", "mrr", "loss"]
+#: Every metric a run can be judged by.
+METRICS: tuple[str, ...] = get_args(MetricName)
+#: The metrics of text pairs (:func:`evaluate`): fractions in [0, 1], higher is better.
+TEXT_METRICS: tuple[str, ...] = ("recall@1", "recall@k", "mrr")
+#: The metric of tensor pairs: the training loss on them, lower is better.
+TENSOR_METRICS: tuple[str, ...] = ("loss",)
+#: How many target texts an error message shows.
+SHOWN_TARGETS = 5
+
+
+class CandidateSource(Protocol):
+    """Anything that picks candidates for query embeddings: a :class:`~kvsearch.Database`, a draft generation."""
+
+    def candidates(self, queries: Tensor, k: int) -> Candidates:
+        """ids (b, t), keys (b, t, dim), values (b, t, value_dim), mask (b, t) for queries (b, dim)."""
+        ...
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger value of ``metric`` is better (the recalls and MRR), or a smaller one (``"loss"``)."""
+    return metric != "loss"
+
+
+def check_metric(metric: object, pairs: object, name: str = "eval_pairs") -> str:
+    """``metric`` if it can be measured on ``pairs``; None picks the default for their kind.
+
+    Args:
+        metric: one of :data:`METRICS`, or None.
+        pairs: the evaluation pairs (text pairs or a tensor pair).
+        name: the pairs' argument name, for the message.
+
+    Returns:
+        The metric: ``"recall@1"`` for text pairs, ``"loss"`` for tensor pairs when None was given.
+
+    Raises:
+        UnknownOptionError: not one of :data:`METRICS`.
+        InvalidArgumentError: a metric of the other kind of pairs (``"loss"`` on text pairs, a recall on tensors).
+    """
+    if metric is not None and (not isinstance(metric, str) or metric not in METRICS):
+        raise UnknownOptionError(f"expected metric among {METRICS} or None, got {metric!r}")
+    tensors = is_tensor_pairs(pairs)
+    fitting = TENSOR_METRICS if tensors else TEXT_METRICS
+    if metric is None:
+        return fitting[0]
+    if metric not in fitting:
+        kind = "(queries, values) tensor pairs" if tensors else "(query text, target text) pairs"
+        raise InvalidArgumentError(f"expected metric among {fitting} for {name} given as {kind}, got {metric!r}")
+    return metric
 
 
 def is_tensor_pairs(pairs: object) -> bool:
@@ -95,26 +157,91 @@ def check_pairs(pairs: object, name: str, db: Database) -> None:
         raise InvalidArgumentError(f"expected {name} as tensors: this database has no encoder for query text")
 
 
-def target_ids(db: Database, keys: Sequence[str]) -> Tensor:
+def _shown(texts: Sequence[str]) -> str:
+    """Up to :data:`SHOWN_TARGETS` distinct texts, quoted, for a message."""
+    unique = list(dict.fromkeys(texts))[:SHOWN_TARGETS]
+    return ", ".join(repr(t) for t in unique)
+
+
+def _hint(matched: int, total: int, what: str, option: str) -> str:
+    """The hint for targets of the other kind: when all or most of the missing texts are of that kind."""
+    if total == 0 or 2 * matched < total:
+        return ""
+    share = "they are" if matched == total else f"most of them ({matched} of {total}) are"
+    return f"; {share} {what}: pass {option}"
+
+
+def check_targets(db: Database, texts: Sequence[str], targets: TargetKind, name: str = "pairs") -> Tensor | None:
+    """Check that every target text matches a stored record, before any work.
+
+    With ``targets="key"`` a target must be a stored key; with ``targets="value"`` the value text of some
+    stored record. When the missing ones (all, or most) are of the other kind, the message says to pass the
+    other ``targets=``.
+
+    Args:
+        db: the database.
+        texts: n target texts.
+        targets: ``"key"`` or ``"value"``.
+        name: the pairs' argument name, for the message.
+
+    Returns:
+        (n,) int64 ids on the CPU for key targets; None for value targets.
+
+    Raises:
+        KeyNotFoundError: (key targets) a target text is no stored key; the message says how many of how many,
+            shows a few and hints at ``targets="value"`` when they are stored value texts.
+        InvalidArgumentError: (value targets) a target text is no stored value text (likewise, with the hint
+            ``targets="key"`` when they are stored keys).
+    """
+    if targets == "key":
+        return _key_ids(db, list(texts), name)  # (n,)
+    _check_value_texts(db, list(texts), name)
+    return None
+
+
+def _key_ids(db: Database, texts: list[str], name: str) -> Tensor:
+    """(n,) ids of key texts; KeyNotFoundError (with a hint at value targets) when one is not stored."""
+    ids = db.ids_of_keys(texts)  # (n,)
+    missing = [t for t, id_ in zip(texts, ids.tolist()) if id_ < 0]
+    if missing:
+        unique = list(dict.fromkeys(missing))
+        other = int(db.values_present(unique).sum())
+        hint = _hint(other, len(unique), "stored value texts", 'targets="value" (with an answer loss)')
+        raise KeyNotFoundError(
+            f"{name}: {len(missing)} of {len(texts)} target texts are no stored key (e.g. {_shown(missing)}){hint}"
+        )
+    return ids  # (n,)
+
+
+def _check_value_texts(db: Database, texts: list[str], name: str) -> None:
+    """InvalidArgumentError (with a hint at key targets) when a text is the value text of no stored record."""
+    present = db.values_present(texts)  # (n,) bool
+    missing = [t for t, ok in zip(texts, present.tolist()) if not ok]
+    if missing:
+        unique = list(dict.fromkeys(missing))
+        other = int((db.ids_of_keys(unique) >= 0).sum())
+        hint = _hint(other, len(unique), "stored keys", 'targets="key"')
+        raise InvalidArgumentError(
+            f"{name}: {len(missing)} of {len(texts)} target texts are no stored value text "
+            f"(e.g. {_shown(missing)}){hint}"
+        )
+
+
+def target_ids(db: Database, keys: Sequence[str], name: str = "pairs") -> Tensor:
     """The ids of the records with these keys.
 
     Args:
         db: the database.
         keys: n key texts.
+        name: the pairs' argument name, for the message.
 
     Returns:
         (n,) int64 ids on the CPU.
 
     Raises:
-        KeyNotFoundError: a key is not stored (the message shows the first few).
+        KeyNotFoundError: a key is not stored (see :func:`check_targets`: how many, a few of them, a hint).
     """
-    ids = db.ids_of_keys(list(keys))  # (n,)
-    if bool((ids < 0).any()):
-        missing = [key for key, id_ in zip(keys, ids.tolist()) if id_ < 0]
-        raise KeyNotFoundError(
-            f"expected target keys stored in the database, got {len(missing)} that are not: {missing[:5]!r}"
-        )
-    return ids  # (n,)
+    return _key_ids(db, list(keys), name)  # (n,)
 
 
 def hit_matrix(db: Database, ids: Tensor, targets: Tensor | None, texts: Sequence[str] | None) -> Tensor:
@@ -140,11 +267,12 @@ def hit_matrix(db: Database, ids: Tensor, targets: Tensor | None, texts: Sequenc
     return torch.tensor(hits, dtype=torch.bool, device=ids.device).reshape(ids.shape)  # (b, k)
 
 
-def ranked_ids(db: Database, queries: Tensor, k: int, score: str | ScoreFn) -> Tensor:
+def ranked_ids(retriever: CandidateSource, queries: Tensor, k: int, score: str | ScoreFn) -> Tensor:
     """The ``k`` candidates the index picks for each query, best first by ``score`` recomputed in torch.
 
     Args:
-        db: the database.
+        retriever: what picks the candidates: the database, or a draft generation of it (anything with
+            ``candidates(queries, k)``).
         queries: (b, dim) query embeddings.
         k: candidates per query.
         score: the score that orders them (a name or a callable); missing candidates (-1) come last.
@@ -152,7 +280,7 @@ def ranked_ids(db: Database, queries: Tensor, k: int, score: str | ScoreFn) -> T
     Returns:
         (b, t) ids, t = min(k, records), -1 where none.
     """
-    cand = db.candidates(queries, k)  # ids (b, t), keys (b, t, dim), mask (b, t)
+    cand = retriever.candidates(queries, k)  # ids (b, t), keys (b, t, dim), mask (b, t)
     scores = compute_scores(queries.to(cand.keys.device).unsqueeze(1), cand.keys, score).squeeze(1)  # (b, t)
     scores = scores.masked_fill(~cand.mask, -math.inf)  # (b, t)
     order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, t)
@@ -169,6 +297,7 @@ def evaluate(
     query_encoder: Encoder | None = None,
     score: str | ScoreFn | None = None,
     batch_size: int = 512,
+    retriever: CandidateSource | None = None,
 ) -> dict[str, float]:
     """Retrieval metrics of a database on (query text, target) pairs: recall@1, recall@k and MRR over the top k.
 
@@ -183,14 +312,17 @@ def evaluate(
         query_encoder: encodes the queries; default ``db.query_encoder``, else ``db.encoder``.
         score: re-ranks the candidates; default the database's score.
         batch_size: queries per index search.
+        retriever: what picks the candidates (anything with ``candidates(queries, k)``, such as the draft
+            generation of a fine-tuning run); default the database.
 
     Returns:
         ``{"recall@1": ..., "recall@k": ..., "mrr": ...}``, fractions in [0, 1].
 
     Raises:
-        InvalidArgumentError: bad pairs, k or batch size.
+        InvalidArgumentError: bad pairs, k, batch size or retriever.
         KeyNotFoundError: a target key is not stored.
         UnknownOptionError: an unknown ``targets``.
+        NonFiniteError: the query encoder gives NaN or Inf (e.g. diverged weights).
     """
     check_pairs(pairs, "pairs", db)
     if is_tensor_pairs(pairs):
@@ -199,14 +331,19 @@ def evaluate(
         raise UnknownOptionError(f"expected targets among {TARGET_KINDS}, got {targets!r}")
     k = check_k(k)
     batch_size = check_int(batch_size, "batch_size")
+    source: Any = db if retriever is None else retriever
+    if not callable(getattr(source, "candidates", None)):
+        raise InvalidArgumentError(f"expected a retriever with candidates(queries, k), got {type(source).__name__}")
     encoder = next(e for e in (query_encoder, db.query_encoder, db.encoder) if e is not None)
     score = db.score if score is None else score
     queries = [q for q, _ in pairs]
-    wanted = target_ids(db, [t for _, t in pairs]) if targets == "key" else None  # (n,)
+    wanted = target_ids(db, [t for _, t in pairs], "pairs") if targets == "key" else None  # (n,)
     first = []
     for start in range(0, len(pairs), batch_size):
         q = encoder.encode(queries[start : start + batch_size]).float()  # (b, dim)
-        ids = ranked_ids(db, q, k, score)  # (b, t)
+        if not all_finite(q):
+            raise NonFiniteError(f"expected finite query embeddings, got NaN or Inf for pairs[{start}:]")
+        ids = ranked_ids(source, q, k, score)  # (b, t)
         tid = None if wanted is None else wanted[start : start + batch_size]  # (b,)
         texts = None if wanted is not None else [t for _, t in pairs[start : start + batch_size]]
         hits = hit_matrix(db, ids, tid, texts)  # (b, t)

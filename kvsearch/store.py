@@ -19,7 +19,7 @@ import sqlite3
 import threading
 import weakref
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -442,21 +442,6 @@ class Store:
                 self.bump_version()
             self._drop_from_memory(ids)
 
-    def replace_values(self, ids: Tensor, values: Tensor) -> None:
-        """Overwrite the value embeddings (n, value_dim) of stored ids (n,), in one transaction.
-
-        Raises:
-            KeyNotFoundError: an id is not stored (nothing is written).
-        """
-        with self.lock:
-            rows = self.rows_of(ids)  # (n,)
-            if bool((rows < 0).any()):
-                missing = ids[rows < 0][:5].tolist()
-                raise KeyNotFoundError(f"expected stored ids, got {missing}; nothing was written")
-            table = self.values.clone()  # (m, value_dim)
-            table[rows.to(table.device)] = values.to(table.device, torch.float32)
-            self.replace_embeddings(values=table)
-
     def stored_ids_of_keys(self, keys: Sequence[str | None], *, allow: bool) -> list[int | None]:
         """The stored id of each key text (None for a new key or no text).
 
@@ -499,15 +484,20 @@ class Store:
                 ids.append(int(item))
         return list(dict.fromkeys(ids))
 
-    def replace_embeddings(self, keys: Tensor | None = None, values: Tensor | None = None) -> None:
+    def replace_embeddings(
+        self, keys: Tensor | None = None, values: Tensor | None = None, *, meta: Mapping[str, Any] | None = None
+    ) -> None:
         """Overwrite every record's key and/or value embedding (rows in id order), in one transaction.
 
         Args:
             keys: (n, dim) or None to keep. values: (n, value_dim) or None to keep.
+            meta: meta entries (name -> JSON value) written in the same transaction (a generation switch).
         """
         with self.lock:
             ids = self.ids.tolist()
             with self.transaction():
+                for name, value in (meta or {}).items():
+                    self._put_meta(name, value)
                 for column, tensor in (("key_emb", keys), ("value_emb", values)):
                     if tensor is None:
                         continue
@@ -634,6 +624,17 @@ class Store:
             for i, row, present in zip(need_emb, values, (rows >= 0).tolist()):
                 out[i] = row if present else None
         return out
+
+    def values_present(self, texts: Sequence[str]) -> Tensor:
+        """Whether some record has each value text: (n,) bool on the CPU."""
+        wanted = sorted(set(texts))
+        found: set[str] = set()
+        for start in range(0, len(wanted), 900):  # SQLite's bound-parameter limit
+            chunk = wanted[start : start + 900]
+            marks = ",".join("?" * len(chunk))
+            rows = self._conn.execute(f"SELECT DISTINCT value FROM records WHERE value IN ({marks})", chunk)
+            found.update(r[0] for r in rows)
+        return torch.tensor([t in found for t in texts], dtype=torch.bool)
 
     def ids_where(self, where: dict[str, Any]) -> Tensor:
         """The ids of the records whose metadata satisfies a filter (see :mod:`kvsearch.filters`).

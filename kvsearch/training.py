@@ -1,8 +1,9 @@
-"""End-to-end fine-tuning of the retriever: the loop, its options, index refresh, installing what was trained.
+"""End-to-end fine-tuning of the retriever: the loop, its options, the draft generation it works in.
 
     history = finetune(db, train_pairs, eval_pairs=eval_pairs, loss="retrieval", k=32, epochs=3)
     history.metrics[-1]        # {"epoch": 3, "step": ..., "recall@1": ..., "recall@k": ..., "mrr": ...}
-    db.search("Smyth")         # now answered with the fine-tuned query encoder, saved with the database
+    history.summary()          # "recall@1 0.754 -> best 0.761 at epoch 2 (kept, generation 5)"
+    db.search("Smyth")         # now answered with the kept encoders, committed as the database's new generation
 
     config = FinetuneConfig(loss="retrieval", k=32, epochs=3)   # the same options, as one checked value
     history = finetune(db, train_pairs, config=config, seed=1)  # keyword options override the config's
@@ -14,16 +15,32 @@ forced in when the index missed it, RAG/REALM style); ``attend`` scores and pool
 query encoder (and, with ``train="query+keys"``, through the re-encoded candidate keys into the key encoder;
 with ``train_values=True`` into the value embeddings).
 
+All or nothing. A run works inside a draft generation (``db.begin_generation()``): refreshes re-encode the
+keys into the draft's working key table and index (memory only), candidates and evaluations search the draft,
+and the database changes in exactly one place, ``draft.commit``, which writes the kept encoders (and trained
+values) as a new generation in one store transaction. Anything that goes wrong — a non-finite loss, query or
+weight (:class:`~kvsearch.errors.NonFiniteError`), an exception in a loss, a KeyboardInterrupt — discards the
+draft: the database's files, embeddings, index and answers are exactly as before, and the error is re-raised.
+
+Keep the best. With eval pairs and ``keep="best"`` (the default), the metric (``metric=``) is measured before
+training and after each epoch; the best epoch's weights are kept in memory and committed at the end — only if
+that epoch is strictly better than the start. If no epoch beats it, the draft is discarded and the database
+keeps its retriever. ``keep="last"`` commits the last epoch, even when it is worse; without eval pairs the last
+epoch is committed.
+
 Targets. A pair is ``(query text, target text)``; ``targets="key"`` reads the target as the key of the right
 record, ``targets="value"`` as the value text of the answer (no label of which record is right: several
 records may share it). The default follows the loss: ``"key"`` for ``"retrieval"``, ``"value"`` for the
 answer losses. ``train_pairs`` may also be ``(queries, values)``, two tensors (n, dim) and (n, value_dim), for
-databases without text (kernel regression, see :class:`~kvsearch.attention.GaussianKernel`).
+databases without text (kernel regression, see :class:`~kvsearch.attention.GaussianKernel`). Target texts
+that match nothing (no stored key, no stored value text) are refused before any step; the message says when
+the other ``targets=`` would match them.
 
 This module owns the loop and its options (:class:`FinetuneConfig`, :class:`History`). The losses live in
 :mod:`kvsearch.losses`, the metrics in :mod:`kvsearch.metrics`. It talks to the database through the facade's
-public methods only (``candidates``, ``ids``, ``embeddings``, ``key_texts``, ``replace_value_embeddings``,
-``refresh``, ``save_encoders``, the encoders): it knows nothing of the store, the index or the file formats.
+public methods only (``begin_generation`` and the draft's ``refresh`` / ``candidates`` / ``commit`` /
+``discard``, ``ids``, ``embeddings``, ``key_texts``, ``ids_of_keys``, ``values_present``, ``generation``, the
+encoders): it knows nothing of the store, the index or the file formats.
 """
 
 from __future__ import annotations
@@ -35,7 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -50,10 +67,10 @@ from kvsearch.attention import (
     check_score,
     compute_scores,
 )
-from kvsearch.checks import check_int, check_k, check_temperature
+from kvsearch.checks import all_finite, check_int, check_k, check_temperature
 from kvsearch.database import Database
 from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
-from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, UnknownOptionError
+from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 from kvsearch.losses import (
     ANSWER_LOSSES,
     LOSSES,
@@ -65,12 +82,31 @@ from kvsearch.losses import (
     get_loss,
     retrieval_loss,
 )
-from kvsearch.metrics import TARGET_KINDS, Pairs, TargetKind, check_pairs, evaluate, is_tensor_pairs, target_ids
+from kvsearch.metrics import (
+    METRICS,
+    TARGET_KINDS,
+    MetricName,
+    Pairs,
+    TargetKind,
+    check_metric,
+    check_pairs,
+    check_targets,
+    evaluate,
+    higher_is_better,
+    is_tensor_pairs,
+)
+
+if TYPE_CHECKING:
+    from kvsearch.generations import Draft
 
 __all__ = [
     "TrainMode",
     "TargetKind",
     "TRAIN_MODES",
+    "KeepName",
+    "KEEPS",
+    "MetricName",
+    "METRICS",
     "OPTIMIZERS",
     "FinetuneConfig",
     "History",
@@ -90,6 +126,10 @@ __all__ = [
 TrainMode = Literal["query", "query+keys"]
 #: What learns: a query-side encoder only, or the shared key encoder too (the index is then refreshed).
 TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
+
+KeepName = Literal["best", "last"]
+#: Which epoch a run with eval pairs commits: the best one (if it beats the start), or the last one.
+KEEPS: tuple[str, ...] = get_args(KeepName)
 
 OptimizerSpec = str | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 #: The optimizers named by a string.
@@ -126,20 +166,29 @@ class FinetuneConfig:
             a value encoder that was the key encoder is kept, untrained, as the value encoder.
         train_values: make the value embeddings trainable; they are written to the database at the end.
         score: the score function, default (None) the database's; an ``nn.Module`` (e.g.
-            :class:`~kvsearch.attention.GaussianKernel`) trains along.
-        pooling: the pooling of the answer (see ``kvsearch.attention.pool``).
+            :class:`~kvsearch.attention.GaussianKernel`) trains along: it ends with the kept epoch's weights,
+            or its weights at the start when nothing is committed.
+        pooling: the pooling of the answer (see ``kvsearch.attention.pool``); not ``"exact"``, which has no
+            gradient.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or a callable ``(param groups) -> Optimizer``.
         lr: the learning rate; default (None) per part: 1e-2 for n-gram encoders, score modules and values,
             2e-5 for sentence encoders.
         batch_size: pairs per step.
         temperature: the softmax temperature of the scores, finite and > 0 (0.05 suits cosine scores).
         seed: seeds the shuffling and torch (dropout); an integer >= 0.
-        verbose: show a tqdm bar with the step, the loss and the latest recall@1 (or eval loss).
+        verbose: show a tqdm bar with the step, the loss and the latest value of the metric.
+        keep: with eval pairs, which epoch is committed: ``"best"`` (the best by ``metric``, and only if it is
+            strictly better than the start; otherwise nothing is committed) or ``"last"`` (the last epoch, even
+            when it is worse than the start). Without eval pairs the last epoch is committed.
+        metric: what "best" means: ``"recall@1"``, ``"recall@k"`` or ``"mrr"`` on text eval pairs (higher is
+            better), ``"loss"`` on tensor eval pairs (lower is better). None (the default): ``"recall@1"`` on
+            text pairs, ``"loss"`` on tensor pairs.
 
     Raises:
         InvalidArgumentError: a value of the wrong type or out of range (``k=0``, ``epochs=True``,
-            ``temperature=inf``, ``lr=-1``, ...), or the retrieval loss with value targets.
-        UnknownOptionError: an unknown loss, targets, train mode, score, pooling or optimizer name.
+            ``temperature=inf``, ``lr=-1``, ``seed="x"``, ...), the retrieval loss with value targets, or
+            ``pooling="exact"``.
+        UnknownOptionError: an unknown loss, targets, train mode, score, pooling, optimizer, keep or metric name.
     """
 
     loss: LossName | LossFn = "answer"
@@ -157,6 +206,8 @@ class FinetuneConfig:
     temperature: float = 0.05
     seed: int = 0
     verbose: bool = True
+    keep: KeepName = "best"
+    metric: MetricName | None = None
 
     def __post_init__(self) -> None:
         get_loss(self.loss)  # UnknownOptionError unless a registered name or a callable
@@ -181,8 +232,17 @@ class FinetuneConfig:
         if self.score is not None:
             check_score(self.score)  # a name from SCORES (not "additive") or a callable
         _check_name(self.pooling, POOLINGS, "pooling")
+        if self.pooling == "exact":
+            usable = ", ".join(p for p in POOLINGS if p != "exact")
+            raise InvalidArgumentError(
+                f'expected a pooling with a gradient ({usable}), got "exact": a one-hot on the exact key match '
+                "gives the query encoder no gradient to learn from"
+            )
         if not callable(self.optimizer):
             _check_name(self.optimizer, OPTIMIZERS, "optimizer")
+        _check_name(self.keep, KEEPS, "keep")
+        if self.metric is not None:
+            _check_name(self.metric, METRICS, "metric")
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # a checked value in its canonical type (np.int64 -> int, ...)
@@ -226,17 +286,23 @@ def _make_config(config: FinetuneConfig | None, options: dict[str, Any]) -> Fine
 
 @dataclass
 class History:
-    """What :func:`finetune` measured.
+    """What :func:`finetune` measured, and what it committed.
 
     Attributes:
         k: the number of candidates (``recall@k`` is recall at this k).
-        metrics: one dict per evaluation (before training, then after each epoch), with ``epoch``, ``step``
-            and, on text pairs, ``recall@1``, ``recall@k``, ``mrr`` (over the top k), or on tensor pairs
+        metrics: one dict per evaluation (epoch 0 = before training, then after each epoch), with ``epoch``,
+            ``step`` and, on text pairs, ``recall@1``, ``recall@k``, ``mrr`` (over the top k), or on tensor pairs
             ``loss`` (the training loss on the eval pairs). Empty without eval pairs.
         losses: the training loss of every step.
         epoch_losses: the mean training loss of every epoch.
-        refreshes: how many times the index was rebuilt from re-encoded keys.
+        refreshes: how many times the draft's working keys and index were rebuilt from re-encoded keys.
         seconds: the wall time of the run.
+        metric: the metric that chose the epoch to keep (``"recall@1"``, ``"recall@k"``, ``"mrr"`` or ``"loss"``).
+        keep: ``"best"`` or ``"last"``.
+        kept_epoch: the epoch committed; 0 when no epoch beat the start (nothing was committed); None without
+            eval pairs (the last epoch was committed).
+        committed: whether a new generation was committed.
+        generation: the database's generation after the run (unchanged when nothing was committed).
     """
 
     k: int
@@ -245,6 +311,52 @@ class History:
     epoch_losses: list[float] = field(default_factory=list)
     refreshes: int = 0
     seconds: float = 0.0
+    metric: str = "recall@1"
+    keep: str = "best"
+    kept_epoch: int | None = None
+    committed: bool = False
+    generation: int = 0
+
+    def value(self, epoch: int) -> float | None:
+        """The metric measured after ``epoch`` (0: before training), or None without eval pairs."""
+        if not 0 <= epoch < len(self.metrics):
+            return None
+        return self.metrics[epoch].get(self.metric)
+
+    def best_epoch(self) -> int | None:
+        """The epoch >= 1 with the best metric (the first of equals), or None without eval pairs or epochs."""
+        if len(self.metrics) < 2:
+            return None
+        sign = 1.0 if higher_is_better(self.metric) else -1.0
+        return max(range(1, len(self.metrics)), key=lambda e: (sign * self.metrics[e][self.metric], -e))
+
+    def summary(self) -> str:
+        """One human line: the metric before, the epoch kept, and the generation.
+
+        Returns:
+            e.g. ``"recall@1 0.754 -> best 0.761 at epoch 2 (kept, generation 5)"`` or ``"recall@1 0.754; no
+            epoch beat it (best 0.612 at epoch 1): kept the start, generation 4 unchanged"``.
+        """
+        start = self.value(0)
+        if start is None:  # no eval pairs: the last epoch was committed
+            losses = self.epoch_losses
+            trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step"
+            done = f"generation {self.generation}" if self.committed else f"generation {self.generation} unchanged"
+            return f"{len(losses)} epochs, {trend} (last epoch kept, {done})"
+        head = f"{self.metric} {start:.3f}"
+        best = self.best_epoch()
+        if not self.committed:
+            if best is None:
+                return f"{head}; no epoch ran: kept the start, generation {self.generation} unchanged"
+            return (
+                f"{head}; no epoch beat it (best {self.metrics[best][self.metric]:.3f} at epoch {best}): "
+                f"kept the start, generation {self.generation} unchanged"
+            )
+        kept = self.kept_epoch if self.kept_epoch is not None else len(self.metrics) - 1
+        after = self.metrics[kept][self.metric]
+        if self.keep == "best":
+            return f"{head} -> best {after:.3f} at epoch {kept} (kept, generation {self.generation})"
+        return f"{head} -> {after:.3f} at epoch {kept} (last epoch kept, generation {self.generation})"
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -367,28 +479,38 @@ def finetune(
     config: FinetuneConfig | None = None,
     **options: Any,
 ) -> History:
-    """Fine-tune the retriever of a database end to end on (query, target) pairs.
+    """Fine-tune the retriever of a database end to end on (query, target) pairs, all or nothing.
+
+    The run works in a draft generation (``db.begin_generation()``): the database changes only at the end, in
+    one ``draft.commit`` that writes the kept encoders (and trained values) and re-encodes every key. With eval
+    pairs and ``keep="best"``, the best epoch by ``metric`` is committed if it beats the start, else nothing is.
 
     Args:
         db: the database (its records stay; what changes are the encoders and, optionally, the embeddings).
         train_pairs: ``[(query text, target text), ...]`` or ``(queries (n, dim), values (n, value_dim))``.
-        eval_pairs: pairs of the same form, evaluated before training and after each epoch.
+        eval_pairs: pairs of the same form, evaluated before training and after each epoch (on the draft).
         config: the options as a :class:`FinetuneConfig`; default ``FinetuneConfig()``.
         **options: any field of :class:`FinetuneConfig` (``loss``, ``targets``, ``k``, ``epochs``,
             ``refresh_every``, ``train``, ``train_values``, ``score``, ``pooling``, ``optimizer``, ``lr``,
-            ``batch_size``, ``temperature``, ``seed``, ``verbose``); given with ``config``, they override it.
+            ``batch_size``, ``temperature``, ``seed``, ``verbose``, ``keep``, ``metric``); given with ``config``,
+            they override it.
 
     Returns:
-        A :class:`History`. The database then answers with the fine-tuned encoders, which are saved with it
-        (``db.save_encoders()``), so reopening the folder gives the same answers.
+        A :class:`History` (``committed``, ``kept_epoch``, ``generation``, ``summary()``). After a commit the
+        database answers with the kept encoders, saved with it: reopening the folder gives the same answers.
+        Without a commit it answers exactly as before.
 
     Raises:
-        InvalidArgumentError: bad pairs or options (checked before any step), an unknown option name, or
-            nothing to train.
-        UnknownOptionError: an unknown loss, train mode, targets, score, pooling or optimizer.
-        KeyNotFoundError: a target key is not stored.
+        InvalidArgumentError: bad pairs or options, a metric that does not fit the eval pairs, value target
+            texts that no record holds, an unknown option name, or nothing to train (all before any step).
+        UnknownOptionError: an unknown loss, train mode, targets, score, pooling, optimizer, keep or metric.
+        KeyNotFoundError: a target key is not stored (before any step).
         DimensionMismatchError: tensor pairs of the wrong shape.
         EmptyDatabaseError: the database is empty.
+        NonFiniteError: the loss, a query embedding, a trained weight or the eval loss became NaN or Inf (the
+            message names the step and epoch); nothing was written.
+        Anything raised inside the run (a loss callable's exception, KeyboardInterrupt) is re-raised after the
+        draft was discarded: the database is exactly as before.
     """
     from tqdm.auto import tqdm
 
@@ -405,17 +527,13 @@ def finetune(
     tensor_pairs = is_tensor_pairs(train_pairs)
     if tensor_pairs and config.loss == "retrieval":
         raise InvalidArgumentError("the retrieval loss needs (query text, target key) pairs, got tensors")
+    metric = check_metric(config.metric, train_pairs if eval_pairs is None else eval_pairs)
     k, batch_size, temperature, pooling = config.k, config.batch_size, config.temperature, config.pooling
     score = db.score if config.score is None else config.score
     loss_fn = get_loss(config.loss)
-    torch.manual_seed(config.seed)
-    generator = torch.Generator().manual_seed(config.seed)
-
-    run = _Run(db, config.train, config.train_values, score, text=not tensor_pairs)
-    opt = _make_optimizer(config.optimizer, run.param_groups(config.lr))
     device = db.device
 
-    # what each training pair asks for
+    # what each training pair asks for, and the targets of the eval pairs: checked before the draft begins
     if tensor_pairs:
         query_items: Any = train_pairs[0].float().to(device)  # (n, dim)
         target_values = train_pairs[1].float().to(device)  # (n, value_dim)
@@ -423,56 +541,81 @@ def finetune(
     else:
         query_items = [q for q, _ in train_pairs]
         texts = [t for _, t in train_pairs]
-        if targets == "key":
-            wanted = target_ids(db, texts)  # (n,)
+        if targets == "value" and db.value_encoder is None:
+            raise InvalidArgumentError('expected a database with a value encoder for targets="value", got none')
+        wanted = check_targets(db, texts, targets, "train_pairs")  # (n,) ids for key targets, else None
+        if wanted is not None:
             _, values, _ = db.embeddings(wanted)  # (n, value_dim)
             target_values = values.to(device).detach().clone()  # (n, value_dim)
         else:
-            wanted = None
             target_values = _value_embeddings(db, texts)  # (n, value_dim)
+    if eval_pairs is not None and not is_tensor_pairs(eval_pairs):
+        check_targets(db, [t for _, t in eval_pairs], targets, "eval_pairs")
+    if not all_finite(target_values):
+        raise NonFiniteError("expected finite target values, got NaN or Inf in the training targets")
     force = wanted is not None and config.loss not in ANSWER_LOSSES
     n = len(query_items)
     steps_per_epoch = math.ceil(n / batch_size)
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed)
 
-    history = History(k=k)
-    modules = run.modules()
-    modes = [m.training for m in modules]
-
-    def measure(epoch: int, step: int) -> None:
-        if eval_pairs is None:
-            return
-        for m in modules:
-            m.eval()
-        try:
-            if is_tensor_pairs(eval_pairs):
-                metrics = {"loss": _eval_loss(db, run, eval_pairs, k, pooling, temperature, loss_fn, batch_size)}
-            else:
-                metrics = evaluate(
-                    db,
-                    eval_pairs,
-                    k=k,
-                    targets=targets,
-                    query_encoder=run.query_encoder,
-                    score=score,
-                    batch_size=max(batch_size, 256),
-                )
-        finally:
-            for m in modules:
-                m.train()
-        history.metrics.append({"epoch": float(epoch), "step": float(step), **metrics})
-
-    refreshed_at = 0
-
-    def refresh(step: int) -> None:
-        nonlocal refreshed_at
-        if run.key_encoder is not None and refreshed_at != step:
-            db.refresh()  # encodes in eval mode and restores the train mode
-            history.refreshes += 1
-            refreshed_at = step
-
-    bar = tqdm(total=config.epochs * steps_per_epoch, desc="finetune", unit="step", disable=not config.verbose)
+    history = History(k=k, metric=metric, keep=config.keep, generation=db.generation)
+    draft = db.begin_generation()  # from here on, every way out ends in exactly one commit or discard
+    ended = False
+    run: _Run | None = None
+    outsiders: list[tuple[nn.Module, dict[str, Tensor]]] = []  # trained modules the draft does not restore
+    modes: list[tuple[nn.Module, bool]] = []
+    flags: list[tuple[Encoder, bool]] = []
+    bar = None
     try:
+        bar = tqdm(total=config.epochs * steps_per_epoch, desc="finetune", unit="step", disable=not config.verbose)
+        run = _Run(db, config.train, config.train_values, score, text=not tensor_pairs)
+        opt = _make_optimizer(config.optimizer, run.param_groups(config.lr))
+        modules = run.modules()
+        modes = [(m, m.training) for m in modules]
+        if isinstance(score, nn.Module):
+            outsiders = [(score, _state_of(score))]
+
+        def measure(epoch: int, step: int) -> None:
+            if eval_pairs is None:
+                return
+            for m in modules:
+                m.eval()
+            try:
+                if is_tensor_pairs(eval_pairs):
+                    value = _eval_loss(draft, db, run, eval_pairs, k, pooling, temperature, loss_fn, batch_size)
+                    if not math.isfinite(value):
+                        raise NonFiniteError(f"the eval loss is {value} after epoch {epoch} (step {step})")
+                    metrics = {"loss": value}
+                else:
+                    metrics = evaluate(
+                        db,
+                        eval_pairs,
+                        k=k,
+                        targets=targets,
+                        query_encoder=run.query_encoder,
+                        score=score,
+                        batch_size=max(batch_size, 256),
+                        retriever=draft,
+                    )
+            finally:
+                for m in modules:
+                    m.train()
+            history.metrics.append({"epoch": float(epoch), "step": float(step), **metrics})
+
+        refreshed_at = 0
+
+        def refresh(step: int) -> None:
+            nonlocal refreshed_at
+            if run.key_encoder is not None and refreshed_at != step:
+                draft.refresh()  # re-encodes the keys in eval mode into the draft's working keys and index
+                history.refreshes += 1
+                refreshed_at = step
+
+        better = higher_is_better(metric)
         measure(0, 0)
+        best_value = history.value(0)
+        best_epoch, best_state = 0, None
         for m in modules:
             m.train()
         step = 0
@@ -485,41 +628,207 @@ def finetune(
                     q = query_items[batch.to(device)]  # (b, dim)
                 else:
                     q = run.query_encoder([query_items[i] for i in batch.tolist()]).float()  # (b, dim)
+                    if not all_finite(q):
+                        raise NonFiniteError(
+                            f"the query embeddings are NaN or Inf at step {step + 1} (epoch {epoch}): the query "
+                            "encoder's weights diverged (lower lr?); nothing was written"
+                        )
                 tid = None if wanted is None else wanted[batch]  # (b,)
                 value_t = target_values[batch.to(device)]  # (b, value_dim)
-                loss_value = _step_loss(db, run, q, tid, value_t, k, force, pooling, temperature, loss_fn)
+                loss_value = _step_loss(draft, db, run, q, tid, value_t, k, force, pooling, temperature, loss_fn)
+                loss_float = float(loss_value.detach())
+                if not math.isfinite(loss_float):
+                    raise NonFiniteError(
+                        f"the training loss is {loss_float} at step {step + 1} (epoch {epoch}); nothing was written"
+                    )
                 opt.zero_grad(set_to_none=True)
                 loss_value.backward()
-                opt.step()
                 step += 1
-                epoch_losses.append(float(loss_value.detach()))
+                _optimizer_step(opt, step, epoch)  # NonFiniteError when a weight is no longer finite
+                epoch_losses.append(loss_float)
                 if step % config.refresh_every == 0:
                     refresh(step)
                 bar.update(1)
-                bar.set_postfix(_postfix(epoch_losses[-1], history), refresh=False)
+                bar.set_postfix(_postfix(loss_float, history), refresh=False)
             history.losses.extend(epoch_losses)
             history.epoch_losses.append(sum(epoch_losses) / len(epoch_losses))
-            refresh(step)  # the index must match the key encoder before it is measured (and at the end)
+            refresh(step)  # the draft's index must match the key encoder before it is measured (and at the end)
             measure(epoch, step)
             bar.set_postfix(_postfix(epoch_losses[-1], history), refresh=True)
+            value = history.value(epoch)
+            if config.keep == "best" and value is not None and best_value is not None:
+                if (value > best_value) if better else (value < best_value):
+                    best_value, best_epoch, best_state = value, epoch, _snapshot(run)
+
+        # which epoch to commit, if any
+        if eval_pairs is None:
+            history.kept_epoch = None
+        elif config.keep == "last":
+            history.kept_epoch = config.epochs
+        else:
+            history.kept_epoch = best_epoch
+            if best_state is not None:
+                _restore(run, best_state)
+        if history.kept_epoch == 0:  # no epoch beat the start: the database keeps its retriever
+            ended = True
+            draft.discard()
+            for module, state in outsiders:
+                module.load_state_dict(state)
+        else:
+            _probe(run, query_items, batch_size, tensor_pairs)
+            flags = _install(db, run)
+            history.seconds = time.perf_counter() - started
+            summary = _summary(history, config, step)
+            values = None if run.values is None or run.ids is None else (run.ids, run.values.detach())
+            history.generation = draft.commit(values=values, summary=summary)  # (m,), (m, value_dim)
+            ended = True
+            history.committed = True
+    except BaseException:
+        if not ended:
+            ended = True
+            draft.discard()  # the encoders' weights and identities as they were; nothing was written
+        for module, state in outsiders:
+            module.load_state_dict(state)
+        for encoder, flag in flags:
+            encoder.trained = flag
+        raise
     finally:
-        bar.close()
-        for m, mode in zip(modules, modes):
+        if bar is not None:
+            bar.close()
+        for m, mode in modes:
             m.train(mode)
-    _finish(db, run)
+    if history.committed and run is not None:
+        for encoder in (run.query_encoder, run.key_encoder):
+            if encoder is not None:
+                encoder.eval()
+    history.generation = db.generation
     history.seconds = time.perf_counter() - started
     return history
 
 
 def _postfix(loss: float, history: History) -> dict[str, str]:
     out = {"loss": f"{loss:.4f}"}
-    if history.metrics:
-        name = "recall@1" if "recall@1" in history.metrics[-1] else "loss"
-        out["eval " + name] = f"{history.metrics[-1][name]:.4f}"
+    if history.metrics and history.metric in history.metrics[-1]:
+        out["eval " + history.metric] = f"{history.metrics[-1][history.metric]:.4f}"
     return out
 
 
+def _state_of(module: nn.Module) -> dict[str, Tensor]:
+    """A CPU copy of a module's state_dict (what a later ``load_state_dict`` puts back)."""
+    return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
+
+
+def _snapshot(run: _Run) -> dict[str, Any]:
+    """The trained state of a run: a CPU copy of every trained module's weights and of the value table."""
+    return {
+        "modules": [_state_of(m) for m in run.modules()],
+        "values": None if run.values is None else run.values.detach().to("cpu", copy=True),  # (m, value_dim)
+    }
+
+
+def _restore(run: _Run, state: dict[str, Any]) -> None:
+    """Load a :func:`_snapshot` back into the run's modules and value table."""
+    for module, weights in zip(run.modules(), state["modules"]):
+        module.load_state_dict(weights)
+    if run.values is not None and state["values"] is not None:
+        with torch.no_grad():
+            run.values.copy_(state["values"].to(run.values.device))  # (m, value_dim)
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, step: int, epoch: int) -> None:
+    """One optimizer step, then a check that every trained parameter is still usable.
+
+    A huge learning rate (finite, say 1e38) overflows float32 in the optimizer's own arithmetic (Adam's
+    ``lr / bias_correction``: torch raises a RuntimeError "value cannot be converted to type float without
+    overflow"), or in the weights: NaN / Inf, or weights so large that their squares overflow (beyond
+    ``sqrt(finfo.max)``, 1.8e19 in float32: a norm or a dot product with them is Inf, a normalised embedding
+    0). Each ends as NonFiniteError.
+
+    Raises:
+        NonFiniteError: the step overflowed, or left a weight NaN, Inf or beyond the square-root range
+            (naming the step and epoch).
+    """
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        if "overflow" not in str(exc):
+            raise
+        lrs = sorted({group.get("lr") for group in opt.param_groups}, key=str)
+        raise NonFiniteError(
+            f"the optimizer step {step} (epoch {epoch}) overflowed float32 with lr={lrs}: {exc}; nothing was written"
+        ) from exc
+    params = [(p, group.get("lr")) for group in opt.param_groups for p in group["params"] if p.numel()]
+    oks = []
+    for param, _ in params:
+        low, high = torch.aminmax(param.detach())  # NaN propagates; the comparisons below are then False
+        limit = math.sqrt(torch.finfo(param.dtype).max)
+        oks.append((low > -limit) & (high < limit))
+    if oks and not bool(torch.stack(oks).all()):  # one device sync per step
+        param, lr = next(pl for pl, ok in zip(params, oks) if not bool(ok))
+        raise NonFiniteError(
+            f"a trained weight of shape {tuple(param.shape)} is NaN, Inf or beyond "
+            f"{math.sqrt(torch.finfo(param.dtype).max):.2g} (its square overflows) after step {step} "
+            f"(epoch {epoch}) with lr={lr!r}: the run diverged; nothing was written"
+        )
+
+
+@torch.no_grad()
+def _probe(run: _Run, query_items: Any, batch_size: int, tensor_pairs: bool) -> None:
+    """Check the kept query encoder on a batch of training queries before committing it.
+
+    Finite weights can still give non-finite embeddings (a huge lr leaves weights near the float32 limit, whose
+    sums overflow); the commit checks the weights and the re-encoded keys, this the query side.
+
+    Raises:
+        NonFiniteError: the query encoder gives NaN or Inf.
+    """
+    if tensor_pairs or run.query_encoder is None:
+        return
+    q = run.query_encoder.encode(list(query_items[:batch_size])).float()  # (b, dim)
+    if not all_finite(q):
+        raise NonFiniteError("the trained query encoder gives NaN or Inf embeddings; nothing was written")
+
+
+def _install(db: Database, run: _Run) -> list[tuple[Encoder, bool]]:
+    """Mark the trained encoders and install a query-side copy in the database, before the commit.
+
+    Returns:
+        The encoders' previous ``trained`` flags, for a commit that fails.
+    """
+    flags = []
+    for encoder in (run.query_encoder, run.key_encoder):
+        if encoder is not None and all(encoder is not e for e, _ in flags):
+            flags.append((encoder, encoder.trained))
+            encoder.trained = True
+            encoder.eval()
+    if run.query_copy:
+        db.query_encoder = run.query_encoder  # the draft restores the identities if the commit fails
+    return flags
+
+
+def _summary(history: History, config: FinetuneConfig, steps: int) -> dict[str, Any]:
+    """The run as the database records it (JSON-able): shown by ``kvsearch info``."""
+    kept = history.kept_epoch if history.kept_epoch is not None else len(history.metrics) - 1
+    loss = config.loss if isinstance(config.loss, str) else getattr(config.loss, "__name__", type(config.loss).__name__)
+    return {
+        "metric": history.metric if history.metrics else None,
+        "before": history.value(0),
+        "after": history.value(kept) if history.metrics else None,
+        "kept_epoch": history.kept_epoch,
+        "keep": history.keep,
+        "epochs": config.epochs,
+        "steps": steps,
+        "seconds": round(history.seconds, 3),
+        "train": config.train,
+        "train_values": config.train_values,
+        "loss": str(loss),
+        "final_loss": history.epoch_losses[-1] if history.epoch_losses else None,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
 def _step_loss(
+    retriever: Draft,
     db: Database,
     run: _Run,
     q: Tensor,
@@ -531,8 +840,9 @@ def _step_loss(
     temperature: float,
     loss_fn: LossFn,
 ) -> Tensor:
-    """One batch through candidates, attention and the loss. Returns a 0-dim tensor."""
-    cand = db.candidates(q, k, targets=targets if force else None)  # ids (b, k), keys, values, mask (b, k)
+    """One batch through candidates (from the draft), attention and the loss. Returns a 0-dim tensor."""
+    # ids (b, k), keys, values, mask (b, k)
+    cand = retriever.candidates(q, k, targets=targets if force else None)
     keys = run.candidate_keys(cand.ids, cand.keys, cand.mask)  # (b, k, dim)
     values = run.candidate_values(cand.ids, cand.values, cand.mask)  # (b, k, value_dim)
     q = q.to(db.device)  # (b, dim)
@@ -562,6 +872,7 @@ def _step_loss(
 
 @torch.no_grad()
 def _eval_loss(
+    retriever: Draft,
     db: Database,
     run: _Run,
     pairs: tuple[Tensor, Tensor],
@@ -576,18 +887,6 @@ def _eval_loss(
     total = 0.0
     for start in range(0, len(queries), batch_size):
         q, v = queries[start : start + batch_size], values[start : start + batch_size]  # (b, dim), (b, value_dim)
-        total += float(_step_loss(db, run, q, None, v, k, False, pooling, temperature, loss_fn)) * len(q)
+        loss = _step_loss(retriever, db, run, q, None, v, k, False, pooling, temperature, loss_fn)
+        total += float(loss) * len(q)
     return total / len(queries)
-
-
-def _finish(db: Database, run: _Run) -> None:
-    """Install the trained parts in the database and save them with it."""
-    for encoder in (run.query_encoder, run.key_encoder):
-        if encoder is not None:
-            encoder.trained = True
-            encoder.eval()
-    if run.query_copy:
-        db.query_encoder = run.query_encoder
-    if run.values is not None and run.ids is not None:
-        db.replace_value_embeddings(run.ids, run.values.detach())  # (m,), (m, value_dim): under the write lock
-    db.save_encoders()

@@ -1,6 +1,6 @@
 """The ``kvsearch`` command line, run as a subprocess as a user would.
 
-Every command — build, query, info, delete, finetune, demo and ``--help`` — runs at least once as a subprocess
+Every command — build, query, info, delete, finetune, rollback, demo and ``--help`` — runs at least once as a subprocess
 (the ``kvsearch`` console script), checked on its exit status, its stdout and its stderr: empty on success
 (progress bars aside, where they are on), exactly one line on an error. Each run pays the torch import (a
 second or two), so variations — every command's help, argument errors, the text form of ``info`` — are
@@ -26,7 +26,7 @@ from kvsearch.demo import AUTHORS
 
 SCRIPT = Path(sys.executable).with_name("kvsearch")  # the console script pip installs next to python
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli"]
-SUBCOMMANDS = ["build", "query", "info", "delete", "finetune", "demo"]
+SUBCOMMANDS = ["build", "query", "info", "delete", "finetune", "rollback", "demo"]
 
 
 # a tqdm line: "desc:  42%|####      | 5/12 [00:01<00:02, 3.9it/s]" or "desc: 4rec [00:00, 6660.27rec/s]"
@@ -102,13 +102,21 @@ def test_info_as_a_user_runs_it(built):
     assert info["records"] == 6 and info["indexed"] == 6
     assert (info["dim"], info["value_dim"], info["index"], info["score"]) == (256, 256, "Flat", "cosine")
     assert info["encoder"]["kind"] == "ngram" and info["value_encoder"] == "the key encoder"
+    assert info["query_encoder"] is None and info["last_run"] is None  # never fine-tuned
+    with kvsearch.Database(built) as db:
+        assert (info["generation"], info["previous_generation"]) == (db.generation, None)
     assert info["size_bytes"] == size
 
 
 def test_info_as_text(built, capsys):
     assert main(["info", str(built)]) == 0  # in-process: the same code without another torch import
     text = capsys.readouterr().out
-    assert "records        6" in text and "encoder        kind=ngram" in text
+    with kvsearch.Database(built) as db:
+        generation = db.generation
+    assert "records        6" in text and "encoder        kind=ngram, dim=256\n" in text
+    assert "query_encoder  none (the key encoder)\n" in text and "value_encoder  the key encoder\n" in text
+    assert f"generation     {generation} (no previous generation to roll back to)\n" in text
+    assert "last_run       none\n" in text
 
 
 def test_delete_as_a_user_runs_it_then_exact_query_is_not_found(built, tmp_path, capsys):
@@ -153,21 +161,129 @@ def test_demo_as_a_user_runs_it(tmp_path):
     assert (tmp_path / "names" / "store.sqlite").is_file()
 
 
-def test_finetune_as_a_user_runs_it(built, tmp_path):
+TRAIN_PAIRS = "query\ttarget\nLipto\tLipton\nSmolla\tSmola\nZang\tZhang\nWernes\tWerness\nHoo\tHu\nLee\tLi\n"
+EVAL_PAIRS = "query\ttarget\nLiptn\tLipton\nSmoal\tSmola\nChang\tZhang\nVerness\tWerness\nWho\tHu\nLii\tLi\n"
+EVAL_QUERIES = ["Liptn", "Smoal", "Chang", "Verness", "Who", "Lii"]
+
+
+def pair_files(tmp_path: Path) -> tuple[Path, Path]:
+    """Misspelt authors' names -> the stored key: six training pairs and six held-out ones."""
+    (tmp_path / "train.tsv").write_text(TRAIN_PAIRS)
+    (tmp_path / "eval.tsv").write_text(EVAL_PAIRS)
+    return tmp_path / "train.tsv", tmp_path / "eval.tsv"
+
+
+def metric_rows(stdout: str) -> tuple[list[str], list[list[str]]]:
+    """The header and the rows of the table ``kvsearch finetune`` prints (one row per evaluation)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["epoch", "step"])
+    assert set(lines[start + 1].replace(" ", "")) == {"-"}  # the rule under the header
+    rows = []
+    for line in lines[start + 2 :]:
+        cells = line.split()
+        if not cells or not cells[0].isdigit():
+            break
+        rows.append(cells)
+    return lines[start].split(), rows
+
+
+def search_results(path: Path) -> list[list[tuple[str, float]]]:
+    """The top 3 (key, score) of each held-out query: what a user of the database gets."""
+    with kvsearch.Database(path) as db:
+        return [[(h.key, round(h.score, 5)) for h in db.search(q, k=3)] for q in EVAL_QUERIES]
+
+
+def test_finetune_that_helps_is_kept_then_rolled_back_once(built, tmp_path):
     db = copy_of(built, tmp_path)
-    pairs = tmp_path / "pairs.tsv"
-    pairs.write_text("query\ttarget\nLipto\tLipton\nSmolla\tSmola\nZang\tZhang\nWernes\tWerness\n")
-    result = run(
-        "finetune", str(db), "--pairs", str(pairs), "--eval", str(pairs), "--epochs", "1", "--k", "4", "--quiet"
-    )
+    train, held_out = pair_files(tmp_path)
+    with kvsearch.Database(db) as opened:
+        start = opened.generation
+    result = run("finetune", str(db), "--pairs", str(train), "--eval", str(held_out), "--k", "4", "--quiet")
     assert (result.returncode, result.stderr) == (0, "")  # --quiet: no progress bar
-    lines = result.stdout.splitlines()
-    assert lines[0].startswith("epoch=0  step=0  recall@1=") and len(lines) == 3  # before, after epoch 0, summary
-    assert lines[-1].startswith(f"fine-tuned {db} on 4 pairs for 1 epochs in ")
-    assert not (built / "query_encoder.safetensors").exists()
-    assert (db / "query_encoder.safetensors").is_file()  # the trained query encoder is saved with the database
-    with kvsearch.Database(db) as reopened:
-        assert reopened.search("Zang", k=1)[0].key == "Zhang"
+    out = result.stdout
+    assert out.startswith(f"fine-tuned {db} on 6 pairs for 3 epochs, evaluated on 6 held-out pairs (")
+    header, rows = metric_rows(out)
+    assert header == ["epoch", "step", "train", "loss", "recall@1", "recall@4", "MRR"]
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]  # epoch 0: before training
+    assert rows[0][2] == "-" and rows[0][-1] == "(before)"
+    kept = [r for r in rows if r[-2:] == ["<-", "kept"]]
+    assert len(kept) == 1 and int(kept[0][0]) >= 1
+    assert float(kept[0][3]) > float(rows[0][3])  # recall@1 went up: that is why it was kept
+    with kvsearch.Database(db) as opened:
+        generation, previous = opened.generation, opened.previous_generation
+    assert generation != start and previous == start
+    assert f"now answers with the fine-tuned retriever: generation {start} -> {generation}" in out
+    assert f"'kvsearch rollback {db}' returns to generation {start}" in out
+    assert "nothing was committed" not in out
+
+    info = json.loads(run("info", str(db), "--json").stdout)  # the run is recorded with the database
+    assert (info["generation"], info["previous_generation"]) == (generation, start)
+    assert info["query_encoder"]["kind"] == "ngram"  # train="query": a query-side copy was trained
+    assert info["encoder"]["kind"] == "ngram" and info["value_encoder"] == "the key encoder"
+    last = info["last_run"]
+    assert last["metric"] == "recall@1" and last["kept_epoch"] == int(kept[0][0])
+    assert round(last["before"], 4) == float(rows[0][3]) and round(last["after"], 4) == float(kept[0][3])
+    assert search_results(db) != search_results(built)  # the fine-tuned query encoder answers
+
+    rolled = run("rollback", str(db))
+    assert (rolled.returncode, rolled.stderr) == (0, "")
+    assert rolled.stdout == f"rolled back {db}: generation {generation} -> {start}\n"
+    assert search_results(db) == search_results(built)  # exactly the retriever before the run
+    again = run("rollback", str(db))  # once only
+    assert (again.returncode, again.stdout) == (1, "")
+    (line,) = error_lines(again.stderr)
+    assert line.startswith("kvsearch rollback: error: ")
+    info = json.loads(run("info", str(db), "--json").stdout)
+    assert (info["generation"], info["previous_generation"], info["query_encoder"]) == (start, None, None)
+
+
+def test_finetune_that_makes_things_worse_keeps_the_old_retriever(built, tmp_path):
+    db = copy_of(built, tmp_path)
+    train, held_out = pair_files(tmp_path)
+    with kvsearch.Database(db) as opened:
+        start = opened.generation
+    result = run(
+        "finetune", str(db), "--pairs", str(train), "--eval", str(held_out), "--k", "4", "--epochs", "1",
+        "--lr", "50", "--quiet",
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (0, "")  # not an error: the database is as it was
+    out = result.stdout
+    header, rows = metric_rows(out)
+    assert [int(r[0]) for r in rows] == [0, 1]
+    assert rows[0][-4:] == ["<-", "kept", "(the", "start)"] and "kept" not in rows[1]
+    assert float(rows[1][3]) < float(rows[0][3])  # lr 50 made recall@1 worse
+    assert out.endswith(f"nothing was committed: {db} keeps its old retriever (generation {start} unchanged)\n")
+    assert "now answers with the fine-tuned retriever" not in out
+    info = json.loads(run("info", str(db), "--json").stdout)
+    assert (info["generation"], info["previous_generation"], info["query_encoder"]) == (start, None, None)
+    assert search_results(db) == search_results(built)  # the old retriever answers, exactly
+    nothing = run("rollback", str(db))  # nothing was committed, so there is nothing to roll back
+    assert (nothing.returncode, nothing.stdout) == (1, "")
+    (line,) = error_lines(nothing.stderr)
+    assert line.startswith("kvsearch rollback: error: ") and "Traceback" not in nothing.stderr
+
+
+def test_finetune_keep_last_and_metric_are_passed_on(built, tmp_path, capsys):
+    db = copy_of(built, tmp_path)
+    train, held_out = pair_files(tmp_path)
+    with kvsearch.Database(db) as opened:
+        start = opened.generation
+    argv = ["finetune", str(db), "--pairs", str(train), "--eval", str(held_out), "--k", "4", "--epochs", "3"]
+    assert main([*argv, "--keep", "last", "--metric", "mrr", "--quiet"]) == 0  # in-process
+    out = capsys.readouterr().out
+    _, rows = metric_rows(out)
+    assert [r[-2:] == ["<-", "kept"] for r in rows] == [False, False, False, True]  # the last epoch
+    assert float(rows[3][5]) > float(rows[0][5])  # MRR went up
+    with kvsearch.Database(db) as opened:
+        generation = opened.generation
+        assert opened.previous_generation == start
+        assert opened.encoders_info()["last_run"]["metric"] == "mrr"
+    assert f"generation {start} -> {generation}" in out and "nothing was committed" not in out
+    assert main(["info", str(db)]) == 0
+    text = capsys.readouterr().out
+    assert f"\ngeneration     {generation} (previous {start}: kvsearch rollback returns to it)\n" in text
+    assert f"\nlast_run       mrr {rows[0][5]} -> {rows[3][5]}, kept epoch 3 of 3, " in text
+    assert "\nquery_encoder  kind=ngram, dim=256\n" in text
 
 
 def test_finetune_bad_pairs_is_one_line(built, tmp_path, capsys):

@@ -3,8 +3,8 @@ empty or stale index served as if it were right, and never a pickle loaded.
 
 Each damage (truncated, zeroed, garbage, empty, a pickle payload, an older copy) is applied to each file of
 a saved database; reopening must either rebuild the derived file from the store (index, manifest) or raise
-CorruptDatabaseError (the store itself, the encoder files). A pickle payload whose unpickling would create a
-marker file is planted wherever a file is read: the marker must never appear.
+CorruptDatabaseError (the store itself, the current generation's encoder files). A pickle payload whose
+unpickling would create a marker file is planted wherever a file is read: the marker must never appear.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 import kvsearch
 from kvsearch import CorruptDatabaseError
+from kvsearch.folder import GENERATIONS_DIR, current_generation_dir
 
 DIM = 16
 
@@ -139,10 +140,13 @@ ENCODER_CASES = [(target, kind) for target in ("encoder.json", "encoder.safetens
 @pytest.mark.parametrize("target,kind", ENCODER_CASES)
 def test_damaged_encoder_files_give_a_clear_error(tmp_path, saved, target, kind):
     """Every damage, down to one byte flipped inside the float weights or in a still-valid json, is refused:
-    the store records the SHA-256 of each encoder file it wrote, and every load checks it."""
+    the store records the SHA-256 of each file of the current generation (``generations/<G>/``), and every
+    load checks it."""
     folder, marker = tmp_path / "db", tmp_path / "PICKLE_RAN"
     saved("HNSW16")
-    damage(folder / target, kind, marker)
+    current = current_generation_dir(folder)
+    assert current.parent == folder / GENERATIONS_DIR and (current / target).is_file()
+    damage(current / target, kind, marker)
     with pytest.raises(CorruptDatabaseError, match=f"encoder.*{target.replace('.', '[.]')}") as err:
         kvsearch.Database(folder).close()
     assert "SHA-256" in str(err.value) and "expected" in str(err.value) and "found" in str(err.value)
@@ -152,20 +156,25 @@ def test_damaged_encoder_files_give_a_clear_error(tmp_path, saved, target, kind)
 def test_an_encoder_config_changed_by_one_bit_is_refused(tmp_path):
     """'"seed": 0' -> '"seed": 1' is one bit (0x30 -> 0x31) and still a valid config: the encoder's weights come
     from the seed when it was never trained, so without a check the database would open and encode queries
-    unlike its stored keys. The recorded SHA-256 of encoder.json refuses it, naming the file."""
+    unlike its stored keys. The recorded SHA-256 of the current generation's encoder.json refuses it, naming
+    the file."""
     folder = tmp_path / "db"
     keys = [f"key{i}word" for i in range(200)]
     db = kvsearch.Database(folder, encoder=kvsearch.NgramEncoder(dim=DIM, num_buckets=512), index="HNSW16")
     db.add(keys, [f"v{i}" for i in range(200)])
     db.close()
-    config = folder / "encoder.json"
+    current = current_generation_dir(folder)
+    config = current / "encoder.json"
     text = config.read_text()
-    assert '"seed": 0' in text and not (folder / "encoder.safetensors").exists()
+    assert '"seed": 0' in text and not (current / "encoder.safetensors").exists()
     with kvsearch.Database(folder) as again:  # untouched: opens and finds its keys
         assert [row[0].key for row in again.search(keys[:50], k=1)] == keys[:50]
     config.write_text(text.replace('"seed": 0', '"seed": 1'))
-    with pytest.raises(CorruptDatabaseError, match=r"encoder file .*encoder\.json.*expected SHA-256 [0-9a-f]{64}"):
+    with pytest.raises(
+        CorruptDatabaseError, match=r"encoder file .*encoder\.json.*expected SHA-256 [0-9a-f]{64}"
+    ) as err:
         kvsearch.Database(folder)
+    assert str(config) in str(err.value)  # the file of the current generation
     config.write_text(text)  # the original bytes open again
     with kvsearch.Database(folder) as again:
         assert [row[0].key for row in again.search(keys[:50], k=1)] == keys[:50]

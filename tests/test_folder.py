@@ -12,20 +12,27 @@ import torch
 
 import kvsearch
 from kvsearch import folder
-from kvsearch.errors import CorruptDatabaseError
+from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError
 from kvsearch.folder import (
     ENCODER_FILES_META,
+    GENERATIONS_DIR,
     INDEX_FILE,
     MANIFEST_FILE,
     STORE_FILE,
     Creation,
     EncoderFiles,
+    current_generation_dir,
     files_of_database,
+    generation_dir,
     is_database,
+    remove_generations,
+    save_encoder,
     saved_index_path,
     sha256_file,
+    write_generation,
     write_index,
 )
+from kvsearch.generations import switch
 from kvsearch.store import Store
 
 DIM = 8
@@ -85,11 +92,12 @@ def test_files_of_database_lists_ours_and_only_ours(tmp_path: Path) -> None:
         touch(db / name)
     touch(db / "query_encoder_model" / "modules.json")
     touch(db / ".encoders.abc.staging" / "encoder.json")
+    touch(db / "generations" / "1" / "encoder.json")
     theirs = ["notes.txt", "encoder_notes.txt", "store.sqlite3", "my_model", "manifest.json.bak"]
     for name in theirs:
         touch(db / name)
     found = files_of_database(db)
-    assert [p.name for p in found] == sorted([*ours, "query_encoder_model", ".encoders.abc.staging"])
+    assert [p.name for p in found] == sorted([*ours, "query_encoder_model", ".encoders.abc.staging", "generations"])
     assert all(p.parent == db for p in found)
 
 
@@ -104,7 +112,10 @@ def test_files_of_database_lists_every_file_a_database_writes(tmp_path: Path) ->
     db.close()
     touch(path / "notes.txt")
     assert {p.name for p in files_of_database(path)} == set(names(path)) - {"notes.txt"}
-    assert {"encoder.safetensors", "value_encoder.json", "query_encoder.json"} <= set(names(path))
+    assert GENERATIONS_DIR in names(path)  # the encoder files are in the generations folder, listed as one
+    assert {"encoder.safetensors", "value_encoder.json", "query_encoder.json"} <= set(
+        names(current_generation_dir(path))
+    )
 
 
 # --------------------------------------------------------------------------- the rollback of a creation
@@ -250,40 +261,95 @@ def trained(seed: int = 0) -> kvsearch.NgramEncoder:
     return encoder
 
 
-def test_encoder_files_save_records_config_and_digests(tmp_path: Path, store: Store) -> None:
+def record_of(digests: dict[str, str], generation: int) -> dict:
+    return {"generation": generation, "current": digests, "previous": None, "pending": None}
+
+
+def test_generation_dirs(tmp_path: Path, store: Store) -> None:
+    assert GENERATIONS_DIR == "generations"
+    assert generation_dir(tmp_path, 0) == tmp_path  # generation 0: the files at the top of the folder
+    assert generation_dir(str(tmp_path), 3) == tmp_path / "generations" / "3"
+    assert current_generation_dir(tmp_path) == tmp_path  # no record: generation 0
+    store.set_meta(ENCODER_FILES_META, {"current": {}, "pending": None})  # a record of before generations
+    assert current_generation_dir(tmp_path) == tmp_path
+    store.set_meta(ENCODER_FILES_META, record_of({}, 2))
+    assert current_generation_dir(tmp_path) == tmp_path / "generations" / "2"
+    assert EncoderFiles(tmp_path, store).current_dir() == tmp_path / "generations" / "2"
+
+
+def test_write_generation_writes_whole_folders_and_records_every_digest(tmp_path: Path, store: Store) -> None:
     files = EncoderFiles(tmp_path, store)
-    assert not files.has("encoder")
+    assert not files.has("encoder") and files.record() == {}
     encoder = trained()
-    files.save({"encoder": encoder, "query_encoder": kvsearch.NgramEncoder(dim=DIM, num_buckets=64)}, {"dim": DIM})
-    assert store.get_meta("config") == {"dim": DIM}
-    record = store.get_meta(ENCODER_FILES_META)
-    written = ("encoder.json", "encoder.safetensors", "query_encoder.json")
-    assert record == {"current": {name: sha256_file(tmp_path / name) for name in written}, "pending": None}
+    before = {"ids": torch.arange(3), "values": torch.ones(3, 2)}
+    digests = write_generation(
+        tmp_path,
+        1,
+        {"encoder": encoder, "query_encoder": kvsearch.NgramEncoder(dim=DIM, num_buckets=64)},
+        tensors={"previous_values": before},
+    )
+    target = generation_dir(tmp_path, 1)
+    written = ("encoder.json", "encoder.safetensors", "query_encoder.json", "previous_values.safetensors")
+    assert names(target) == sorted(written)
+    assert digests == {name: sha256_file(target / name) for name in written}
+    assert names(tmp_path / GENERATIONS_DIR) == ["1"]  # no staging folder left behind
+    assert not files.has("encoder")  # not part of the database until the switch records it
+    switch(store, keys=None, values=None, meta={"config": {"dim": DIM}, ENCODER_FILES_META: record_of(digests, 1)})
+    assert store.get_meta("config") == {"dim": DIM} and files.record() == record_of(digests, 1)  # one transaction
     assert files.has("encoder") and files.has("query_encoder") and not files.has("value_encoder")
-    assert not list(tmp_path.glob(".encoders.*"))
     loaded = files.load("encoder", "cpu")
     assert torch.equal(loaded.embedding.weight, encoder.embedding.weight) and loaded.trained
+    other = files.load_generation(1, digests, "query_encoder", "cpu")
+    assert not other.trained
+
+    stale = write_generation(tmp_path, 2, {"encoder": trained(1)})  # never recorded (a writer that stopped)
+    again = write_generation(tmp_path, 2, {"encoder": trained(2)})  # replaced whole
+    assert stale != again and digests_of_dir(generation_dir(tmp_path, 2)) == again
+    with pytest.raises(InvalidArgumentError, match="generation"):
+        write_generation(tmp_path, 0, {"encoder": trained()})
+
+
+def digests_of_dir(directory: Path) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in directory.iterdir()}
+
+
+def test_remove_generations_keeps_only_what_is_asked(tmp_path: Path) -> None:
+    for name in ("encoder.json", "encoder.safetensors", "query_encoder.json", "notes.txt", STORE_FILE):
+        touch(tmp_path / name)
+    touch(tmp_path / "encoder_model" / "config.json")
+    for generation in ("1", "2", "3", ".4.abc.staging"):
+        touch(tmp_path / GENERATIONS_DIR / generation / "encoder.json")
+    remove_generations(tmp_path, {0, 3})
+    assert names(tmp_path / GENERATIONS_DIR) == ["3"]  # staging leftovers go too
+    assert {"encoder.json", "encoder.safetensors", "query_encoder.json", "encoder_model"} <= set(names(tmp_path))
+    remove_generations(tmp_path, {3})  # generation 0 no longer kept: the files at the top go
+    assert names(tmp_path) == sorted([GENERATIONS_DIR, "notes.txt", STORE_FILE])
+    remove_generations(tmp_path / "missing", {1})  # nothing there: nothing to do
 
 
 def test_encoder_files_refuse_a_changed_file(tmp_path: Path, store: Store) -> None:
     files = EncoderFiles(tmp_path, store)
-    files.save({"encoder": trained()}, {})
-    path = tmp_path / "encoder.safetensors"
+    digests = write_generation(tmp_path, 1, {"encoder": trained()})
+    store.set_meta(ENCODER_FILES_META, record_of(digests, 1))
+    path = generation_dir(tmp_path, 1) / "encoder.safetensors"
     data = bytearray(path.read_bytes())
     data[-8] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptDatabaseError, match=r"encoder\.safetensors.*expected SHA-256.*found"):
+    with pytest.raises(CorruptDatabaseError, match=r"generations.1.encoder\.safetensors.*expected SHA-256.*found"):
         files.load("encoder", "cpu")
+    with pytest.raises(CorruptDatabaseError, match=r"encoder\.safetensors.*expected SHA-256.*found"):
+        files.load_generation(1, digests, "encoder", "cpu")  # another generation's files are checked too
 
 
 def test_encoder_files_reread_the_record_once_on_a_mismatch(tmp_path: Path, store: Store) -> None:
-    """A reader inside a read snapshot sees the old digests; the files on disk are another process's newer save."""
-    EncoderFiles(tmp_path, store).save({"encoder": trained(0)}, {})
+    """A reader inside a read snapshot sees the old digests of generation 2; on disk, generation 2 is another
+    process's newer one (a generation number is used again after a rollback removed it)."""
+    store.set_meta(ENCODER_FILES_META, record_of(write_generation(tmp_path, 2, {"encoder": trained(0)}), 2))
     other = Store(tmp_path / STORE_FILE, "cpu")
     try:
         with store.snapshot():
             store.get_meta(ENCODER_FILES_META)  # the snapshot starts at the first read
-            EncoderFiles(tmp_path, other).save({"encoder": trained(1)}, {})
+            other.set_meta(ENCODER_FILES_META, record_of(write_generation(tmp_path, 2, {"encoder": trained(1)}), 2))
             assert store.get_meta(ENCODER_FILES_META)["current"] != other.get_meta(ENCODER_FILES_META)["current"]
             assert EncoderFiles(tmp_path, store).load("encoder", "cpu").seed == 1
     finally:
@@ -291,24 +357,50 @@ def test_encoder_files_reread_the_record_once_on_a_mismatch(tmp_path: Path, stor
 
 
 def test_encoder_files_settle_a_stopped_save(tmp_path: Path, store: Store) -> None:
+    """A save by the version before generations (generation 0, files at the top) recorded the digests as pending,
+    moved the files, then made them current; stopped in between, the next open settles the record."""
     files = EncoderFiles(tmp_path, store)
-    files.save({"encoder": trained()}, {})
-    record = store.get_meta(ENCODER_FILES_META)
+    save_encoder(trained(), tmp_path, "encoder")
+    record = {"current": {n: sha256_file(tmp_path / n) for n in ("encoder.json", "encoder.safetensors")}}
+    record["pending"] = None
     store.set_meta(ENCODER_FILES_META, {"current": {}, "pending": record["current"]})  # stopped before current
+    assert files.load("encoder", "cpu").trained  # pending digests are accepted before settling
     files.settle()
     assert store.get_meta(ENCODER_FILES_META) == record
     store.set_meta(ENCODER_FILES_META, {"current": record["current"], "pending": {"encoder.json": "0" * 64}})
     files.settle()  # the files are the current ones: pending is dropped
     assert store.get_meta(ENCODER_FILES_META) == record
+    neither = {"current": {"encoder.json": "1" * 64}, "pending": {"encoder.json": "0" * 64}}
+    store.set_meta(ENCODER_FILES_META, neither)
+    files.settle()  # the files match neither: the record is left as it is
+    assert store.get_meta(ENCODER_FILES_META) == neither
+    generation = {**record_of(record["current"], 1), "pending": {"encoder.json": "0" * 64}}
+    store.set_meta(ENCODER_FILES_META, generation)
+    files.settle()  # a record of generations is not the older save's: left alone
+    assert store.get_meta(ENCODER_FILES_META) == generation
 
 
-def test_encoder_files_in_memory_write_nothing() -> None:
+def test_encoder_files_in_memory_write_nothing(tmp_path: Path) -> None:
     store = Store(None, "cpu")
     try:
         files = EncoderFiles(None, store)
-        files.save({"encoder": trained()}, {"dim": DIM})
         files.settle()
-        assert not files.has("encoder")
-        assert store.get_meta("config") is None and store.get_meta(ENCODER_FILES_META) is None
+        assert not files.has("encoder") and files.record() == {}
+        with pytest.raises(InvalidArgumentError, match="memory"):
+            files.current_dir()
+        with pytest.raises(InvalidArgumentError, match="memory"):
+            files.load("encoder", "cpu")
+        with pytest.raises(InvalidArgumentError, match="memory"):
+            files.load_generation(1, {}, "encoder", "cpu")
+        assert store.get_meta(ENCODER_FILES_META) is None
     finally:
         store.close()
+    db = kvsearch.Database(None, encoder=trained())  # a database in memory has generations, and no folder
+    try:
+        db.add(["a", "b"], ["c", "d"])
+        with torch.no_grad():
+            db.encoder.embedding.weight.add_(0.5)
+        db.save_encoders()
+        assert db.generation == 2 and db.previous_generation is None
+    finally:
+        db.close()

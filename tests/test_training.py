@@ -1,11 +1,15 @@
-"""End-to-end fine-tuning: losses, the loop, index refresh, persistence, metrics, Nadaraya-Watson."""
+"""End-to-end fine-tuning: losses, the loop, index refresh, persistence, metrics, Nadaraya-Watson, and runs
+that are all or nothing (the best epoch kept, a failed or worse run leaving the database exactly as it was)."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import inspect
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +25,8 @@ from kvsearch.errors import (
     DimensionMismatchError,
     InvalidArgumentError,
     KeyNotFoundError,
+    KVSearchError,
+    NonFiniteError,
     UnknownOptionError,
 )
 from kvsearch.losses import LOSS_FNS, LOSSES, get_loss
@@ -47,6 +53,7 @@ def directory():
         "train": noisy_queries(train, "cyrillic", avoid=stored),
         "held": noisy_queries(held, "cyrillic", avoid=stored),
         "train_edit": noisy_queries(train, "edit", avoid=stored),
+        "held_edit": noisy_queries(held, "edit", avoid=stored),
         "value_of": dict(zip(keys, values)),
     }
 
@@ -78,7 +85,9 @@ def test_held_out_accuracy_rises_on_cyrillic_queries():
     assert before["recall@1"] < 0.05  # Latin keys share no n-gram with Cyrillic queries
     assert after["recall@1"] > 0.5  # 0.755 when written
     assert after["recall@k"] > 0.8  # 0.97 when written
-    assert evaluate(db, held_pairs, k=16) == pytest.approx({k: after[k] for k in ("recall@1", "recall@k", "mrr")})
+    assert history.committed and history.kept_epoch >= 1
+    kept = history.metrics[history.kept_epoch]
+    assert evaluate(db, held_pairs, k=16) == pytest.approx({k: kept[k] for k in ("recall@1", "recall@k", "mrr")})
 
 
 # ----------------------------------------------------------------------------- losses against references
@@ -213,9 +222,12 @@ def test_answer_loss_learns_without_key_labels(directory):
     held_names = [t for _, t in directory["held"]]
     train = [(q, value_of[t]) for q, t in noisy_queries(train_names, "phonetic", avoid=stored)]
     held = [(q, value_of[t]) for q, t in noisy_queries(held_names, "phonetic", avoid=stored)]
-    history = finetune(db, train, eval_pairs=held, loss="answer", k=16, epochs=3, batch_size=32, verbose=False)
+    history = finetune(
+        db, train, eval_pairs=held, loss="answer", k=16, epochs=3, batch_size=32, metric="mrr", verbose=False
+    )
     assert history.epoch_losses[-1] < 0.5 * history.epoch_losses[0]  # 0.27 -> 0.07 when written
     assert history.metrics[-1]["mrr"] > history.metrics[0]["mrr"]  # a small gain: 0.688 -> 0.706 (k=16)
+    assert history.committed and history.metric == "mrr"
     assert db.query_encoder.weights_changed() and not db.encoder.weights_changed()
 
 
@@ -418,8 +430,9 @@ def test_finetune_config_is_frozen_and_canonical():
     keywords = set(inspect.signature(FinetuneConfig).parameters)
     assert fields == keywords == {
         "loss", "targets", "k", "epochs", "refresh_every", "train", "train_values", "score", "pooling",
-        "optimizer", "lr", "batch_size", "temperature", "seed", "verbose",
+        "optimizer", "lr", "batch_size", "temperature", "seed", "verbose", "keep", "metric",
     }  # fmt: skip
+    assert (FinetuneConfig().keep, FinetuneConfig().metric) == ("best", None)
 
 
 def test_loss_registry():
@@ -464,12 +477,21 @@ def test_finetune_with_a_config_equals_finetune_with_the_same_options(directory,
     assert other_seed.losses != by_options.losses  # the seed is not ignored
 
 
+TRAINING_MODULES = ("kvsearch.training", "kvsearch.losses", "kvsearch.metrics")
+
+
 class NoStoreDatabase(Database):
-    """A database whose store cannot be reached: training must get by with the facade's public methods."""
+    """A database whose store training code cannot reach: training must get by with the facade's public methods.
+
+    The database's own modules (its draft generation included) still read it.
+    """
 
     @property
     def store(self):
-        raise AssertionError("training reached into db.store")
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller in TRAINING_MODULES:
+            raise AssertionError(f"training ({caller}) reached into db.store")
+        return super().store
 
 
 @pytest.mark.parametrize("loss", ["retrieval", "answer"])
@@ -477,7 +499,7 @@ def test_training_never_touches_the_store(directory, loss):
     db = NoStoreDatabase(None, encoder=small_encoder(), device="cpu")
     db.add(keys=directory["keys"], values=directory["values"])
     with pytest.raises(AssertionError, match="store"):
-        db.store  # noqa: B018
+        eval("db.store", {"__name__": "kvsearch.training", "db": db})  # as training code would read it
     value_of = directory["value_of"]
     pairs, held = directory["train"][:60], directory["held"][:30]
     if loss == "answer":
@@ -496,9 +518,10 @@ def test_training_never_touches_the_store(directory, loss):
         refresh_every=2,
         train="query+keys",
         train_values=True,
+        keep="last",
         verbose=False,
     )
-    assert history.refreshes == 2 and len(history.metrics) == 2
+    assert history.refreshes == 2 and len(history.metrics) == 2 and history.committed
     _, after, _ = db.embeddings(ids)
     assert torch.equal(after, before) == (loss == "retrieval")  # the answer loss trains the values
     targets = "key" if loss == "retrieval" else "value"
@@ -605,3 +628,427 @@ def test_sentence_encoder_finetunes_and_persists(tmp_path):
     assert reopened.query_encoder is not None and reopened.query_encoder.trained
     assert top_ids(reopened, [q for q, _ in pairs], k=3) == hits
     reopened.close()
+
+
+# ----------------------------------------------------------------------------- all or nothing: generations
+
+
+def folder_digests(path: Path) -> dict[str, str]:
+    """The SHA-256 of every file under a (closed) database folder, by relative path."""
+    return {
+        str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(path.rglob("*"))
+        if f.is_file()
+    }
+
+
+def answers(db: Database, queries: list[str]) -> tuple[list[list[int]], torch.Tensor]:
+    """The top-5 ids and the pooled answers (k=8) for a fixed query set."""
+    return top_ids(db, queries), db.query(queries, k=8).output
+
+
+def closed_db(path: Path, directory) -> dict[str, str]:
+    """Make the directory database at ``path``, close it, and return its file digests."""
+    make_db(path, directory).close()
+    return folder_digests(path)
+
+
+DIRECTION = torch.nn.functional.normalize(torch.randn(32, generator=torch.Generator().manual_seed(0)), dim=0)
+
+
+def collapse_loss(batch: Batch) -> torch.Tensor:
+    """Pulls every query towards one fixed direction: every epoch makes retrieval worse."""
+    return -(batch.queries @ DIRECTION).mean()  # ()
+
+
+def good_then_collapse(steps_per_epoch: int):
+    """The retrieval loss in epoch 1, then :func:`collapse_loss` (x10): epoch 1 is the best."""
+    calls = []
+
+    def loss(batch: Batch) -> torch.Tensor:
+        calls.append(1)
+        epoch = (len(calls) - 1) // steps_per_epoch + 1
+        return retrieval_loss(batch) if epoch == 1 else 10 * collapse_loss(batch)
+
+    return loss
+
+
+def failing_loss(at_step: int, failure: str):
+    """The retrieval loss, except at ``at_step``: NaN, an exception, or a KeyboardInterrupt."""
+    calls = []
+
+    def loss(batch: Batch) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == at_step:
+            if failure == "nan":
+                return retrieval_loss(batch) * math.nan
+            if failure == "error":
+                raise RuntimeError("the loss broke")
+            raise KeyboardInterrupt
+        return retrieval_loss(batch)
+
+    return loss
+
+
+METRIC_NAMES = ("recall@1", "recall@k", "mrr")
+
+
+@pytest.mark.parametrize("train", ["query", "query+keys"])
+def test_a_run_that_only_makes_things_worse_keeps_the_start(directory, tmp_path, train):
+    path = tmp_path / "db"
+    digests = closed_db(path, directory)
+    db = Database(path)
+    held = directory["held_edit"][:60]
+    before = evaluate(db, held, k=8)
+    generation = db.generation
+    encoder, value_encoder = db.encoder, db.value_encoder
+    history = finetune(
+        db,
+        directory["train_edit"][:100],
+        eval_pairs=held,
+        loss=collapse_loss,
+        targets="key",
+        k=8,
+        epochs=2,
+        batch_size=25,
+        lr=0.05,
+        train=train,
+        verbose=False,
+    )
+    start = history.metrics[0]["recall@1"]
+    assert start == before["recall@1"]
+    assert all(m["recall@1"] < start for m in history.metrics[1:])  # every epoch was worse
+    assert history.committed is False and history.kept_epoch == 0
+    assert history.generation == db.generation == generation
+    assert evaluate(db, held, k=8) == before  # bit for bit
+    assert db.encoder is encoder and db.value_encoder is value_encoder and db.query_encoder is None
+    best = max(m["recall@1"] for m in history.metrics[1:])
+    best_epoch = [m["recall@1"] for m in history.metrics].index(best)
+    assert history.summary() == (
+        f"recall@1 {start:.3f}; no epoch beat it (best {best:.3f} at epoch {best_epoch}): "
+        f"kept the start, generation {generation} unchanged"
+    )
+    db.close()
+    assert folder_digests(path) == digests
+
+
+def test_a_run_that_improves_commits_its_best_epoch(directory, tmp_path):
+    path = tmp_path / "db"
+    make_db(path, directory).close()
+    db = Database(path)
+    generation = db.generation
+    pairs, held = directory["train"][:400], directory["held"][:60]
+    history = finetune(
+        db,
+        pairs,
+        eval_pairs=held,
+        loss=good_then_collapse(math.ceil(len(pairs) / 25)),
+        targets="key",
+        k=8,
+        epochs=3,
+        batch_size=25,
+        optimizer="sgd",
+        lr=1.0,
+        verbose=False,
+    )
+    scores = [m["recall@1"] for m in history.metrics]
+    assert scores[1] > scores[0] and scores[1] > max(scores[2:])  # epoch 1 is the best, and not the last
+    assert history.committed and history.kept_epoch == 1 and history.keep == "best"
+    assert history.generation == db.generation == generation + 1
+    kept = {name: history.metrics[1][name] for name in METRIC_NAMES}
+    assert evaluate(db, held, k=8) == kept
+    assert (
+        history.summary()
+        == f"recall@1 {scores[0]:.3f} -> best {scores[1]:.3f} at epoch 1 (kept, generation {generation + 1})"
+    )
+    last_run = db.encoders_info()["last_run"]
+    assert last_run["metric"] == "recall@1" and last_run["kept_epoch"] == 1
+    assert (last_run["before"], last_run["after"]) == (scores[0], scores[1])
+    assert last_run["epochs"] == 3 and last_run["steps"] == len(history.losses) and last_run["train"] == "query"
+    db.close()
+    reopened = Database(path)
+    assert reopened.generation == generation + 1
+    assert evaluate(reopened, held, k=8) == kept
+    reopened.close()
+
+
+def test_keep_last_commits_the_last_epoch_even_when_worse(directory, tmp_path):
+    path = tmp_path / "db"
+    digests = closed_db(path, directory)
+    db = Database(path)
+    generation = db.generation
+    held = directory["held_edit"][:60]
+    history = finetune(
+        db,
+        directory["train_edit"][:100],
+        eval_pairs=held,
+        loss=collapse_loss,
+        targets="key",
+        k=8,
+        epochs=2,
+        batch_size=25,
+        lr=0.05,
+        keep="last",
+        verbose=False,
+    )
+    assert history.metrics[-1]["recall@1"] < history.metrics[0]["recall@1"]  # worse than the start
+    assert history.committed and history.kept_epoch == 2 and history.generation == generation + 1
+    assert evaluate(db, held, k=8) == {name: history.metrics[-1][name] for name in METRIC_NAMES}
+    assert "last epoch kept" in history.summary()
+    db.close()
+    assert folder_digests(path) != digests  # a commit shows in the files (the digests above can tell)
+
+
+def test_without_eval_pairs_the_last_epoch_is_committed(directory, tmp_path):
+    db = make_db(tmp_path / "db", directory)
+    generation = db.generation
+    history = finetune(db, directory["train"][:50], loss="retrieval", k=8, epochs=2, batch_size=25, verbose=False)
+    assert history.committed and history.kept_epoch is None and history.metrics == []
+    assert history.generation == db.generation == generation + 1
+    losses = history.epoch_losses
+    assert history.summary() == (
+        f"2 epochs, loss {losses[0]:.4f} -> {losses[-1]:.4f} (last epoch kept, generation {generation + 1})"
+    )
+    db.close()
+
+
+@pytest.mark.parametrize(
+    ("at_step", "failure", "error", "match"),
+    [
+        (3, "nan", NonFiniteError, "step 3"),
+        (2, "error", RuntimeError, "the loss broke"),
+        (2, "interrupt", KeyboardInterrupt, None),
+    ],
+)
+def test_a_run_that_fails_leaves_the_database_exactly_as_it_was(directory, tmp_path, at_step, failure, error, match):
+    path = tmp_path / "db"
+    digests = closed_db(path, directory)
+    db = Database(path)
+    queries = [q for q, _ in directory["held"][:20]] + [q for q, _ in directory["held_edit"][:20]]
+    ids_before, outputs_before = answers(db, queries)
+    generation = db.generation
+    encoder, value_encoder = db.encoder, db.value_encoder
+    weights = encoder.embedding.weight.detach().clone()
+    with pytest.raises(error, match=match):
+        finetune(
+            db,
+            directory["train"][:100],
+            loss=failing_loss(at_step, failure),
+            targets="key",
+            k=8,
+            epochs=2,
+            batch_size=25,
+            refresh_every=1,  # the draft's working index was rebuilt before the failure
+            train="query+keys",
+            train_values=True,
+            verbose=False,
+        )
+    assert db.encoder is encoder and db.value_encoder is value_encoder and db.query_encoder is None
+    assert torch.equal(db.encoder.embedding.weight, weights)
+    ids_after, outputs_after = answers(db, queries)
+    assert ids_after == ids_before and torch.equal(outputs_after, outputs_before)
+    assert db.generation == generation
+    assert db.lookup("Smith") == directory["value_of"]["Smith"]  # still usable
+    db.close()
+    assert folder_digests(path) == digests
+    reopened = Database(path)
+    assert answers(reopened, queries)[0] == ids_before
+    history = finetune(reopened, directory["train"][:50], loss="retrieval", k=8, epochs=1, verbose=False)
+    assert history.committed and reopened.generation == generation + 1  # and it trains again
+    reopened.close()
+
+
+class PoisonedSGD(torch.optim.SGD):
+    """SGD that writes a NaN into its first parameter at its second step."""
+
+    def step(self, closure=None):
+        result = super().step(closure)
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 2:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = math.nan
+        return result
+
+
+def test_a_non_finite_weight_stops_the_run(directory, tmp_path):
+    path = tmp_path / "db"
+    digests = closed_db(path, directory)
+    db = Database(path)
+    with pytest.raises(NonFiniteError, match="step 2"):
+        finetune(
+            db,
+            directory["train"][:100],
+            loss="retrieval",
+            k=8,
+            epochs=1,
+            batch_size=25,
+            optimizer=lambda groups: PoisonedSGD(groups, lr=0.1),
+            verbose=False,
+        )
+    assert db.query_encoder is None
+    db.close()
+    assert folder_digests(path) == digests
+
+
+def test_a_huge_learning_rate_ends_as_non_finite_with_the_database_unchanged(directory, tmp_path):
+    path = tmp_path / "db"
+    digests = closed_db(path, directory)
+    db = Database(path)
+    pairs = directory["train"][:50]
+    for train in ("query", "query+keys"):
+        for optimizer in ("adam", "adamw", "sgd"):
+            with pytest.raises(NonFiniteError):
+                finetune(db, pairs, loss="retrieval", k=8, lr=1e38, train=train, optimizer=optimizer, verbose=False)
+    assert db.query_encoder is None and db.value_encoder is db.encoder
+    db.close()
+    assert folder_digests(path) == digests
+
+
+# ----------------------------------------------------------------------------- targets that match nothing
+
+#: The records of the ``names_db`` fixture (conftest.py).
+AUTHORS = {"Zhang": "Aston", "Lipton": "Zachary", "Li": "Mu", "Smola": "Alex", "Hu": "Rachel", "Werness": "Brent"}
+
+
+def spy_loss(calls: list[int]):
+    def loss(batch: Batch) -> torch.Tensor:
+        calls.append(1)
+        return answer_loss(batch)
+
+    return loss
+
+
+def test_value_targets_that_are_keys_are_refused_with_a_hint(names_db):
+    calls: list[int] = []
+    pairs = [(key, key) for key in AUTHORS]  # the README-like mistake: (query, key) pairs with an answer loss
+    with pytest.raises(InvalidArgumentError) as caught:
+        finetune(names_db, pairs, loss=spy_loss(calls), targets="value", verbose=False)
+    message = str(caught.value)
+    assert "6 of 6 target texts are no stored value text" in message
+    assert "e.g. 'Zhang', 'Lipton', 'Li', 'Smola', 'Hu')" in message  # 5 examples, not 6
+    assert "Werness" not in message
+    assert 'they are stored keys: pass targets="key"' in message
+    with pytest.raises(InvalidArgumentError, match='targets="key"'):
+        finetune(names_db, pairs, loss="answer", verbose=False)  # the default targets of the answer loss
+    assert calls == [] and names_db.query_encoder is None
+
+
+def test_key_targets_that_are_values_are_refused_with_a_hint(names_db):
+    pairs = [(key, value) for key, value in AUTHORS.items()][:3] + [("Lipton", "Lipton")]
+    with pytest.raises(KeyNotFoundError) as caught:
+        finetune(names_db, pairs, loss="retrieval", verbose=False)
+    message = str(caught.value)
+    assert "3 of 4 target texts are no stored key (e.g. 'Aston', 'Zachary', 'Mu')" in message
+    assert 'they are stored value texts: pass targets="value"' in message
+
+
+def test_targets_of_neither_kind_get_no_hint_and_eval_pairs_are_checked_too(names_db):
+    with pytest.raises(KeyNotFoundError) as caught:
+        finetune(names_db, [("Lipton", "Lipton"), ("x", "Nobody")], loss="retrieval", verbose=False)
+    assert "1 of 2 target texts are no stored key (e.g. 'Nobody')" in str(caught.value)
+    assert "pass" not in str(caught.value)
+    mixed = [("a", "Aston"), ("b", "Mu"), ("c", "Nobody")]  # most (2 of 3) are value texts
+    with pytest.raises(KeyNotFoundError, match=r"most of them \(2 of 3\) are stored value texts"):
+        finetune(names_db, mixed, loss="retrieval", verbose=False)
+    calls: list[int] = []
+    with pytest.raises(KeyNotFoundError, match="eval_pairs: 1 of 1"):
+        finetune(
+            names_db,
+            [("Lipton", "Lipton")],
+            eval_pairs=[("Li", "Mu")],
+            loss=spy_loss(calls),
+            targets="key",
+            verbose=False,
+        )
+    with pytest.raises(InvalidArgumentError, match="eval_pairs: 1 of 2 .* no stored value text"):
+        finetune(names_db, [("Li", "Mu")], eval_pairs=[("Li", "Mu"), ("Li", "Li")], loss="answer", verbose=False)
+    assert calls == [] and names_db.query_encoder is None
+
+
+# ----------------------------------------------------------------------------- hostile options
+
+
+HOSTILE = [
+    ("loss", "hinge"), ("loss", 3), ("loss", None),
+    ("targets", "record"), ("targets", 1),
+    ("k", 0), ("k", -1), ("k", MAX_K + 1), ("k", 2.5), ("k", True), ("k", "8"), ("k", None), ("k", math.nan),
+    ("epochs", 0), ("epochs", -3), ("epochs", 1.5), ("epochs", True), ("epochs", "2"), ("epochs", None),
+    ("refresh_every", 0), ("refresh_every", None), ("refresh_every", math.inf),
+    ("train", "keys"), ("train", None), ("train", 1),
+    ("train_values", "yes"), ("train_values", 1), ("train_values", None),
+    ("score", "manhattan"), ("score", 3), ("score", "additive"),
+    ("pooling", "exact"), ("pooling", "max"), ("pooling", None),
+    ("optimizer", "lbfgs"), ("optimizer", 3), ("optimizer", lambda groups: "not an optimizer"),
+    ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("lr", -math.inf), ("lr", True), ("lr", "0.1"),
+    ("lr", 1e38),
+    ("batch_size", 0), ("batch_size", "64"), ("batch_size", 2.0), ("batch_size", None),
+    ("temperature", 0.0), ("temperature", math.inf), ("temperature", math.nan), ("temperature", -1.0),
+    ("temperature", True), ("temperature", "0.1"),
+    ("seed", "x"), ("seed", -1), ("seed", 1.5), ("seed", None),
+    ("verbose", 1), ("verbose", "yes"), ("verbose", None),
+    ("keep", "first"), ("keep", None), ("keep", 1),
+    ("metric", "accuracy"), ("metric", "loss"), ("metric", 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("option", "value"), HOSTILE, ids=[f"{o}={v!r}"[:40] for o, v in HOSTILE])
+def test_hostile_options_raise_kvsearch_errors_and_change_nothing(tmp_path, option, value):
+    path = tmp_path / "db"
+    db = Database(path, encoder=small_encoder(), device="cpu")
+    db.add(keys=list(AUTHORS), values=list(AUTHORS.values()))
+    db.close()
+    digests = folder_digests(path)
+    db = Database(path)
+    generation, ids = db.generation, top_ids(db, list(AUTHORS))
+    pairs = [(key.lower(), key) for key in AUTHORS]
+    with pytest.raises(KVSearchError):
+        finetune(db, pairs, eval_pairs=pairs, **{"loss": "retrieval", "verbose": False, option: value})
+    assert db.generation == generation and top_ids(db, list(AUTHORS)) == ids
+    assert db.query_encoder is None and db.value_encoder is db.encoder
+    db.close()
+    assert folder_digests(path) == digests
+
+
+def test_exact_pooling_is_refused_with_the_usable_ones(names_db):
+    with pytest.raises(InvalidArgumentError, match="no gradient") as caught:
+        FinetuneConfig(pooling="exact")
+    assert "softmax" in str(caught.value) and "hard" in str(caught.value)
+
+
+def test_a_metric_must_fit_the_eval_pairs():
+    assert FinetuneConfig(metric="mrr").metric == "mrr"
+    with pytest.raises(UnknownOptionError):
+        FinetuneConfig(metric="accuracy")
+    with pytest.raises(UnknownOptionError):
+        FinetuneConfig(keep="first")
+    db = Database(None, dim=1, value_dim=1, score="gaussian", device="cpu")
+    db.add(keys=torch.arange(5.0).unsqueeze(1), values=torch.arange(5.0))
+    pairs = (torch.arange(5.0).unsqueeze(1), torch.arange(5.0).unsqueeze(1))
+    with pytest.raises(InvalidArgumentError, match="metric"):
+        finetune(db, pairs, eval_pairs=pairs, loss="answer_mse", metric="recall@1", score=GaussianKernel(1.0))
+
+
+# ----------------------------------------------------------------------------- evaluate searches any retriever
+
+
+def test_evaluate_searches_the_retriever_it_is_given(directory):
+    db = make_db(None, directory)
+    pairs = directory["train_edit"][:50]
+    searched = []
+
+    class Spy:
+        def candidates(self, queries, k):
+            searched.append(len(queries))
+            return db.candidates(queries, k)
+
+    assert evaluate(db, pairs, k=5, retriever=Spy(), batch_size=20) == evaluate(db, pairs, k=5)
+    assert searched == [20, 20, 10]
+    with pytest.raises(InvalidArgumentError, match="candidates"):
+        evaluate(db, pairs, k=5, retriever=object())
+    draft = db.begin_generation()  # a draft whose key encoder changed searches its own working keys
+    with torch.no_grad():
+        db.encoder.embedding.weight.mul_(-1)
+    draft.refresh()
+    flipped = evaluate(db, pairs, k=5, retriever=draft)
+    draft.discard()
+    assert flipped == evaluate(db, pairs, k=5)  # the same map on both sides: the same ranking

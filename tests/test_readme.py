@@ -1,0 +1,72 @@
+"""README.md's Python examples run as written.
+
+Every ```python block of the README is executed in order in one namespace, as a reader pasting them one
+after the other into one interpreter would, in a fresh working directory and offline. A block that raises
+fails the test with its number and its first line. The whole sequence then runs a second time in the same
+namespace: pasting the examples twice works too (they write into a fresh folder of their own, never into
+the demo's ``indexes/names``).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import traceback
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+PYTHON_BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
+
+
+def python_blocks(text: str) -> list[str]:
+    """The source of every ```python block of ``text``, in order."""
+    return [match.group(1) for match in PYTHON_BLOCK.finditer(text)]
+
+
+def first_line(source: str) -> str:
+    """The first non-empty line of a block: how a failure names it."""
+    return next((line.strip() for line in source.splitlines() if line.strip()), "<empty block>")
+
+
+def run_blocks(blocks: list[str], namespace: dict[str, object], round_: str) -> None:
+    """Execute ``blocks`` in order in ``namespace``; fail naming the block that raised."""
+    for number, source in enumerate(blocks, start=1):
+        code = compile(source, f"README.md python block {number}", "exec")
+        try:
+            exec(code, namespace)
+        except Exception as exc:
+            pytest.fail(
+                f"README.md python block {number} of {len(blocks)} ({first_line(source)!r}) raised on the "
+                f"{round_} run: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                pytrace=False,
+            )
+
+
+def test_the_readme_has_the_examples_this_test_runs():
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) >= 3, "expected the Use, torch layer and fine-tuning examples as ```python blocks"
+    assert any("finetune(" in block and "rollback_encoders()" in block for block in blocks)
+    assert python_blocks("text\n```python\na = 1\n```\n```bash\nls\n```\n```python\nb = 2\n```\n") == [
+        "a = 1\n",
+        "b = 2\n",
+    ]
+
+
+def test_every_python_block_of_the_readme_runs_in_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the examples' mkdtemp() folders land here
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    namespace: dict[str, object] = {"__name__": "__readme__"}
+    try:
+        run_blocks(blocks, namespace, "first")
+        run_blocks(blocks, namespace, "second")  # pasted twice
+    finally:
+        db = namespace.get("db")
+        close = getattr(db, "close", None)
+        if callable(close):
+            close()
+    assert not (tmp_path / "indexes" / "names").exists()  # the demo's folder is left alone
