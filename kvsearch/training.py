@@ -46,31 +46,24 @@ encoders): it knows nothing of the store, the index or the file formats.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from numbers import Real
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from kvsearch.attention import (
-    POOLINGS,
     GaussianKernel,
-    PoolingName,
     ScoreFn,
     attend,
-    check_score,
     compute_scores,
 )
-from kvsearch.checks import all_finite, check_int, check_k, check_temperature
+from kvsearch.checks import all_finite
 from kvsearch.database import Database
 from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
-from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError, UnknownOptionError
+from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError
 from kvsearch.losses import (
     ANSWER_LOSSES,
     LOSSES,
@@ -84,7 +77,6 @@ from kvsearch.losses import (
 )
 from kvsearch.metrics import (
     METRICS,
-    TARGET_KINDS,
     MetricName,
     Pairs,
     TargetKind,
@@ -94,6 +86,17 @@ from kvsearch.metrics import (
     evaluate,
     higher_is_better,
     is_tensor_pairs,
+)
+from kvsearch.training_config import (
+    KEEPS,
+    OPTIMIZERS,
+    TRAIN_MODES,
+    FinetuneConfig,
+    History,
+    KeepName,
+    OptimizerSpec,
+    TrainMode,
+    make_config,
 )
 
 if TYPE_CHECKING:
@@ -123,240 +126,12 @@ __all__ = [
     "GaussianKernel",
 ]
 
-TrainMode = Literal["query", "query+keys"]
-#: What learns: a query-side encoder only, or the shared key encoder too (the index is then refreshed).
-TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
-
-KeepName = Literal["best", "last"]
-#: Which epoch a run with eval pairs commits: the best one (if it beats the start), or the last one.
-KEEPS: tuple[str, ...] = get_args(KeepName)
-
-OptimizerSpec = str | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-#: The optimizers named by a string.
-OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 _OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
     "sgd": torch.optim.SGD,
 }
 _DEFAULT_LR = {"ngram": 1e-2, "sentence": 2e-5, "other": 1e-2}  # per parameter group when lr is None
-
-
-# ----------------------------------------------------------------------------- the options
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """Every option of :func:`finetune`, checked once, when it is made.
-
-    Attributes:
-        loss: ``"retrieval"`` (cross-entropy over the candidates' scores, the target record forced among
-            the candidates), ``"answer"`` (1 - cosine between the pooled answer and the target value's
-            embedding; the gradient reaches the query only through the attention weights), ``"answer_mse"``
-            (mean squared error instead), or a callable ``(Batch) -> 0-dim tensor`` (see :mod:`kvsearch.losses`).
-        targets: ``"key"`` (the target text is the right record's key) or ``"value"`` (the target text is
-            the answer's value text, encoded with the value encoder); None follows the loss (see
-            :attr:`target_kind`). Ignored for tensor pairs (values).
-        k: candidates per query (the index's top k), in [1, MAX_K].
-        epochs: passes over the training pairs.
-        refresh_every: with ``train="query+keys"``, re-encode the keys and rebuild the index every this many
-            steps (and after each epoch, and at the end).
-        train: ``"query"``: a query-side copy of the encoder learns (``db.query_encoder``; the stored keys
-            and the index never change). ``"query+keys"``: the shared encoder learns, the index is refreshed;
-            a value encoder that was the key encoder is kept, untrained, as the value encoder.
-        train_values: make the value embeddings trainable; they are written to the database at the end.
-        score: the score function, default (None) the database's; an ``nn.Module`` (e.g.
-            :class:`~kvsearch.attention.GaussianKernel`) trains along: it ends with the kept epoch's weights,
-            or its weights at the start when nothing is committed.
-        pooling: the pooling of the answer (see ``kvsearch.attention.pool``); not ``"exact"``, which has no
-            gradient.
-        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or a callable ``(param groups) -> Optimizer``.
-        lr: the learning rate; default (None) per part: 1e-2 for n-gram encoders, score modules and values,
-            2e-5 for sentence encoders.
-        batch_size: pairs per step.
-        temperature: the softmax temperature of the scores, finite and > 0 (0.05 suits cosine scores).
-        seed: seeds the shuffling and torch (dropout); an integer >= 0.
-        verbose: show a tqdm bar with the step, the loss and the latest value of the metric.
-        keep: with eval pairs, which epoch is committed: ``"best"`` (the best by ``metric``, and only if it is
-            strictly better than the start; otherwise nothing is committed) or ``"last"`` (the last epoch, even
-            when it is worse than the start). Without eval pairs the last epoch is committed.
-        metric: what "best" means: ``"recall@1"``, ``"recall@k"`` or ``"mrr"`` on text eval pairs (higher is
-            better), ``"loss"`` on tensor eval pairs (lower is better). None (the default): ``"recall@1"`` on
-            text pairs, ``"loss"`` on tensor pairs.
-
-    Raises:
-        InvalidArgumentError: a value of the wrong type or out of range (``k=0``, ``epochs=True``,
-            ``temperature=inf``, ``lr=-1``, ``seed="x"``, ...), the retrieval loss with value targets, or
-            ``pooling="exact"``.
-        UnknownOptionError: an unknown loss, targets, train mode, score, pooling, optimizer, keep or metric name.
-    """
-
-    loss: LossName | LossFn = "answer"
-    targets: TargetKind | None = None
-    k: int = 32
-    epochs: int = 3
-    refresh_every: int = 200
-    train: TrainMode = "query"
-    train_values: bool = False
-    score: str | ScoreFn | None = None
-    pooling: PoolingName = "softmax"
-    optimizer: OptimizerSpec = "adam"
-    lr: float | None = None
-    batch_size: int = 64
-    temperature: float = 0.05
-    seed: int = 0
-    verbose: bool = True
-    keep: KeepName = "best"
-    metric: MetricName | None = None
-
-    def __post_init__(self) -> None:
-        get_loss(self.loss)  # UnknownOptionError unless a registered name or a callable
-        _check_name(self.train, TRAIN_MODES, "train")
-        if self.targets is not None:
-            _check_name(self.targets, TARGET_KINDS, "targets")
-        if self.loss == "retrieval" and self.targets == "value":
-            raise InvalidArgumentError('the retrieval loss needs targets="key" (which record is right), got "value"')
-        self._set("k", check_k(self.k))
-        self._set("epochs", check_int(self.epochs, "epochs"))
-        self._set("refresh_every", check_int(self.refresh_every, "refresh_every"))
-        self._set("batch_size", check_int(self.batch_size, "batch_size"))
-        self._set("seed", check_int(self.seed, "seed", low=0))
-        self._set("temperature", check_temperature(self.temperature))
-        if self.lr is not None:
-            lr = self.lr
-            if isinstance(lr, bool) or not isinstance(lr, Real) or not math.isfinite(lr) or lr <= 0:
-                raise InvalidArgumentError(f"expected lr as a finite number > 0, or None, got {lr!r}")
-            self._set("lr", float(lr))
-        self._set("train_values", _check_flag(self.train_values, "train_values"))
-        self._set("verbose", _check_flag(self.verbose, "verbose"))
-        if self.score is not None:
-            check_score(self.score)  # a name from SCORES (not "additive") or a callable
-        _check_name(self.pooling, POOLINGS, "pooling")
-        if self.pooling == "exact":
-            usable = ", ".join(p for p in POOLINGS if p != "exact")
-            raise InvalidArgumentError(
-                f'expected a pooling with a gradient ({usable}), got "exact": a one-hot on the exact key match '
-                "gives the query encoder no gradient to learn from"
-            )
-        if not callable(self.optimizer):
-            _check_name(self.optimizer, OPTIMIZERS, "optimizer")
-        _check_name(self.keep, KEEPS, "keep")
-        if self.metric is not None:
-            _check_name(self.metric, METRICS, "metric")
-
-    def _set(self, name: str, value: object) -> None:
-        object.__setattr__(self, name, value)  # a checked value in its canonical type (np.int64 -> int, ...)
-
-    @property
-    def target_kind(self) -> TargetKind:
-        """``targets``, or its default for the loss: ``"value"`` for the answer losses, else ``"key"``."""
-        if self.targets is not None:
-            return self.targets
-        return "value" if self.loss in ANSWER_LOSSES else "key"
-
-
-def _check_name(value: object, valid: tuple[str, ...], what: str) -> None:
-    if not isinstance(value, str) or value not in valid:
-        raise UnknownOptionError(f"expected {what} among {valid}, got {value!r}")
-
-
-def _check_flag(value: object, what: str) -> bool:
-    if not isinstance(value, bool | np.bool_):
-        raise InvalidArgumentError(f"expected {what} as True or False, got {value!r}")
-    return bool(value)
-
-
-_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(FinetuneConfig))
-
-
-def _make_config(config: FinetuneConfig | None, options: dict[str, Any]) -> FinetuneConfig:
-    """The run's options: ``config`` (or the defaults) with the keyword ``options`` over it."""
-    if config is not None and not isinstance(config, FinetuneConfig):
-        raise InvalidArgumentError(f"expected config as a FinetuneConfig or None, got {type(config).__name__}")
-    unknown = [name for name in options if name not in _OPTION_NAMES]
-    if unknown:
-        raise InvalidArgumentError(
-            f"expected finetune options among {_OPTION_NAMES}, got unknown option(s) {', '.join(unknown)}"
-        )
-    return FinetuneConfig(**options) if config is None else dataclasses.replace(config, **options)
-
-
-# ----------------------------------------------------------------------------- what a run reports
-
-
-@dataclass
-class History:
-    """What :func:`finetune` measured, and what it committed.
-
-    Attributes:
-        k: the number of candidates (``recall@k`` is recall at this k).
-        metrics: one dict per evaluation (epoch 0 = before training, then after each epoch), with ``epoch``,
-            ``step`` and, on text pairs, ``recall@1``, ``recall@k``, ``mrr`` (over the top k), or on tensor pairs
-            ``loss`` (the training loss on the eval pairs). Empty without eval pairs.
-        losses: the training loss of every step.
-        epoch_losses: the mean training loss of every epoch.
-        refreshes: how many times the draft's working keys and index were rebuilt from re-encoded keys.
-        seconds: the wall time of the run.
-        metric: the metric that chose the epoch to keep (``"recall@1"``, ``"recall@k"``, ``"mrr"`` or ``"loss"``).
-        keep: ``"best"`` or ``"last"``.
-        kept_epoch: the epoch committed; 0 when no epoch beat the start (nothing was committed); None without
-            eval pairs (the last epoch was committed).
-        committed: whether a new generation was committed.
-        generation: the database's generation after the run (unchanged when nothing was committed).
-    """
-
-    k: int
-    metrics: list[dict[str, float]] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    epoch_losses: list[float] = field(default_factory=list)
-    refreshes: int = 0
-    seconds: float = 0.0
-    metric: str = "recall@1"
-    keep: str = "best"
-    kept_epoch: int | None = None
-    committed: bool = False
-    generation: int = 0
-
-    def value(self, epoch: int) -> float | None:
-        """The metric measured after ``epoch`` (0: before training), or None without eval pairs."""
-        if not 0 <= epoch < len(self.metrics):
-            return None
-        return self.metrics[epoch].get(self.metric)
-
-    def best_epoch(self) -> int | None:
-        """The epoch >= 1 with the best metric (the first of equals), or None without eval pairs or epochs."""
-        if len(self.metrics) < 2:
-            return None
-        sign = 1.0 if higher_is_better(self.metric) else -1.0
-        return max(range(1, len(self.metrics)), key=lambda e: (sign * self.metrics[e][self.metric], -e))
-
-    def summary(self) -> str:
-        """One human line: the metric before, the epoch kept, and the generation.
-
-        Returns:
-            e.g. ``"recall@1 0.754 -> best 0.761 at epoch 2 (kept, generation 5)"`` or ``"recall@1 0.754; no
-            epoch beat it (best 0.612 at epoch 1): kept the start, generation 4 unchanged"``.
-        """
-        start = self.value(0)
-        if start is None:  # no eval pairs: the last epoch was committed
-            losses = self.epoch_losses
-            trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step"
-            done = f"generation {self.generation}" if self.committed else f"generation {self.generation} unchanged"
-            return f"{len(losses)} epochs, {trend} (last epoch kept, {done})"
-        head = f"{self.metric} {start:.3f}"
-        best = self.best_epoch()
-        if not self.committed:
-            if best is None:
-                return f"{head}; no epoch ran: kept the start, generation {self.generation} unchanged"
-            return (
-                f"{head}; no epoch beat it (best {self.metrics[best][self.metric]:.3f} at epoch {best}): "
-                f"kept the start, generation {self.generation} unchanged"
-            )
-        kept = self.kept_epoch if self.kept_epoch is not None else len(self.metrics) - 1
-        after = self.metrics[kept][self.metric]
-        if self.keep == "best":
-            return f"{head} -> best {after:.3f} at epoch {kept} (kept, generation {self.generation})"
-        return f"{head} -> {after:.3f} at epoch {kept} (last epoch kept, generation {self.generation})"
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -515,7 +290,7 @@ def finetune(
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
-    config = _make_config(config, options)
+    config = make_config(config, options)
     if not isinstance(db, Database):
         raise InvalidArgumentError(f"expected a kvsearch Database, got {type(db).__name__}")
     if len(db) == 0:
