@@ -16,6 +16,7 @@ from kvsearch.errors import (
     DatabaseClosedError,
     DatabaseLockedError,
     DimensionMismatchError,
+    DistributedError,
     DuplicateKeyError,
     EmptyDatabaseError,
     EmptyKeyError,
@@ -27,6 +28,7 @@ from kvsearch.errors import (
     MissingDependencyError,
     NonFiniteError,
     NothingToRollBackError,
+    NotSupportedError,
     UnknownOptionError,
 )
 from kvsearch.folder import load_encoder
@@ -50,6 +52,7 @@ __all__ = [
     "DatabaseClosedError",
     "DatabaseLockedError",
     "DimensionMismatchError",
+    "DistributedError",
     "DuplicateKeyError",
     "EmptyDatabaseError",
     "EmptyKeyError",
@@ -68,6 +71,7 @@ __all__ = [
     "MissingDependencyError",
     "NgramEncoder",
     "NonFiniteError",
+    "NotSupportedError",
     "NothingToRollBackError",
     "Record",
     "SentenceEncoder",

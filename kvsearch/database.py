@@ -786,8 +786,12 @@ class Database:
         if len(self._store) == 0:
             raise EmptyDatabaseError("expected a database with records to search, got an empty one")
 
+    def values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
+        """id -> the value as answers show it: its text, or its embedding (CPU tensor) when it has no text."""
+        with self._reading():
+            return self._values_of(ids)
+
     def _values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
-        """id -> the value text, or the value embedding (CPU tensor) for a value stored as an embedding."""
         return self._store.answer_values(ids, texts=self.value_encoder is not None)
 
     def _prepare_queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:

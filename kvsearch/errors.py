@@ -107,3 +107,11 @@ class BadFileError(KVSearchError, ValueError):
 
 class MemoryLimitError(KVSearchError, MemoryError):
     """An operation would need more memory than it may use; it is refused before anything is written."""
+
+
+class DistributedError(KVSearchError, RuntimeError):
+    """A peer process of a sharded database died, hung past the timeout, or a collective failed."""
+
+
+class NotSupportedError(KVSearchError, NotImplementedError):
+    """What was asked is not supported here yet (e.g. across shards); the message says what is."""

@@ -442,6 +442,18 @@ class Store:
                 self.bump_version()
             self._drop_from_memory(ids)
 
+    def start_ids_after(self, floor: int) -> None:
+        """Make the next new id ``floor + 1`` or more: seeds SQLite's AUTOINCREMENT sequence (a shard's id range).
+
+        Ids are never lowered: a store whose sequence is past ``floor`` is left as it is.
+        """
+        with self.lock, self.transaction():
+            row = self._conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
+            if row is None:
+                self._conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)", (int(floor),))
+            elif row[0] < floor:
+                self._conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'records'", (int(floor),))
+
     def stored_ids_of_keys(self, keys: Sequence[str | None], *, allow: bool) -> list[int | None]:
         """The stored id of each key text (None for a new key or no text).
 

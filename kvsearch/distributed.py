@@ -1,0 +1,711 @@
+"""A database split into shards, served by one process or by several on torch.distributed.
+
+    sdb = ShardedDatabase("indexes/people", num_shards=4, encoder=NgramEncoder())   # one process, every shard
+    sdb.add(keys=[...], values=[...]); sdb.search("Li", k=3); sdb.query(["Li", "Smola"], k=8)
+
+    # under torchrun, after torch.distributed.init_process_group("gloo" or "nccl"):
+    sdb = ShardedDatabase("indexes/people")          # rank r opens the shards s with s % world_size == r
+    answer = sdb.query(my_queries, k=32)             # collective: every rank calls, with its own queries
+
+Each shard is an ordinary kvsearch database folder (:mod:`kvsearch.sharding` has the layout, the ids and the key
+routing), so it keeps the store, the write lock, crash safety and the index checks. With a process group every
+public method is *collective*: every rank calls it, with its own arguments (an empty batch is fine).
+
+A query (:meth:`ShardedDatabase.candidates`): the ranks agree on batch sizes and gather the detached queries
+(padded: gloo refuses uneven gathers); each rank searches its own shards, with the filters applied there, and
+keeps each query's top k by the score recomputed in torch; ``all_to_all_single`` sends every query's candidates
+(ids, key and value embeddings) back to its rank, which merges the ``world x k`` of them by score (then id) and
+pools locally — the gradient to a query never leaves its rank. Texts are fetched for the final candidates only.
+
+Writes route each record to its owner shard (a key by its hash, a key given as an embedding round-robin, an id by
+its high bits); each shard commits its part in one transaction of its own — a batch spanning shards is atomic per
+shard, and retrying it with ``upsert`` is safe. Errors on one rank (bad input) are agreed on collectively and
+raised on every rank, so nobody hangs; a dead or silent peer raises :class:`~kvsearch.errors.DistributedError`
+within ``timeout`` seconds. Not supported across shards yet (a typed :class:`~kvsearch.errors.NotSupportedError`):
+``k="all"`` attention and fine-tuning.
+
+This module knows nothing of a shard's internals: it uses each shard's public :class:`~kvsearch.Database` methods.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kvsearch import errors
+from kvsearch.attention import POOLINGS, Candidates, ScoreFn, attend, check_score, compute_scores
+from kvsearch.checks import check_device, check_finite, check_k, check_temperature
+from kvsearch.database import Database
+from kvsearch.encoders import Encoder
+from kvsearch.errors import (
+    DistributedError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    KVSearchError,
+    NotSupportedError,
+    UnknownOptionError,
+)
+from kvsearch.filters import check_where
+from kvsearch.inputs import KeysIn, Queries, check_metadata, delete_items, query_tensor, query_texts, record_side
+from kvsearch.results import Answer, Hit, make_answer, make_hits
+from kvsearch.sharding import ShardLayout, is_sharded, shard_dir, shard_of_id, shard_of_key, shards_of_rank
+from kvsearch.store import Record
+
+__all__ = ["ShardedDatabase"]
+
+T = TypeVar("T")
+_MISSING: Any = object()
+#: Seconds a collective may wait for a peer before :class:`DistributedError` (torch's own default is 30 minutes).
+DEFAULT_TIMEOUT = 120.0
+
+
+class _Comm:
+    """The collectives a sharded database needs, on a gloo group of its own (identity in one process).
+
+    Every exception torch.distributed raises (a dead peer, a timeout) becomes :class:`DistributedError`.
+    """
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        self.group = None
+        self.rank, self.world = 0, 1
+        if self.active:
+            base = group if group is not None else dist.group.WORLD
+            ranks = dist.get_process_group_ranks(base)
+            self.world = len(ranks)
+            self.rank = dist.get_rank(base)
+            # a CPU group with this database's timeout (the default group may be NCCL, or have torch's 30 minutes)
+            self.group = self._call(
+                lambda: dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            )
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (RuntimeError, ValueError, OSError) as exc:  # DistBackendError, DistNetworkError, timeouts
+            if isinstance(exc, KVSearchError):
+                raise
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DistributedError(f"rank {self.rank}: a collective with the other ranks failed: {message}") from None
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._call(lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def all_sum(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long)
+        self._call(lambda: dist.all_reduce(t, group=self.group))
+        return int(t.item())
+
+    def gather_rows(self, rows: Tensor) -> tuple[Tensor, list[int]]:
+        """Every rank's rows (n_r, ...) concatenated in rank order, and the counts n_r (uneven sizes allowed)."""
+        if self.world == 1:
+            return rows, [rows.shape[0]]
+        counts = [int(c) for c in self.gather_sizes(rows.shape[0])]
+        biggest = max(counts) if counts else 0
+        padded = torch.zeros((biggest, *rows.shape[1:]), dtype=rows.dtype)
+        padded[: rows.shape[0]] = rows
+        out = [torch.empty_like(padded) for _ in range(self.world)]
+        self._call(lambda: dist.all_gather(out, padded, group=self.group))
+        return torch.cat([part[:n] for part, n in zip(out, counts)]), counts
+
+    def gather_sizes(self, n: int) -> list[int]:
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.world)]
+        self._call(lambda: dist.all_gather(sizes, torch.tensor([n], dtype=torch.long), group=self.group))
+        return [int(s) for s in sizes]
+
+    def exchange(self, rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
+        """``all_to_all_single``: rows (sum send_counts, ...) go to the ranks in order; returns what came back."""
+        if self.world == 1:
+            return rows
+        tail = tuple(rows.shape[1:])
+        width = math.prod(tail)
+        out = torch.empty(sum(recv_counts) * width, dtype=rows.dtype)
+        flat = rows.reshape(-1).contiguous()
+        self._call(
+            lambda: dist.all_to_all_single(
+                out,
+                flat,
+                output_split_sizes=[c * width for c in recv_counts],
+                input_split_sizes=[c * width for c in send_counts],
+                group=self.group,
+            )
+        )
+        return out.reshape(sum(recv_counts), *tail)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self._call(lambda: dist.barrier(group=self.group))
+
+
+class ShardedDatabase:
+    """A database split into ``num_shards`` shards, served by this process alone or by the ranks of a process group.
+
+    Args:
+        path: the root folder (``shards.json`` and ``shard-0000/`` ...).
+        num_shards: creates a new sharded database with this many shards (fixed for its life); None reopens.
+        encoder, value_encoder, dim, value_dim, index, score, device, search_params: as for
+            :class:`~kvsearch.Database` (every shard gets the same; on reopen they must match what is stored).
+        group: the process group of the ranks serving it (default: the default group when torch.distributed is
+            initialised, else this process alone).
+        timeout: seconds a collective may wait for a peer before :class:`~kvsearch.errors.DistributedError`.
+
+    Raises:
+        InvalidArgumentError: the shard count is not a multiple of the world size, or a bad argument.
+        ConfigMismatchError, CorruptDatabaseError: as for :class:`~kvsearch.Database`.
+        DistributedError: a peer failed while opening.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        num_shards: int | None = None,
+        encoder: Encoder | None = None,
+        value_encoder: Encoder | None = None,
+        dim: int | None = None,
+        value_dim: int | None = None,
+        index: str | None = None,
+        score: str | None = None,
+        device: str | torch.device | None = None,
+        search_params: Mapping[str, float] | None = None,
+        group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise InvalidArgumentError(f"expected timeout as a number of seconds > 0, got {timeout!r}")
+        self.path = Path(path)
+        self.device = check_device(device)
+        self._comm = _Comm(group, float(timeout))
+        self.rank, self.world_size = self._comm.rank, self._comm.world
+        self._closed = False
+        options = {"dim": dim, "value_dim": value_dim, "index": index, "score": score, "device": self.device}
+        self.shards: dict[int, Database] = self._agree(lambda: self._open(num_shards, encoder, value_encoder, options))
+        first = next(iter(self.shards.values()), None)
+        layout = ShardLayout.read(self.path)
+        self.num_shards, self.dim, self.value_dim = layout.num_shards, layout.dim, layout.value_dim
+        self.score, self.index_spec = layout.score, layout.index
+        self.encoder = None if first is None else first.encoder
+        self.value_encoder = None if first is None else first.value_encoder
+        if search_params:
+            for shard in self.shards.values():
+                shard.set_search_params(**search_params)
+
+    def _open(self, num_shards, encoder, value_encoder, options) -> dict[int, Database]:
+        """Create (rank 0 writes the layout, the others wait) or reopen, then open this rank's shards."""
+        creating = num_shards is not None and not is_sharded(self.path)
+        if num_shards is not None and is_sharded(self.path):
+            existing = ShardLayout.read(self.path).num_shards
+            if existing != num_shards:
+                raise errors.ConfigMismatchError(
+                    f"{self.path} was created with num_shards={existing}; got num_shards={num_shards}"
+                )
+        if not creating and not is_sharded(self.path):
+            raise InvalidArgumentError(f"expected a sharded database at {self.path} (or num_shards to create one)")
+        mine = shards_of_rank(num_shards if creating else ShardLayout.read(self.path).num_shards, *self._where())
+        shards: dict[int, Database] = {}
+        try:
+            for s in mine:
+                new = not (shard_dir(self.path, s) / "store.sqlite").exists()
+                db = Database(
+                    shard_dir(self.path, s),
+                    encoder=encoder,
+                    value_encoder=value_encoder,
+                    **options,
+                )
+                if new:
+                    db.store.start_ids_after(s << 40)
+                shards[s] = db
+                encoder, value_encoder = db.encoder, (db.value_encoder if db.value_encoder is not db.encoder else None)
+                options = {"device": options["device"]}  # the first shard decided dims, index and score
+            if creating and self.rank == 0:
+                first = next(iter(shards.values()))
+                ShardLayout(num_shards, first.dim, first.value_dim, first.score, first.index_spec).write(self.path)
+            query = next((db.query_encoder for db in shards.values() if db.query_encoder is not None), None)
+            for db in shards.values():  # one query-side encoder object for every local shard
+                if query is not None and db.query_encoder is not query:
+                    db.query_encoder = query
+        except BaseException:
+            for db in shards.values():
+                db.close()
+            raise
+        return shards
+
+    def _where(self) -> tuple[int, int]:
+        return self.rank, self.world_size
+
+    # ------------------------------------------------------------------ agreement
+
+    def _agree(self, local: Callable[[], T]) -> T:
+        """Run ``local`` on every rank, then raise on every rank if it raised on any (the first rank's error)."""
+        result, failure = None, None
+        try:
+            result = local()
+        except KVSearchError as exc:
+            failure = exc
+        outcomes = self._comm.gather_objects(None if failure is None else (type(failure).__name__, str(failure)))
+        for rank, outcome in enumerate(outcomes):
+            if outcome is not None:
+                if failure is not None and rank == self.rank:
+                    raise failure
+                kind = getattr(errors, outcome[0], KVSearchError)
+                kind = kind if isinstance(kind, type) and issubclass(kind, KVSearchError) else KVSearchError
+                raise kind(f"rank {rank}: {outcome[1]}")
+        return result
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.DatabaseClosedError("this sharded database was closed; open the folder again to use it")
+
+    # ------------------------------------------------------------------ small things
+
+    def __len__(self) -> int:
+        local = self._agree(lambda: sum(len(db) for db in self.shards.values()))
+        return self._comm.all_sum(local)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            raise NotSupportedError("expected a key text: `in` by embedding is not supported across shards yet")
+        owner = shard_of_key(key, self.num_shards)
+        found = self._agree(lambda: owner in self.shards and key in self.shards[owner])
+        return any(self._comm.gather_objects(found))
+
+    def __enter__(self) -> ShardedDatabase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedDatabase({str(self.path)!r}, {self.num_shards} shards, rank {self.rank} of {self.world_size} "
+            f"holding {sorted(self.shards)}, dim={self.dim}, index={self.index_spec!r}, score={self.score!r})"
+        )
+
+    @property
+    def query_encoder(self) -> Encoder | None:
+        """The query-side encoder (shared by this rank's shards), or None."""
+        first = next(iter(self.shards.values()), None)
+        return None if first is None else first.query_encoder
+
+    def close(self) -> None:
+        """Close this rank's shards (saving what changed). Not collective; closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        for db in self.shards.values():
+            db.close()
+
+    def refresh(self) -> None:
+        """Re-encode every key of this rank's shards with the key encoder (a new generation each), then a barrier."""
+        self._check_open()
+        self._agree(lambda: [db.refresh() for db in self.shards.values()])
+        self._comm.barrier()
+
+    def begin_generation(self) -> Any:
+        """Not supported across shards yet.
+
+        Raises:
+            NotSupportedError: always.
+        """
+        raise NotSupportedError("fine-tuning a sharded database is not supported yet; fine-tune a single Database")
+
+    # ------------------------------------------------------------------ writing
+
+    def add(
+        self, keys: KeysIn, values: KeysIn, metadata: Sequence[Mapping[str, Any] | None] | None = None
+    ) -> list[int]:
+        """Add records, each to its owner shard (see :meth:`kvsearch.Database.add`). Collective.
+
+        Returns:
+            The new global ids, in input order.
+
+        Raises:
+            As :meth:`kvsearch.Database.add`, on every rank; a batch spanning shards is atomic per shard.
+        """
+        return self._write(keys, values, metadata, upsert=False)
+
+    def upsert(
+        self, keys: KeysIn, values: KeysIn, metadata: Sequence[Mapping[str, Any] | None] | None = None
+    ) -> list[int]:
+        """Add records, replacing those whose key text is stored (see :meth:`kvsearch.Database.upsert`). Collective."""
+        return self._write(keys, values, metadata, upsert=True)
+
+    def _write(self, keys, values, metadata, *, upsert: bool) -> list[int]:
+        self._check_open()
+
+        def prepare() -> list[tuple[int, Any, Any, Any, Any, Any]]:
+            key_texts, key_embs = record_side(keys, "keys", self.encoder, self.dim)
+            value_texts, value_embs = record_side(values, "values", self.value_encoder, self.value_dim)
+            if len(value_texts) != len(key_texts):
+                raise errors.DimensionMismatchError(
+                    f"expected one value per key ({len(key_texts)}), got {len(value_texts)} values"
+                )
+            meta = check_metadata(metadata, len(key_texts))
+            records = []
+            for i, key in enumerate(key_texts):
+                owner = shard_of_key(key, self.num_shards) if key is not None else (self.rank + i) % self.num_shards
+                records.append(
+                    (
+                        owner,
+                        key,
+                        None if key_embs is None else key_embs[i].cpu(),
+                        value_texts[i],
+                        None if value_embs is None else value_embs[i].cpu(),
+                        meta[i],
+                    )
+                )
+            return records
+
+        batches = self._comm.gather_objects(self._agree(prepare))  # every rank's records
+
+        def commit() -> dict[tuple[int, int], list[int]]:
+            done: dict[tuple[int, int], list[int]] = {}
+            for source, records in enumerate(batches):
+                for s, db in self.shards.items():
+                    rows = [i for i, r in enumerate(records) if r[0] == s]
+                    if not rows:
+                        continue
+                    part = [records[i] for i in rows]
+                    ks = [r[1] for r in part] if part[0][1] is not None else torch.stack([r[2] for r in part])
+                    vs = [r[3] for r in part] if part[0][3] is not None else torch.stack([r[4] for r in part])
+                    ids = (db.upsert if upsert else db.add)(ks, vs, [r[5] for r in part])
+                    done.update({(source, i): [id_] for i, id_ in zip(rows, ids)})
+            return done
+
+        results: dict[tuple[int, int], list[int]] = {}
+        for part in self._comm.gather_objects(self._agree(commit)):
+            results.update(part)
+        return [results[(self.rank, i)][0] for i in range(len(batches[self.rank]))]
+
+    def delete(self, key_or_keys: str | int | Sequence[str | int]) -> list[int]:
+        """Delete records by key text or global id, on their owner shards (see :meth:`kvsearch.Database.delete`).
+
+        Collective. A key or id that is not stored raises :class:`~kvsearch.KeyNotFoundError` on every rank (the
+        shards checked so far were not changed; deletes are atomic per shard).
+        """
+        self._check_open()
+        items = self._agree(lambda: delete_items(key_or_keys))
+        requests = self._comm.gather_objects(items)
+
+        def owner(item: str | int) -> int:
+            return shard_of_key(item, self.num_shards) if isinstance(item, str) else shard_of_id(item)
+
+        def run() -> dict[tuple[int, int], int]:
+            done: dict[tuple[int, int], int] = {}
+            for source, wanted in enumerate(requests):
+                for s, db in self.shards.items():
+                    rows = [i for i, item in enumerate(wanted) if owner(item) == s]
+                    if rows:
+                        for i, id_ in zip(rows, db.delete([wanted[i] for i in rows])):
+                            done[(source, i)] = id_
+            return done
+
+        results: dict[tuple[int, int], int] = {}
+        for part in self._comm.gather_objects(self._agree(run)):
+            results.update(part)
+        return list(dict.fromkeys(results[(self.rank, i)] for i in range(len(items)) if (self.rank, i) in results))
+
+    # ------------------------------------------------------------------ reading by id or key
+
+    def get(self, id: int) -> Record:
+        """The record with this global id (see :meth:`kvsearch.Database.get`). Collective.
+
+        Raises:
+            KeyNotFoundError: no record has this id.
+        """
+        self._check_open()
+        if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
+            raise InvalidArgumentError(f"expected an int id, got {type(id).__name__}")
+        owner = shard_of_id(int(id))
+
+        def local() -> Record | None:
+            if owner in self.shards:
+                return self.shards[owner].get(int(id))
+            return None
+
+        found = [r for r in self._comm.gather_objects(self._agree(local)) if r is not None]
+        if not found:
+            raise KeyNotFoundError(f"expected a stored id, got {int(id)}")
+        return found[0]
+
+    def lookup(self, key: str, default: Any = _MISSING) -> str | Tensor | None:
+        """Exact lookup of a key text on its owner shard (see :meth:`kvsearch.Database.lookup`). Collective.
+
+        Raises:
+            KeyNotFoundError: the key is not stored and no default was given.
+            NotSupportedError: a key given as an embedding.
+        """
+        self._check_open()
+        if not isinstance(key, str):
+            raise NotSupportedError("expected a key text: lookup by embedding is not supported across shards yet")
+        owner = shard_of_key(key, self.num_shards)
+
+        def local() -> tuple[bool, Any]:
+            if owner not in self.shards:
+                return False, None
+            value = self.shards[owner].lookup(key, default=_MISSING)
+            return (False, None) if value is _MISSING else (True, value)
+
+        for found, value in self._comm.gather_objects(self._agree(local)):
+            if found:
+                return value
+        if default is _MISSING:
+            raise KeyNotFoundError(f"no record has the key {key!r}")
+        return default
+
+    # ------------------------------------------------------------------ search and query
+
+    def candidates(
+        self,
+        queries: Tensor,
+        k: int | Literal["all"],
+        *,
+        targets: Tensor | None = None,
+        where: Mapping[str, Any] | None = None,
+    ) -> Candidates:
+        """The global top-k candidates of this rank's queries, merged from every shard. Collective.
+
+        Args:
+            queries: (batch, dim), possibly (0, dim); detached for the search.
+            k: candidates per query (``"all"`` is not supported across shards).
+            targets: (batch,) global ids that must be among the candidates (-1 for none).
+            where: a metadata filter, applied on the shards.
+
+        Returns:
+            :class:`~kvsearch.attention.Candidates`: ids (batch, t), keys (batch, t, dim), values
+            (batch, t, value_dim), mask, match — t = min(k, records), best first by the database's score
+            recomputed in torch, ties by id.
+
+        Raises:
+            NotSupportedError: ``k="all"``.
+            InvalidArgumentError, DimensionMismatchError: bad arguments (on every rank).
+        """
+        self._check_open()
+
+        def check() -> int:
+            if k == "all":
+                raise NotSupportedError('k="all" (attention over every record) is not supported across shards yet')
+            kk = check_k(k)
+            if queries.dim() != 2 or queries.shape[1] != self.dim:
+                raise errors.DimensionMismatchError(f"expected queries (batch, {self.dim}), got {tuple(queries.shape)}")
+            if where is not None:
+                check_where(where)
+            return int(kk)
+
+        k = self._agree(check)
+        total = self._comm.all_sum(sum(len(db) for db in self.shards.values()))
+        take = max(1, min(k, total))
+        q = queries.detach().to("cpu", torch.float32)  # (b, dim)
+        t = torch.full((q.shape[0],), -1, dtype=torch.long) if targets is None else targets.detach().cpu().long()
+        all_q, counts = self._comm.gather_rows(q)  # (B, dim)
+        all_t, _ = self._comm.gather_rows(t)  # (B,)
+        filters = self._comm.gather_objects(None if where is None else dict(where))
+        ids, keys, values = self._agree(lambda: self._local_top(all_q, all_t, counts, filters, take))
+        mine = counts[self.rank]
+        send = counts  # the rows of each source rank go back to it
+        recv = [mine] * self.world_size
+        got_ids = self._comm.exchange(ids, send, recv).reshape(self.world_size, mine, take)  # (W, b, take)
+        got_keys = self._comm.exchange(keys, send, recv).reshape(self.world_size, mine, take, self.dim)
+        got_values = self._comm.exchange(values, send, recv).reshape(self.world_size, mine, take, self.value_dim)
+        width = self.world_size * take
+        ids = got_ids.permute(1, 0, 2).reshape(mine, width)  # (b, W take)
+        keys = got_keys.permute(1, 0, 2, 3).reshape(mine, width, self.dim)  # (b, W take, dim)
+        values = got_values.permute(1, 0, 2, 3).reshape(mine, width, self.value_dim)  # (b, W take, value_dim)
+        ids, keys, values = _best(q, ids, keys, values, t, take, self.score)  # (b, take) ...
+        mask = ids >= 0  # (b, take)
+        match = None if targets is None else (ids == t.unsqueeze(1)) & mask  # (b, take)
+        device = self.device
+        return Candidates(
+            ids=ids.to(device), keys=keys.to(device), values=values.to(device), mask=mask.to(device),
+            match=None if match is None else match.to(device),
+        )  # fmt: skip
+
+    def _local_top(
+        self, queries: Tensor, targets: Tensor, counts: list[int], filters: list[Any], take: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's best ``take`` candidates for every gathered query: ids (B, take), keys, values (on the CPU)."""
+        parts: list[tuple[Tensor, Tensor, Tensor]] = []
+        start = 0
+        for source, n in enumerate(counts):
+            q, t = queries[start : start + n], targets[start : start + n]  # (n, dim), (n,)
+            start += n
+            found = []
+            for s, db in self.shards.items():
+                if n == 0 or len(db) == 0:
+                    continue
+                own = torch.where(torch.tensor([shard_of_id(int(i)) == s for i in t.tolist()]), t, -1)
+                cand = db.candidates(q, take, targets=own, where=filters[source])
+                found.append((cand.ids.cpu(), cand.keys.cpu(), cand.values.cpu()))
+            if found:
+                ids = torch.cat([f[0] for f in found], 1)
+                keys = torch.cat([f[1] for f in found], 1)
+                values = torch.cat([f[2] for f in found], 1)
+            else:
+                ids = torch.full((n, 0), -1, dtype=torch.long)
+                keys, values = torch.zeros(n, 0, self.dim), torch.zeros(n, 0, self.value_dim)
+            parts.append(_best(q, ids, keys, values, t, take, self.score))
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+    def _texts(self, ids: Sequence[int]) -> tuple[dict[int, str | None], dict[int, Any]]:
+        """Key texts and values (text, or a CPU tensor) of global ids, fetched from their owners. Collective."""
+        wanted = self._comm.gather_objects(sorted({int(i) for i in ids if i >= 0}))
+
+        def local() -> tuple[dict[int, str | None], dict[int, Any]]:
+            keys: dict[int, str | None] = {}
+            values: dict[int, Any] = {}
+            everything = sorted({i for w in wanted for i in w})
+            for s, db in self.shards.items():
+                own = [i for i in everything if shard_of_id(i) == s]
+                if own:
+                    keys.update(zip(own, db.key_texts(own)))
+                    values.update(db.values_of(own))  # text, or the embedding for a value given as one
+            return keys, values
+
+        keys: dict[int, str | None] = {}
+        values: dict[int, Any] = {}
+        for part_keys, part_values in self._comm.gather_objects(self._agree(local)):
+            keys.update(part_keys)
+            values.update(part_values)
+        return keys, values
+
+    def _queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
+        """This rank's queries as (batch, dim) — possibly (0, dim) —, their texts, and whether one came unbatched."""
+        if isinstance(queries, (list, tuple)) and len(queries) == 0:
+            return torch.zeros(0, self.dim), [], False
+        if isinstance(queries, Tensor) and queries.dim() == 2 and queries.shape[0] == 0:
+            return queries.float(), None, False
+        texts = query_texts(queries)
+        if texts is None:
+            q, single = query_tensor(queries, self.dim)
+            return q, None, single
+        encoder = self.query_encoder or self.encoder
+        if encoder is None:
+            raise InvalidArgumentError("expected query embeddings: this database has no encoder for text")
+        q = encoder.encode(texts)  # (b, dim)
+        check_finite(q, "query embeddings")
+        return q, texts, isinstance(queries, str)
+
+    def search(
+        self, queries: Queries, k: int = 10, *, where: Mapping[str, Any] | None = None
+    ) -> list[Hit] | list[list[Hit]]:
+        """The k nearest records to each of this rank's queries, over every shard (see :meth:`Database.search`).
+
+        Collective; a rank with no queries passes an empty list (or a (0, dim) tensor).
+        """
+        self._check_open()
+        q, _, single = self._agree(lambda: self._queries(queries))
+        cand = self.candidates(q, k, where=where)
+        scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, t)
+        scores = scores.masked_fill(~cand.mask, -math.inf).cpu()  # (b, t): already ranked
+        keys, values = self._texts(cand.ids[cand.ids >= 0].tolist())
+        hits = make_hits(cand.ids.cpu(), scores, keys, values)
+        return hits[0] if single else hits
+
+    def query(
+        self,
+        queries: Queries,
+        k: int | Literal["all"] = 10,
+        *,
+        score: str | ScoreFn | None = None,
+        pooling: str = "softmax",
+        temperature: float = 1.0,
+        where: Mapping[str, Any] | None = None,
+    ) -> Answer:
+        """Attention over each query's global top-k (see :meth:`kvsearch.Database.query`). Collective.
+
+        The candidates come back to the query's rank, which scores and pools them: a query tensor that requires
+        grad gets its gradient there. ``k="all"`` is not supported across shards yet.
+        """
+        self._check_open()
+
+        def check() -> tuple[Tensor, list[str] | None, bool, float]:
+            if score is not None:
+                check_score(score)
+            if pooling not in POOLINGS:
+                raise UnknownOptionError(f"expected pooling among {POOLINGS}, got {pooling!r}")
+            return (*self._queries(queries), check_temperature(temperature))
+
+        q, texts, single, temp = self._agree(check)
+        targets = None
+        if pooling == "exact":
+            targets = self._exact_targets(texts, q)
+        cand = self.candidates(q, k, targets=targets, where=where)
+        out_device = q.device
+        output, weights = attend(
+            q.to(self.device), cand.keys, cand.values, score=self.score if score is None else score,
+            pooling=pooling, mask=cand.mask, match=cand.match, temperature=temp,
+        )  # (b, value_dim), (b, t)  # fmt: skip
+        keys, values = self._texts(cand.ids[cand.ids >= 0].tolist())
+        answer = make_answer(
+            output, weights, cand.ids, k=int(k), key_of_id=keys, values_of=lambda ids: values, device=out_device
+        )
+        return answer.row(0) if single else answer
+
+    def _exact_targets(self, texts: list[str] | None, q: Tensor) -> Tensor:
+        """The global id of each query's key (text equality). Collective."""
+        if texts is None:
+            raise NotSupportedError('pooling="exact" with query embeddings is not supported across shards yet')
+        asked = self._comm.gather_objects(texts)
+
+        def local() -> dict[str, int]:
+            found: dict[str, int] = {}
+            for text in {t for ts in asked for t in ts}:
+                s = shard_of_key(text, self.num_shards)
+                if s in self.shards:
+                    i = int(self.shards[s].ids_of_keys([text])[0])
+                    if i >= 0:
+                        found[text] = i
+            return found
+
+        found: dict[str, int] = {}
+        for part in self._comm.gather_objects(self._agree(local)):
+            found.update(part)
+        return torch.tensor([found.get(t, -1) for t in texts], dtype=torch.long)
+
+
+def _best(
+    q: Tensor, ids: Tensor, keys: Tensor, values: Tensor, targets: Tensor, take: int, score: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The best ``take`` of each query's candidates by score (desc), then id (asc); a target is always kept.
+
+    Args:
+        q: (b, dim). ids: (b, c) -1 where empty. keys: (b, c, dim). values: (b, c, value_dim). targets: (b,).
+
+    Returns:
+        ids (b, take), keys (b, take, dim), values (b, take, value_dim), padded with -1 / zeros.
+    """
+    b, c = ids.shape
+    if c < take:  # pad to at least take columns
+        ids = torch.cat([ids, torch.full((b, take - c), -1, dtype=torch.long)], 1)
+        keys = torch.cat([keys, torch.zeros(b, take - c, keys.shape[-1])], 1)
+        values = torch.cat([values, torch.zeros(b, take - c, values.shape[-1])], 1)
+    if b == 0:
+        return ids[:, :take], keys[:, :take], values[:, :take]
+    with torch.no_grad():
+        scores = compute_scores(q.unsqueeze(1), keys, score).squeeze(1)  # (b, c')
+        scores = scores.masked_fill(ids < 0, -math.inf)
+        scores = torch.where((ids == targets.unsqueeze(1)) & (ids >= 0), math.inf, scores)  # targets stay
+        by_id = torch.argsort(torch.where(ids < 0, torch.iinfo(torch.long).max, ids), dim=1, stable=True)  # (b, c')
+        order = by_id.gather(1, torch.argsort(scores.gather(1, by_id), dim=1, descending=True, stable=True))
+    order = order[:, :take]  # (b, take)
+    return (
+        ids.gather(1, order),
+        keys.gather(1, order.unsqueeze(-1).expand(-1, -1, keys.shape[-1])),
+        values.gather(1, order.unsqueeze(-1).expand(-1, -1, values.shape[-1])),
+    )
