@@ -91,15 +91,12 @@ class Retriever:
         #: Whether the index differs from what is saved in the folder (written by :meth:`save`).
         self.dirty = False
 
+    def _options(self) -> dict[str, Any]:
+        """How this store's index is made or loaded: its metric, cosine normalisation, key source, parameters."""
+        return {"metric": self.metric, "normalize": self.score == "cosine", "source": self.store, "params": self.params}
+
     def _new_index(self) -> CandidateIndex:
-        return make_index(
-            self.spec,
-            self.dim,
-            metric=self.metric,
-            normalize=self.score == "cosine",
-            source=self.store,
-            params=self.params,
-        )
+        return make_index(self.spec, self.dim, **self._options())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,15 +113,7 @@ class Retriever:
             )
             if path is not None:
                 try:
-                    index = load_index(
-                        path,
-                        self.spec,
-                        self.dim,
-                        metric=self.metric,
-                        normalize=self.score == "cosine",
-                        source=self.store,
-                        params=self.params,
-                    )
+                    index = load_index(path, self.spec, self.dim, **self._options())
                     if index.ntotal == len(self.store) and torch.equal(index.ids(), self.store.ids):
                         self.index, self.dirty = index, False
                         return

@@ -292,6 +292,8 @@ def finetune(
     started = time.perf_counter()
     config = make_config(config, options)
     if not isinstance(db, Database):
+        if callable(getattr(db, "begin_generation", None)):
+            db.begin_generation()  # a database that cannot be fine-tuned (e.g. across shards) says why, typed
         raise InvalidArgumentError(f"expected a kvsearch Database, got {type(db).__name__}")
     if len(db) == 0:
         raise EmptyDatabaseError("expected a database with records to fine-tune on, got an empty one")
