@@ -1,6 +1,7 @@
 """The ``kvsearch`` command line: build a database from a file, query it, inspect it, fine-tune it.
 
     kvsearch build indexes/authors --from authors.csv --key last --value first
+    kvsearch build indexes/people --from people.jsonl --shards 4      # a sharded database (ShardedDatabase)
     kvsearch query indexes/authors Li Lipto --k 3
     kvsearch query indexes/authors Li --pooling exact --json
     kvsearch info indexes/authors
@@ -12,6 +13,10 @@
 ``finetune`` prints one row per evaluation (epoch 0 is before training) with the kept epoch marked, and says
 whether the database switched to a new generation of encoders or kept its old retriever; ``rollback``
 returns once to the generation before the last switch.
+
+A sharded database (``build --shards N``, see :mod:`kvsearch.distributed`) is served by this one process, which
+opens every shard: ``build`` adds to it, ``query``, ``info`` and ``delete`` work on it with the same output and
+exit statuses as on a plain folder; ``finetune`` and ``rollback`` are not supported across shards yet.
 
 Every command has ``--help``. Errors are one line on stderr: exit status 2 for a usage error, 1 for
 anything else (a bad file, a key that is not stored, "not found" in exact mode); ``--debug`` shows the
@@ -31,8 +36,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvsearch import folder as folders
+from kvsearch import sharding
 
 if TYPE_CHECKING:
+    from kvsearch.database import Database
+    from kvsearch.distributed import ShardedDatabase
+    from kvsearch.results import Answer
     from kvsearch.training import History
 
 __all__ = ["main", "build_parser"]
@@ -108,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", metavar="SPEC", help='a FAISS index_factory string for a new database (default "Flat")')
     p.add_argument("--score", choices=scores, help="the default score of a new database (default cosine)")
     p.add_argument("--batch-size", type=_positive_int, default=1024, metavar="N", help="records per batch")
+    p.add_argument(
+        "--shards",
+        type=_positive_int,
+        metavar="N",
+        help="create a sharded database of N shards (fixed for its life; torchrun ranks serve them, N a multiple "
+        "of the world size); an existing sharded database is added to without it",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars (not even a model's loading bar)")
     p.set_defaults(run=_cmd_build)
 
@@ -137,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a database holds: counts, dims, encoders, generation, last fine-tuning, index, size",
         description="Describe the database DB: record count, dimensions, encoders (key, query-side, value), "
         "the generation of the encoders (and the previous one, if a rollback can return to it), the last "
-        "fine-tuning run, index type, score, size.",
+        "fine-tuning run, index type, score, size. For a sharded database: the shard count and the records "
+        "of each shard instead of the generation and the last run.",
     )
     p.add_argument("db", metavar="DB", help="the database folder")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -261,6 +278,8 @@ def _loads_a_sentence_model(args: argparse.Namespace) -> bool:
     if encoder and encoder.strip().lower() != "ngram":
         return True
     folder = Path(getattr(args, "db", None) or ".")
+    if sharding.is_sharded(folder):  # every shard has the same encoders: look at the first
+        folder = sharding.shard_dir(folder, 0)
     if folders.is_database(folder):
         try:
             folder = folders.current_generation_dir(folder)
@@ -327,9 +346,28 @@ def _version() -> str:
 # ---------------------------------------------------------------------- opening
 
 
-def _open_existing(path_text: str):
-    """Open a database that must exist (never create one by accident)."""
+def _open_existing(path_text: str, *, unsharded_for: str | None = None) -> Database | ShardedDatabase:
+    """Open a database that must exist (never create one by accident): a plain folder, or a sharded one with every
+    shard opened by this process.
+
+    Args:
+        path_text: the folder.
+        unsharded_for: what the command does, when it cannot work on a sharded database (that raises).
+
+    Raises:
+        CommandError: no database at ``path_text``.
+        NotSupportedError: a sharded database and ``unsharded_for`` is given.
+    """
     path = Path(path_text)
+    if sharding.is_sharded(path):
+        from kvsearch.distributed import ShardedDatabase
+        from kvsearch.errors import NotSupportedError
+
+        if unsharded_for is not None:
+            raise NotSupportedError(
+                f"{path_text!r} is a sharded database: {unsharded_for} is not supported across shards yet"
+            )
+        return ShardedDatabase(path)
     if not folders.is_database(path):
         raise CommandError(f"no kvsearch database at {path_text!r} (expected a folder with {folders.STORE_FILE})")
     from kvsearch.database import Database
@@ -337,11 +375,17 @@ def _open_existing(path_text: str):
     return Database(path)
 
 
+def _is_sharded_db(db: object) -> bool:
+    """Whether an opened database is a :class:`~kvsearch.distributed.ShardedDatabase`."""
+    from kvsearch.distributed import ShardedDatabase
+
+    return isinstance(db, ShardedDatabase)
+
+
 # ---------------------------------------------------------------------- commands
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from kvsearch.database import Database
     from kvsearch.encoders import encoder_from_name
     from kvsearch.ingest import ingest_file
 
@@ -349,14 +393,28 @@ def _cmd_build(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not source.is_file():
         raise CommandError(f"no file at {args.source!r}")
-    created = not folders.is_database(path)
+    sharded = args.shards is not None or sharding.is_sharded(path)
+    if sharded and folders.is_database(path):
+        raise CommandError(
+            f"{args.db!r} holds a database that is not sharded: --shards creates a new sharded database "
+            "(choose another folder)"
+        )
+    created = not (sharding.is_sharded(path) if sharded else folders.is_database(path))
     folder_existed = path.exists()
+    shards_before = _existing_shard_dirs(path, args.shards) if sharded and created else set()
     encoder = encoder_from_name(args.encoder) if args.encoder else None
     if created and encoder is None:
         encoder = encoder_from_name("ngram")
-    db = None
+    db: Database | ShardedDatabase | None = None
     try:
-        db = Database(path, encoder=encoder, index=args.index, score=args.score)
+        if sharded:  # this one process opens (or creates) every shard
+            from kvsearch.distributed import ShardedDatabase
+
+            db = ShardedDatabase(path, num_shards=args.shards, encoder=encoder, index=args.index, score=args.score)
+        else:
+            from kvsearch.database import Database
+
+            db = Database(path, encoder=encoder, index=args.index, score=args.score)
         added = ingest_file(
             db,
             source,
@@ -371,7 +429,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
     except BaseException:
         if db is not None:
             db.close()
-        if created:  # nothing half-written stays behind: not even an empty new database
+        if created and sharded:  # nothing half-written stays behind: not even an empty new database
+            _remove_new_sharded_database(path, folder_existed, args.shards, shards_before)
+        elif created:
             _remove_new_database(path, folder_existed)
         raise
     print(f"added {added} records from {args.source} to {args.db} ({total} records in all)")
@@ -389,8 +449,31 @@ def _remove_new_database(path: Path, folder_existed: bool) -> None:
             child.unlink(missing_ok=True)
 
 
+def _existing_shard_dirs(path: Path, num_shards: int) -> set[int]:
+    """The shard folders (``shard-0000`` ...) already in ``path`` before a sharded build creates its own."""
+    return {s for s in range(num_shards) if sharding.shard_dir(path, s).exists()}
+
+
+def _remove_new_sharded_database(path: Path, folder_existed: bool, num_shards: int, before: set[int]) -> None:
+    """Undo a sharded build that created the database: the folder if it was new, else only what the build wrote
+    (``shards.json``, its temporary file, and the shard folders that were not there before)."""
+    if not folder_existed:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for s in range(num_shards):
+        if s not in before:
+            shutil.rmtree(sharding.shard_dir(path, s), ignore_errors=True)
+    (path / sharding.SHARDS_FILE).unlink(missing_ok=True)
+    for leftover in path.glob(f".{sharding.SHARDS_FILE}.*.tmp"):
+        leftover.unlink(missing_ok=True)
+
+
 def _cmd_query(args: argparse.Namespace) -> int:
     with _open_existing(args.db) as db:
+        if _is_sharded_db(db) and len(db) == 0:  # as a plain Database says (a ShardedDatabase answers "not found")
+            from kvsearch.errors import EmptyDatabaseError
+
+            raise EmptyDatabaseError("expected a database with records to search, got an empty one")
         answer = db.query(
             list(args.texts), k=args.k, pooling=args.pooling, temperature=args.temperature, score=args.score
         )
@@ -407,7 +490,9 @@ def _cmd_query(args: argparse.Namespace) -> int:
     return 0
 
 
-def _answer_rows(db, texts: Sequence[str], answer, *, only_weighted: bool = False) -> list[dict[str, Any]]:
+def _answer_rows(
+    db: Database | ShardedDatabase, texts: Sequence[str], answer: Answer, *, only_weighted: bool = False
+) -> list[dict[str, Any]]:
     """One dict per query: its answer and its candidates (best weight first), JSON-ready.
 
     With ``only_weighted`` (exact mode) the candidates of weight 0 are left out: they are not answers.
@@ -415,7 +500,7 @@ def _answer_rows(db, texts: Sequence[str], answer, *, only_weighted: bool = Fals
     ids = answer.ids.tolist()  # (batch, k)
     weights = answer.weights.detach().cpu().tolist()  # (batch, k)
     wanted = sorted({i for row in ids for i in row if i >= 0})
-    value_texts = db.store.value_texts(wanted)
+    value_texts = _value_texts(db, wanted)
     results = []
     for b, text in enumerate(texts):
         rows = [
@@ -441,6 +526,20 @@ def _answer_rows(db, texts: Sequence[str], answer, *, only_weighted: bool = Fals
     return results
 
 
+def _value_texts(db: Database | ShardedDatabase, ids: list[int]) -> dict[int, str | None]:
+    """id -> value text (None for a value stored as an embedding); a sharded database asks each id's owner shard
+    (this process holds every shard)."""
+    if not _is_sharded_db(db):
+        return db.value_texts(ids)
+    by_shard: dict[int, list[int]] = {}
+    for i in ids:
+        by_shard.setdefault(sharding.shard_of_id(i), []).append(i)
+    texts: dict[int, str | None] = {}
+    for s, own in by_shard.items():
+        texts.update(db.shards[s].value_texts(own))
+    return texts
+
+
 def _answer_table(results: list[dict[str, Any]], pooling: str) -> str:
     blocks = []
     for r in results:
@@ -459,6 +558,8 @@ def _answer_table(results: list[dict[str, Any]], pooling: str) -> str:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     path = Path(args.db)
+    if sharding.is_sharded(path):
+        return _cmd_info_sharded(args)
     with _open_existing(args.db) as db:
         encoders = db.encoders_info()
         value_encoder = encoders.get("value_encoder")
@@ -483,6 +584,53 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(_info_text(info))
+    return 0
+
+
+def _cmd_info_sharded(args: argparse.Namespace) -> int:
+    """``kvsearch info`` of a sharded database: the shard count, the records of each shard, dims, encoders
+    (those of the first shard: every shard has the same), index, score, size."""
+    path = Path(args.db)
+    with _open_existing(args.db) as db:
+        shards = [db.shards[s] for s in sorted(db.shards)]
+        encoders = shards[0].encoders_info()
+        value_encoder = encoders.get("value_encoder")
+        per_shard = [len(shard) for shard in shards]
+        info: dict[str, Any] = {
+            "path": str(path),
+            "shards": db.num_shards,
+            "records": sum(per_shard),
+            "records_per_shard": per_shard,
+            "dim": db.dim,
+            "value_dim": db.value_dim,
+            "encoder": encoders.get("encoder"),
+            "query_encoder": encoders.get("query_encoder"),
+            "value_encoder": "the key encoder" if value_encoder == "key" else value_encoder,
+            "index": db.index_spec,
+            "indexed": sum(shard.index.ntotal for shard in shards),
+            "score": db.score,
+        }
+    info["size_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    rows = [
+        ("path", info["path"]),
+        ("shards", info["shards"]),
+        ("records", info["records"]),
+        ("records_per_shard", ", ".join(str(n) for n in per_shard)),
+        ("dim", info["dim"]),
+        ("value_dim", info["value_dim"]),
+        ("encoder", _encoder_text(info["encoder"], info["dim"])),
+        ("query_encoder", _encoder_text(info["query_encoder"], info["dim"], absent="none (the key encoder)")),
+        ("value_encoder", _encoder_text(info["value_encoder"], info["value_dim"])),
+        ("index", info["index"]),
+        ("indexed", info["indexed"]),
+        ("score", info["score"]),
+        ("size on disk", _human_size(info["size_bytes"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 0
 
 
@@ -571,6 +719,12 @@ def _human_size(n: int) -> str:
 
 def _cmd_delete(args: argparse.Namespace) -> int:
     with _open_existing(args.db) as db:
+        if _is_sharded_db(db):  # all or nothing: a ShardedDatabase checks each shard's keys only as it deletes
+            from kvsearch.errors import KeyNotFoundError
+
+            missing = next((key for key in args.keys if key not in db), None)
+            if missing is not None:
+                raise KeyNotFoundError(f"expected a stored key, got {missing!r}; nothing was deleted")
         ids = db.delete(list(args.keys))
         left = len(db)
     print(f"deleted {len(ids)} record{'s' if len(ids) != 1 else ''} from {args.db} ({left} left)")
@@ -598,7 +752,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     for name in ("targets", "lr", "batch_size"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    with _open_existing(args.db) as db:
+    with _open_existing(args.db, unsharded_for="fine-tuning") as db:
         before = db.generation
         history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
         after = db.generation
@@ -669,7 +823,7 @@ def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _cmd_rollback(args: argparse.Namespace) -> int:
-    with _open_existing(args.db) as db:
+    with _open_existing(args.db, unsharded_for="rolling back the encoders") as db:
         before = db.generation
         after = db.rollback_encoders()
     print(f"rolled back {args.db}: generation {before} -> {after}")

@@ -268,6 +268,11 @@ class ShardedDatabase:
                 raise kind(f"rank {rank}: {outcome[1]}")
         return result
 
+    def _check_not_empty(self) -> None:
+        """Raise :class:`~kvsearch.EmptyDatabaseError` on every rank when no shard holds a record. Collective."""
+        if self._comm.all_sum(sum(len(db) for db in self.shards.values())) == 0:
+            raise errors.EmptyDatabaseError("expected a database with records to search, got an empty one")
+
     def _check_open(self) -> None:
         if self._closed:
             raise errors.DatabaseClosedError("this sharded database was closed; open the folder again to use it")
@@ -396,8 +401,8 @@ class ShardedDatabase:
     def delete(self, key_or_keys: str | int | Sequence[str | int]) -> list[int]:
         """Delete records by key text or global id, on their owner shards (see :meth:`kvsearch.Database.delete`).
 
-        Collective. A key or id that is not stored raises :class:`~kvsearch.KeyNotFoundError` on every rank (the
-        shards checked so far were not changed; deletes are atomic per shard).
+        Collective. A key or id that is not stored raises :class:`~kvsearch.KeyNotFoundError` on every rank and
+        nothing is deleted (checked on every shard first; the deletes themselves are atomic per shard).
         """
         self._check_open()
         items = self._agree(lambda: delete_items(key_or_keys))
@@ -405,6 +410,16 @@ class ShardedDatabase:
 
         def owner(item: str | int) -> int:
             return shard_of_key(item, self.num_shards) if isinstance(item, str) else shard_of_id(item)
+
+        def check() -> None:  # every named record is stored before any shard deletes anything
+            for wanted in requests:
+                for item in wanted:
+                    s = owner(item)
+                    if s in self.shards and not _stored(self.shards[s], item):
+                        what = "key" if isinstance(item, str) else "id"
+                        raise KeyNotFoundError(f"expected a stored {what}, got {item!r}; nothing was deleted")
+
+        self._agree(check)
 
         def run() -> dict[tuple[int, int], int]:
             done: dict[tuple[int, int], int] = {}
@@ -610,6 +625,7 @@ class ShardedDatabase:
         """
         self._check_open()
         q, _, single = self._agree(lambda: self._queries(queries))
+        self._check_not_empty()
         cand = self.candidates(q, k, where=where)
         scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, t)
         scores = scores.masked_fill(~cand.mask, -math.inf).cpu()  # (b, t): already ranked
@@ -642,6 +658,7 @@ class ShardedDatabase:
             return (*self._queries(queries), check_temperature(temperature))
 
         q, texts, single, temp = self._agree(check)
+        self._check_not_empty()
         targets = None
         if pooling == "exact":
             targets = self._exact_targets(texts, q)
@@ -677,6 +694,17 @@ class ShardedDatabase:
         for part in self._comm.gather_objects(self._agree(local)):
             found.update(part)
         return torch.tensor([found.get(t, -1) for t in texts], dtype=torch.long)
+
+
+def _stored(db: Database, item: str | int) -> bool:
+    """Whether a shard holds this key text or id."""
+    if isinstance(item, str):
+        return item in db
+    try:
+        db.get(int(item))
+    except KeyNotFoundError:
+        return False
+    return True
 
 
 def _best(

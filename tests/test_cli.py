@@ -4,7 +4,8 @@ Every command — build, query, info, delete, finetune, rollback, demo and ``--h
 (the ``kvsearch`` console script), checked on its exit status, its stdout and its stderr: empty on success
 (progress bars aside, where they are on), exactly one line on an error. Each run pays the torch import (a
 second or two), so variations — every command's help, argument errors, the text form of ``info`` — are
-checked in-process through ``main()``.
+checked in-process through ``main()``. A sharded database (``build --shards 4``) is built, queried, described
+and deleted from the same way, and compared with the plain one built from the same file.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import pytest
 import torch
 
 import kvsearch
+from kvsearch import sharding
 from kvsearch.cli import build_parser, main
 from kvsearch.demo import AUTHORS
+from kvsearch.distributed import ShardedDatabase
 
 SCRIPT = Path(sys.executable).with_name("kvsearch")  # the console script pip installs next to python
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli"]
@@ -340,6 +343,8 @@ def test_every_command_has_help(name, capsys):
         ["build", "db"],
         ["frobnicate"],
         ["query", "db", "x", "--pooling", "max"],
+        ["build", "db", "--from", "a.csv", "--shards", "0"],
+        ["build", "db", "--from", "a.csv", "--shards", "-2"],
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(argv, capsys):
@@ -365,3 +370,203 @@ def test_a_build_that_fails_before_ingest_leaves_no_folder(tmp_path, capsys):
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("kvsearch build: error: FAISS cannot build an index from the spec 'Bogus'")
     assert not (tmp_path / "db").exists()
+
+
+# ---------------------------------------------------------------------- a sharded database (build --shards)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    """The authors database built once by ``kvsearch build --shards 4`` (tests copy it before writing)."""
+    folder = tmp_path_factory.mktemp("cli-sharded")
+    source = folder / "authors.csv"
+    source.write_text("last,first\n" + "".join(f"{k},{v}\n" for k, v in AUTHORS.items()))
+    db = folder / "people"
+    result = run("build", str(db), "--from", str(source), "--key", "last", "--value", "first", "--shards", "4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"added 6 records from {source} to {db} (6 records in all)\n"
+    assert error_lines(result.stderr) == []  # only the progress bars
+    assert sharding.is_sharded(db) and not (db / "store.sqlite").exists()
+    assert sorted(p.name for p in db.iterdir()) == [
+        "shard-0000",
+        "shard-0001",
+        "shard-0002",
+        "shard-0003",
+        "shards.json",
+    ]
+    return db
+
+
+def per_shard(keys: list[str], num_shards: int = 4) -> list[int]:
+    """How many of ``keys`` live on each shard (by the layout's key hash)."""
+    counts = [0] * num_shards
+    for key in keys:
+        counts[sharding.shard_of_key(key, num_shards)] += 1
+    return counts
+
+
+def test_sharded_build_spreads_the_records_by_key_hash(sharded):
+    with ShardedDatabase(sharded) as sdb:
+        assert (sdb.num_shards, len(sdb)) == (4, 6)
+        assert [len(sdb.shards[s]) for s in range(4)] == per_shard(list(AUTHORS))
+        assert all(sharding.shard_of_id(h.id) == sharding.shard_of_key(h.key, 4) for h in sdb.search("Li", k=6))
+        assert sdb.lookup("Smola") == "Alex"
+
+
+def test_sharded_query_table_matches_a_plain_database(sharded, built):
+    result = run("query", str(sharded), "Li", "Lipto", "--k", "3", "--temperature", "0.5")
+    assert (result.returncode, result.stderr) == (0, "")
+    plain = run("query", str(built), "Li", "Lipto", "--k", "3", "--temperature", "0.5")
+    assert result.stdout == plain.stdout  # same records, same table: keys, values and weights
+    blocks = result.stdout.strip().split("\n\n")
+    assert [b.splitlines()[0] for b in blocks] == [
+        "query 'Li' (softmax): answer 'Mu'",
+        "query 'Lipto' (softmax): answer 'Zachary'",
+    ]
+
+
+def test_sharded_query_json_softmax_and_exact(sharded, built):
+    result = run("query", str(sharded), "Lipto", "Smolla", "--k", "4", "--json")
+    assert (result.returncode, result.stderr) == (0, "")
+    answers = json.loads(result.stdout)
+    with kvsearch.Database(built) as db:
+        expected = db.query(["Lipto", "Smolla"], k=4)
+    for b, answer in enumerate(answers):
+        order = torch.argsort(expected.weights[b], descending=True).tolist()
+        assert [c["key"] for c in answer["candidates"]] == [expected.keys[b][i] for i in order]
+        assert [c["value"] for c in answer["candidates"]] == [AUTHORS[c["key"]] for c in answer["candidates"]]
+        weights = torch.tensor([c["weight"] for c in answer["candidates"]])
+        torch.testing.assert_close(weights, expected.weights[b][order], atol=1e-5, rtol=0)
+        assert all(sharding.shard_of_id(c["id"]) == sharding.shard_of_key(c["key"], 4) for c in answer["candidates"])
+    assert [(a["query"], a["found"], a["value"]) for a in answers] == [
+        ("Lipto", True, "Zachary"),
+        ("Smolla", True, "Alex"),
+    ]
+
+    exact = run("query", str(sharded), "Li", "Lix", "--pooling", "exact", "--json")
+    assert exact.returncode == 1
+    answers = json.loads(exact.stdout)
+    assert [(a["query"], a["found"], a["value"]) for a in answers] == [("Li", True, "Mu"), ("Lix", False, None)]
+    (candidate,) = answers[0]["candidates"]
+    assert (candidate["key"], candidate["value"], candidate["weight"]) == ("Li", "Mu", 1.0)
+    assert sharding.shard_of_id(candidate["id"]) == sharding.shard_of_key("Li", 4)
+    assert answers[1]["candidates"] == []
+    assert error_lines(exact.stderr) == ["kvsearch query: not found: no record has the key 'Lix'"]
+
+
+def test_sharded_query_k_all_is_one_line(sharded, capsys):
+    assert main(["query", str(sharded), "Li", "--k", "all"]) == 1  # in-process
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        'kvsearch query: error: k="all" (attention over every record) is not supported across shards yet\n'
+    )
+
+
+def test_sharded_info_as_a_user_runs_it(sharded, capsys):
+    result = run("info", str(sharded), "--json")
+    assert (result.returncode, result.stderr) == (0, "")
+    info = json.loads(result.stdout)
+    assert (info["shards"], info["records"], info["indexed"]) == (4, 6, 6)
+    assert info["records_per_shard"] == per_shard(list(AUTHORS))
+    assert (info["dim"], info["value_dim"], info["index"], info["score"]) == (256, 256, "Flat", "cosine")
+    assert info["encoder"]["kind"] == "ngram" and info["value_encoder"] == "the key encoder"
+    assert info["query_encoder"] is None
+    assert info["size_bytes"] == sum(f.stat().st_size for f in sharded.rglob("*") if f.is_file())
+
+    assert main(["info", str(sharded)]) == 0  # the text form, in-process
+    text = capsys.readouterr().out
+    assert "\nshards             4\n" in text and "\nrecords            6\n" in text
+    assert "\nrecords_per_shard  " + ", ".join(map(str, per_shard(list(AUTHORS)))) + "\n" in text
+    assert "\nencoder            kind=ngram, dim=256\n" in text and "\nindex              Flat\n" in text
+
+
+def test_sharded_delete_is_all_or_nothing(sharded, tmp_path, capsys):
+    db = tmp_path / "people"
+    shutil.copytree(sharded, db)
+    nobody = next(k for k in ("Nobody", "Nobody2", "Nobody3") if sharding.shard_of_key(k, 4) > 0)
+    assert sharding.shard_of_key("Li", 4) < sharding.shard_of_key(nobody, 4)  # Li's shard comes first
+    refused = run("delete", str(db), "Li", nobody)
+    assert (refused.returncode, refused.stdout) == (1, "")
+    assert refused.stderr == f"kvsearch delete: error: expected a stored key, got {nobody!r}; nothing was deleted\n"
+    with ShardedDatabase(db) as sdb:
+        assert len(sdb) == 6 and "Li" in sdb  # nothing was deleted, not even on Li's shard
+    deleted = run("delete", str(db), "Li")
+    assert (deleted.returncode, deleted.stdout, deleted.stderr) == (0, f"deleted 1 record from {db} (5 left)\n", "")
+    assert main(["query", str(db), "Li", "--pooling", "exact"]) == 1  # in-process
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "query 'Li' (exact): not found"
+    assert captured.err == "kvsearch query: not found: no record has the key 'Li'\n"
+    with ShardedDatabase(db) as sdb:
+        assert len(sdb) == 5 and "Li" not in sdb
+        assert [len(sdb.shards[s]) for s in range(4)] == per_shard([k for k in AUTHORS if k != "Li"])
+        assert sdb.search("Li", k=1)[0].key == "Lipton"
+
+
+def test_sharded_build_adds_to_an_existing_sharded_database(sharded, tmp_path, capsys):
+    db = tmp_path / "people"
+    shutil.copytree(sharded, db)
+    more = tmp_path / "more.jsonl"
+    more.write_text('{"key": "Goodfellow", "value": "Ian"}\n{"key": "Bengio", "value": "Yoshua"}\n')
+    assert main(["build", str(db), "--from", str(more), "--quiet"]) == 0  # no --shards: the stored layout
+    assert capsys.readouterr().out == f"added 2 records from {more} to {db} (8 records in all)\n"
+    again = tmp_path / "again.csv"
+    again.write_text("key,value\nNew,One\nSmola,Alex\n")  # Smola is already stored
+    assert main(["build", str(db), "--from", str(again), "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        f"kvsearch build: error: '{again}' has 1 bad row, nothing was written: line 3: key 'Smola' is already "
+        "stored in the database\n"
+    )
+    assert main(["build", str(db), "--from", str(more), "--shards", "2", "--quiet"]) == 1
+    assert capsys.readouterr().err == f"kvsearch build: error: {db} was created with num_shards=4; got num_shards=2\n"
+    with ShardedDatabase(db) as sdb:
+        assert len(sdb) == 8 and sdb.lookup("Bengio") == "Yoshua" and "New" not in sdb
+
+
+def test_a_failed_sharded_build_leaves_nothing(tmp_path, capsys):
+    source = tmp_path / "bad.jsonl"
+    source.write_text('{"key": "a", "value": "1"}\n{"key": "", "value": "2"}\n')
+    result = run("build", str(tmp_path / "db"), "--from", str(source), "--shards", "4")
+    assert result.returncode == 1
+    (line,) = error_lines(result.stderr)
+    assert line == f"kvsearch build: error: '{source}' has 1 bad row, nothing was written: line 2: empty key ''"
+    assert not (tmp_path / "db").exists()
+    mine = tmp_path / "mine"  # a folder that was there: only what the build wrote goes
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["build", str(mine), "--from", str(source), "--shards", "2", "--quiet"]) == 1
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert main(["build", str(tmp_path / "db"), "--from", str(source), "--shards", "2", "--index", "Bogus"]) == 1
+    assert not (tmp_path / "db").exists()
+    capsys.readouterr()
+
+
+def test_bad_shards_is_a_usage_error(tmp_path):
+    source = tmp_path / "a.csv"
+    source.write_text("key,value\nLi,Mu\n")
+    result = run("build", str(tmp_path / "db"), "--from", str(source), "--shards", "0")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "kvsearch build: error: argument --shards: expected a positive integer, got '0' (see kvsearch build --help)\n"
+    )
+    assert not (tmp_path / "db").exists()
+
+
+def test_shards_on_a_plain_database_and_finetune_on_a_sharded_one_are_refused(built, sharded, tmp_path, capsys):
+    db = copy_of(built, tmp_path)
+    source = tmp_path / "a.csv"
+    source.write_text("key,value\nNew,One\n")
+    assert main(["build", str(db), "--from", str(source), "--shards", "4", "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        f"kvsearch build: error: '{db}' holds a database that is not sharded: --shards creates a new sharded "
+        "database (choose another folder)\n"
+    )
+    assert not sharding.is_sharded(db)
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("query,target\nLipto,Lipton\n")
+    assert main(["finetune", str(sharded), "--pairs", str(pairs), "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        f"kvsearch finetune: error: '{sharded}' is a sharded database: fine-tuning is not supported across shards yet\n"
+    )
+    assert main(["rollback", str(sharded)]) == 1
+    assert "not supported across shards yet" in capsys.readouterr().err
