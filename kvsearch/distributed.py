@@ -232,7 +232,6 @@ class ShardedDatabase:
                     db.store.start_ids_after(s << 40)
                 shards[s] = db
                 encoder, value_encoder = db.encoder, (db.value_encoder if db.value_encoder is not db.encoder else None)
-                options = {"device": options["device"]}  # the first shard decided dims, index and score
             if creating and self.rank == 0:
                 first = next(iter(shards.values()))
                 ShardLayout(num_shards, first.dim, first.value_dim, first.score, first.index_spec).write(self.path)
@@ -369,9 +368,9 @@ class ShardedDatabase:
                     (
                         owner,
                         key,
-                        None if key_embs is None else key_embs[i].cpu(),
+                        None if key_embs is None else key_embs[i].cpu().clone(),  # a pickled view sends the batch
                         value_texts[i],
-                        None if value_embs is None else value_embs[i].cpu(),
+                        None if value_embs is None else value_embs[i].cpu().clone(),
                         meta[i],
                     )
                 )

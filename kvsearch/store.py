@@ -634,7 +634,7 @@ class Store:
             rows = self.rows_of(torch.tensor(need_emb))  # (r,) -1 for an id no longer stored
             values = self.values[rows.clamp(min=0).to(self.device)].cpu()  # (r, value_dim)
             for i, row, present in zip(need_emb, values, (rows >= 0).tolist()):
-                out[i] = row if present else None
+                out[i] = row.clone() if present else None  # its own storage, not a view of the batch
         return out
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
