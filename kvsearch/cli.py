@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvsearch import folder as folders
 from kvsearch import sharding
+from kvsearch.cli_format import answer_table, history_table, info_text
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
     from kvsearch.distributed import ShardedDatabase
     from kvsearch.results import Answer
-    from kvsearch.training import History
 
 __all__ = ["main", "build_parser"]
 
@@ -481,7 +481,7 @@ def _cmd_query(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results, ensure_ascii=False, indent=2))
     else:
-        print(_answer_table(results, args.pooling))
+        print(answer_table(results, args.pooling))
     missing = [r["query"] for r in results if not r["found"]]
     if missing:
         why = "no record has the key" if args.pooling == "exact" else "no candidate for"
@@ -500,7 +500,7 @@ def _answer_rows(
     ids = answer.ids.tolist()  # (batch, k)
     weights = answer.weights.detach().cpu().tolist()  # (batch, k)
     wanted = sorted({i for row in ids for i in row if i >= 0})
-    value_texts = _value_texts(db, wanted)
+    value_texts = db.value_texts(wanted)
     results = []
     for b, text in enumerate(texts):
         rows = [
@@ -526,81 +526,18 @@ def _answer_rows(
     return results
 
 
-def _value_texts(db: Database | ShardedDatabase, ids: list[int]) -> dict[int, str | None]:
-    """id -> value text (None for a value stored as an embedding); a sharded database asks each id's owner shard
-    (this process holds every shard)."""
-    if not _is_sharded_db(db):
-        return db.value_texts(ids)
-    by_shard: dict[int, list[int]] = {}
-    for i in ids:
-        by_shard.setdefault(sharding.shard_of_id(i), []).append(i)
-    texts: dict[int, str | None] = {}
-    for s, own in by_shard.items():
-        texts.update(db.shards[s].value_texts(own))
-    return texts
-
-
-def _answer_table(results: list[dict[str, Any]], pooling: str) -> str:
-    blocks = []
-    for r in results:
-        head = f"query {r['query']!r} ({pooling}): " + (f"answer {r['value']!r}" if r["found"] else "not found")
-        rows = [("key", "value", "weight")]
-        rows += [
-            (str(c["key"]), "<embedding>" if c["value"] is None else str(c["value"]), f"{c['weight']:.4f}")
-            for c in r["candidates"]
-        ]
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = [f"  {a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
-        lines.insert(1, "  " + "  ".join("-" * w for w in widths))
-        blocks.append("\n".join([head, *lines]) if r["candidates"] else head)
-    return "\n\n".join(blocks)
-
-
 def _cmd_info(args: argparse.Namespace) -> int:
     path = Path(args.db)
-    if sharding.is_sharded(path):
-        return _cmd_info_sharded(args)
     with _open_existing(args.db) as db:
-        encoders = db.encoders_info()
+        shards = [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
+        encoders = shards[0].encoders_info()  # every shard has the same encoders
         value_encoder = encoders.get("value_encoder")
-        info: dict[str, Any] = {
-            "path": str(path),
-            "records": len(db),
-            "dim": db.dim,
-            "value_dim": db.value_dim,
-            "encoder": encoders.get("encoder"),
-            "query_encoder": encoders.get("query_encoder"),
-            "value_encoder": "the key encoder" if value_encoder == "key" else value_encoder,
-            "index": db.index_spec,
-            "indexed": db.index.ntotal,
-            "score": db.score,
-            "store_version": db.store.version,
-            "generation": encoders["generation"],
-            "previous_generation": encoders.get("previous"),
-            "last_run": encoders.get("last_run"),
-        }
-    info["size_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    print(_info_text(info))
-    return 0
-
-
-def _cmd_info_sharded(args: argparse.Namespace) -> int:
-    """``kvsearch info`` of a sharded database: the shard count, the records of each shard, dims, encoders
-    (those of the first shard: every shard has the same), index, score, size."""
-    path = Path(args.db)
-    with _open_existing(args.db) as db:
-        shards = [db.shards[s] for s in sorted(db.shards)]
-        encoders = shards[0].encoders_info()
-        value_encoder = encoders.get("value_encoder")
-        per_shard = [len(shard) for shard in shards]
-        info: dict[str, Any] = {
-            "path": str(path),
-            "shards": db.num_shards,
-            "records": sum(per_shard),
-            "records_per_shard": per_shard,
+        info: dict[str, Any] = {"path": str(path)}
+        if _is_sharded_db(db):
+            info["shards"] = db.num_shards
+            info["records_per_shard"] = [len(shard) for shard in shards]
+        info |= {
+            "records": sum(len(shard) for shard in shards),
             "dim": db.dim,
             "value_dim": db.value_dim,
             "encoder": encoders.get("encoder"),
@@ -610,111 +547,16 @@ def _cmd_info_sharded(args: argparse.Namespace) -> int:
             "indexed": sum(shard.index.ntotal for shard in shards),
             "score": db.score,
         }
+        if not _is_sharded_db(db):
+            info |= {
+                "store_version": db.store.version,
+                "generation": encoders["generation"],
+                "previous_generation": encoders.get("previous"),
+                "last_run": encoders.get("last_run"),
+            }
     info["size_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    rows = [
-        ("path", info["path"]),
-        ("shards", info["shards"]),
-        ("records", info["records"]),
-        ("records_per_shard", ", ".join(str(n) for n in per_shard)),
-        ("dim", info["dim"]),
-        ("value_dim", info["value_dim"]),
-        ("encoder", _encoder_text(info["encoder"], info["dim"])),
-        ("query_encoder", _encoder_text(info["query_encoder"], info["dim"], absent="none (the key encoder)")),
-        ("value_encoder", _encoder_text(info["value_encoder"], info["value_dim"])),
-        ("index", info["index"]),
-        ("indexed", info["indexed"]),
-        ("score", info["score"]),
-        ("size on disk", _human_size(info["size_bytes"])),
-    ]
-    width = max(len(name) for name, _ in rows)
-    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    print(json.dumps(info, indent=2) if args.json else info_text(info))
     return 0
-
-
-def _info_text(info: dict[str, Any]) -> str:
-    """The text form of ``kvsearch info``: one ``name  value`` line each, the encoders as kind and dim."""
-    previous = info["previous_generation"]
-    rows = [
-        ("path", info["path"]),
-        ("records", info["records"]),
-        ("dim", info["dim"]),
-        ("value_dim", info["value_dim"]),
-        ("encoder", _encoder_text(info["encoder"], info["dim"])),
-        ("query_encoder", _encoder_text(info["query_encoder"], info["dim"], absent="none (the key encoder)")),
-        ("value_encoder", _encoder_text(info["value_encoder"], info["value_dim"])),
-        ("index", info["index"]),
-        ("indexed", info["indexed"]),
-        ("score", info["score"]),
-        ("store_version", info["store_version"]),
-        (
-            "generation",
-            f"{info['generation']} (no previous generation to roll back to)"
-            if previous is None
-            else f"{info['generation']} (previous {previous}: kvsearch rollback returns to it)",
-        ),
-        ("last_run", "none" if not info["last_run"] else _last_run_text(info["last_run"])),
-        ("size on disk", _human_size(info["size_bytes"])),
-    ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
-def _encoder_text(config: dict[str, Any] | str | None, dim: int | None, *, absent: str = "none") -> str:
-    """An encoder as ``kind=ngram, dim=256`` (and its model, if named); ``absent`` for None; a string as is."""
-    if config is None:
-        return absent
-    if isinstance(config, str):
-        return config
-    parts = {"kind": config.get("kind"), "dim": config.get("dim", dim)}
-    if config.get("model") is not None:
-        parts["model"] = config["model"]
-    return ", ".join(f"{name}={value}" for name, value in parts.items() if value is not None)
-
-
-def _last_run_text(run: dict[str, Any]) -> str:
-    """One line for a fine-tuning run recorded by ``finetune`` (``encoders_info()["last_run"]``).
-
-    Shows what the record holds, in this order: the metric before -> after, the kept epoch, epochs, steps,
-    seconds, what was trained and with which loss, the date. Records written by older versions may lack some.
-    """
-    parts = []
-    metric = run.get("metric", "metric")
-    before, after = run.get("before"), run.get("after")
-    if before is not None or after is not None:
-        parts.append(f"{metric} {_number(before)} -> {_number(after)}")
-    if run.get("kept_epoch") is not None:
-        kept = int(run["kept_epoch"])
-        of = f" of {run['epochs']}" if run.get("epochs") is not None else ""
-        parts.append(f"kept epoch {kept}{of}" + (" (the start: nothing was committed)" if kept == 0 else ""))
-    elif run.get("epochs") is not None:
-        parts.append(f"{run['epochs']} epochs")
-    if run.get("steps") is not None:
-        parts.append(f"{run['steps']} steps")
-    if run.get("seconds") is not None:
-        parts.append(f"{float(run['seconds']):.1f} s")
-    if run.get("train") is not None:
-        parts.append(f"train={run['train']}")
-    if run.get("loss") is not None:
-        parts.append(f"loss={run['loss']}")
-    if run.get("date") is not None:
-        parts.append(str(run["date"]))
-    return ", ".join(parts) or json.dumps(run)
-
-
-def _number(value: Any) -> str:
-    return "?" if value is None else f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
-
-
-def _human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit} ({n} bytes)"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:
@@ -759,7 +601,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     evaluated = f", evaluated on {len(eval_pairs)} held-out pairs" if eval_pairs is not None else ""
     print(f"fine-tuned {args.db} on {len(pairs)} pairs for {args.epochs} epochs{evaluated} ({history.seconds:.1f} s)")
     if history.metrics:
-        print(_history_table(history))
+        print(history_table(history))
     print(history.summary())
     if history.committed:
         print(
@@ -769,35 +611,6 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     else:
         print(f"nothing was committed: {args.db} keeps its old retriever (generation {after} unchanged)")
     return 0
-
-
-def _history_table(history: History) -> str:
-    """The eval metrics of a fine-tuning run, one row per evaluation (epoch 0 is before training), as a table.
-
-    Columns: the epoch, the step, the mean training loss of that epoch, then every metric (recall@1, recall@k
-    shown with its k, MRR, or the eval loss on tensor pairs). The row of the kept epoch is marked.
-    """
-    names = [name for name in history.metrics[0] if name not in ("epoch", "step")]
-    headers = {"recall@k": f"recall@{history.k}", "mrr": "MRR", "loss": "eval loss"}
-    header = ["epoch", "step", "train loss", *(headers.get(name, name) for name in names)]
-    rows = []
-    for m in history.metrics:
-        epoch = int(m["epoch"])
-        train_loss = history.epoch_losses[epoch - 1] if 1 <= epoch <= len(history.epoch_losses) else None
-        row = [str(epoch), str(int(m["step"])), "-" if train_loss is None else f"{train_loss:.4f}"]
-        row += [f"{m[name]:.4f}" if name in m else "-" for name in names]
-        if epoch == history.kept_epoch:
-            row.append("<- kept" + (" (the start)" if epoch == 0 else ""))
-        elif epoch == 0:
-            row.append("(before)")
-        rows.append(row)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(f"{cell:>{w}}" for cell, w in zip(header, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    for row in rows:
-        cells = "  ".join(f"{cell:>{w}}" for cell, w in zip(row, widths))
-        lines.append(f"{cells}  {row[len(widths)]}" if len(row) > len(widths) else cells)
-    return "\n".join(lines)
 
 
 def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:

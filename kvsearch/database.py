@@ -143,14 +143,7 @@ class Database:
     def _create(self, encoder, value_encoder, dim, value_dim, index, score, search_params) -> None:
         config, value_encoder = new_config(encoder, value_encoder, dim, value_dim, index, score, search_params)
         self._adopt(config)
-        self._retriever = Retriever(
-            self._store,
-            dim=self.dim,
-            spec=self.index_spec,
-            score=self.score,
-            params=config["search_params"],
-            folder=self.path,
-        )
+        self._retriever = self._new_retriever()
         self._encoders = EncoderSet.create(self._files, self.device, key=encoder, value=value_encoder)
         self._config = {**config, **self._encoders.flags()}
         self._store.set_meta("config", self._config)
@@ -165,14 +158,7 @@ class Database:
         )
         self._files.settle()
         self._store.load(self.dim, self.value_dim)
-        self._retriever = Retriever(
-            self._store,
-            dim=self.dim,
-            spec=self.index_spec,
-            score=self.score,
-            params=self._config.get("search_params") or {},
-            folder=self.path,
-        )
+        self._retriever = self._new_retriever()
         self._retriever.open()
         mismatch = generations.key_mismatch(self._store, self.encoder)
         if mismatch > generations.KEY_TOLERANCE:  # written by an older version during a run that stopped, or damaged
@@ -186,6 +172,11 @@ class Database:
         except (DatabaseLockedError, NonFiniteError) as exc:
             raise InconsistentDatabaseError(f"{what}; they could not be re-encoded ({exc})") from None
         warnings.warn(f"kvsearch: {what}; every key was re-encoded with the stored encoder", RuntimeWarning, 3)
+
+    def _new_retriever(self) -> Retriever:
+        """The retriever of this store, with the configuration's index spec, score and search parameters."""
+        options = {"spec": self.index_spec, "score": self.score, "params": self._config.get("search_params") or {}}
+        return Retriever(self._store, dim=self.dim, folder=self.path, **options)
 
     def _adopt(self, config: dict[str, Any]) -> None:
         self._config = config

@@ -57,7 +57,7 @@ from kvsearch.errors import (
 from kvsearch.filters import check_where
 from kvsearch.inputs import KeysIn, Queries, check_metadata, delete_items, query_tensor, query_texts, record_side
 from kvsearch.results import Answer, Hit, make_answer, make_hits
-from kvsearch.sharding import ShardLayout, is_sharded, shard_dir, shard_of_id, shard_of_key, shards_of_rank
+from kvsearch.sharding import ID_SHIFT, ShardLayout, is_sharded, shard_dir, shard_of_id, shard_of_key, shards_of_rank
 from kvsearch.store import Record
 
 __all__ = ["ShardedDatabase"]
@@ -563,7 +563,7 @@ class ShardedDatabase:
             for s, db in self.shards.items():
                 if n == 0 or len(db) == 0:
                     continue
-                own = torch.where(torch.tensor([shard_of_id(int(i)) == s for i in t.tolist()]), t, -1)
+                own = torch.where((t >= 0) & ((t >> ID_SHIFT) == s), t, -1)  # (n,) targets on shard s
                 cand = db.candidates(q, take, targets=own, where=filters[source])
                 found.append((cand.ids.cpu(), cand.keys.cpu(), cand.values.cpu()))
             if found:
@@ -597,6 +597,11 @@ class ShardedDatabase:
             keys.update(part_keys)
             values.update(part_values)
         return keys, values
+
+    def value_texts(self, ids: Sequence[int]) -> dict[int, str | None]:
+        """id -> the value text (None for a value given as an embedding), read from each id's owner. Collective."""
+        _, values = self._texts(list(ids))
+        return {i: v if isinstance(v, str) else None for i, v in values.items()}
 
     def _queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
         """This rank's queries as (batch, dim) — possibly (0, dim) —, their texts, and whether one came unbatched."""

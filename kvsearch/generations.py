@@ -147,10 +147,14 @@ def key_mismatch(store: Store, encoder: Encoder | None, sample: int = 64) -> flo
     """
     if encoder is None or not store.key_of_id:
         return 0.0
-    ids = store.ids.tolist()
-    rows = [row for row, id_ in enumerate(ids) if id_ in store.key_of_id]
-    picked = [rows[int(i)] for i in torch.linspace(0, len(rows) - 1, min(sample, len(rows))).round().long()]
-    fresh = _encode(encoder, [store.key_of_id[ids[row]] for row in picked])  # (s, dim)
+    m = len(store.ids)
+    spread = torch.linspace(0, m - 1, min(4 * sample, m)).round().long().unique().tolist()  # rows, evenly spread
+    with_text = [row for row in spread if int(store.ids[row]) in store.key_of_id]
+    if not with_text:  # the spread hit only keys stored as embeddings: look at every row once
+        with_text = [row for row, id_ in enumerate(store.ids.tolist()) if id_ in store.key_of_id]
+    picked = with_text[:: max(1, len(with_text) // sample)][:sample]
+    ids = store.ids
+    fresh = _encode(encoder, [store.key_of_id[int(ids[row])] for row in picked])  # (s, dim)
     stored = store.keys[torch.tensor(picked, dtype=torch.long, device=store.keys.device)]  # (s, dim)
     if not all_finite(fresh):
         return float("inf")
