@@ -29,28 +29,27 @@ This module knows nothing of a shard's internals: it uses each shard's public :c
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from kvsearch import errors
 from kvsearch.attention import POOLINGS, Candidates, ScoreFn, attend, check_score, compute_scores
 from kvsearch.checks import check_device, check_finite, check_k, check_temperature
+from kvsearch.collectives import DEFAULT_TIMEOUT, Comm
 from kvsearch.database import Database
 from kvsearch.encoders import Encoder
 from kvsearch.errors import (
-    DistributedError,
     InvalidArgumentError,
     KeyNotFoundError,
-    KVSearchError,
     NotSupportedError,
     UnknownOptionError,
 )
@@ -59,98 +58,13 @@ from kvsearch.inputs import KeysIn, Queries, check_metadata, delete_items, query
 from kvsearch.results import Answer, Hit, make_answer, make_hits
 from kvsearch.sharding import ID_SHIFT, ShardLayout, is_sharded, shard_dir, shard_of_id, shard_of_key, shards_of_rank
 from kvsearch.store import Record
+from kvsearch.team import Team
 
 __all__ = ["ShardedDatabase"]
 
 T = TypeVar("T")
 _MISSING: Any = object()
 #: Seconds a collective may wait for a peer before :class:`DistributedError` (torch's own default is 30 minutes).
-DEFAULT_TIMEOUT = 120.0
-
-
-class _Comm:
-    """The collectives a sharded database needs, on a gloo group of its own (identity in one process).
-
-    Every exception torch.distributed raises (a dead peer, a timeout) becomes :class:`DistributedError`.
-    """
-
-    def __init__(self, group: Any, timeout: float) -> None:
-        self.active = dist.is_available() and dist.is_initialized()
-        self.group = None
-        self.rank, self.world = 0, 1
-        if self.active:
-            base = group if group is not None else dist.group.WORLD
-            ranks = dist.get_process_group_ranks(base)
-            self.world = len(ranks)
-            self.rank = dist.get_rank(base)
-            # a CPU group with this database's timeout (the default group may be NCCL, or have torch's 30 minutes)
-            self.group = self._call(
-                lambda: dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-            )
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except (RuntimeError, ValueError, OSError) as exc:  # DistBackendError, DistNetworkError, timeouts
-            if isinstance(exc, KVSearchError):
-                raise
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DistributedError(f"rank {self.rank}: a collective with the other ranks failed: {message}") from None
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order."""
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self._call(lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
-
-    def all_sum(self, value: int) -> int:
-        if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.long)
-        self._call(lambda: dist.all_reduce(t, group=self.group))
-        return int(t.item())
-
-    def gather_rows(self, rows: Tensor) -> tuple[Tensor, list[int]]:
-        """Every rank's rows (n_r, ...) concatenated in rank order, and the counts n_r (uneven sizes allowed)."""
-        if self.world == 1:
-            return rows, [rows.shape[0]]
-        counts = [int(c) for c in self.gather_sizes(rows.shape[0])]
-        biggest = max(counts) if counts else 0
-        padded = torch.zeros((biggest, *rows.shape[1:]), dtype=rows.dtype)
-        padded[: rows.shape[0]] = rows
-        out = [torch.empty_like(padded) for _ in range(self.world)]
-        self._call(lambda: dist.all_gather(out, padded, group=self.group))
-        return torch.cat([part[:n] for part, n in zip(out, counts)]), counts
-
-    def gather_sizes(self, n: int) -> list[int]:
-        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.world)]
-        self._call(lambda: dist.all_gather(sizes, torch.tensor([n], dtype=torch.long), group=self.group))
-        return [int(s) for s in sizes]
-
-    def exchange(self, rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
-        """``all_to_all_single``: rows (sum send_counts, ...) go to the ranks in order; returns what came back."""
-        if self.world == 1:
-            return rows
-        tail = tuple(rows.shape[1:])
-        width = math.prod(tail)
-        out = torch.empty(sum(recv_counts) * width, dtype=rows.dtype)
-        flat = rows.reshape(-1).contiguous()
-        self._call(
-            lambda: dist.all_to_all_single(
-                out,
-                flat,
-                output_split_sizes=[c * width for c in recv_counts],
-                input_split_sizes=[c * width for c in send_counts],
-                group=self.group,
-            )
-        )
-        return out.reshape(sum(recv_counts), *tail)
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            self._call(lambda: dist.barrier(group=self.group))
 
 
 class ShardedDatabase:
@@ -191,17 +105,14 @@ class ShardedDatabase:
             raise InvalidArgumentError(f"expected timeout as a number of seconds > 0, got {timeout!r}")
         self.path = Path(path)
         self.device = check_device(device)
-        self._comm = _Comm(group, float(timeout))
+        self._comm = Comm(group, float(timeout))
         self.rank, self.world_size = self._comm.rank, self._comm.world
         self._closed = False
         options = {"dim": dim, "value_dim": value_dim, "index": index, "score": score, "device": self.device}
         self.shards: dict[int, Database] = self._agree(lambda: self._open(num_shards, encoder, value_encoder, options))
-        first = next(iter(self.shards.values()), None)
         layout = ShardLayout.read(self.path)
         self.num_shards, self.dim, self.value_dim = layout.num_shards, layout.dim, layout.value_dim
         self.score, self.index_spec = layout.score, layout.index
-        self.encoder = None if first is None else first.encoder
-        self.value_encoder = None if first is None else first.value_encoder
         if search_params:
             for shard in self.shards.values():
                 shard.set_search_params(**search_params)
@@ -234,7 +145,10 @@ class ShardedDatabase:
                 encoder, value_encoder = db.encoder, (db.value_encoder if db.value_encoder is not db.encoder else None)
             if creating and self.rank == 0:
                 first = next(iter(shards.values()))
-                ShardLayout(num_shards, first.dim, first.value_dim, first.score, first.index_spec).write(self.path)
+                layout = ShardLayout(num_shards, first.dim, first.value_dim, first.score, first.index_spec)
+                replace(layout, generation=first.generation).write(self.path)
+            if not creating:
+                self._check_generations(ShardLayout.read(self.path), shards)
             query = next((db.query_encoder for db in shards.values() if db.query_encoder is not None), None)
             for db in shards.values():  # one query-side encoder object for every local shard
                 if query is not None and db.query_encoder is not query:
@@ -251,21 +165,7 @@ class ShardedDatabase:
     # ------------------------------------------------------------------ agreement
 
     def _agree(self, local: Callable[[], T]) -> T:
-        """Run ``local`` on every rank, then raise on every rank if it raised on any (the first rank's error)."""
-        result, failure = None, None
-        try:
-            result = local()
-        except KVSearchError as exc:
-            failure = exc
-        outcomes = self._comm.gather_objects(None if failure is None else (type(failure).__name__, str(failure)))
-        for rank, outcome in enumerate(outcomes):
-            if outcome is not None:
-                if failure is not None and rank == self.rank:
-                    raise failure
-                kind = getattr(errors, outcome[0], KVSearchError)
-                kind = kind if isinstance(kind, type) and issubclass(kind, KVSearchError) else KVSearchError
-                raise kind(f"rank {rank}: {outcome[1]}")
-        return result
+        return self._comm.agree(local)
 
     def _check_not_empty(self) -> None:
         """Raise :class:`~kvsearch.EmptyDatabaseError` on every rank when no shard holds a record. Collective."""
@@ -283,11 +183,10 @@ class ShardedDatabase:
         return self._comm.all_sum(local)
 
     def __contains__(self, key: object) -> bool:
-        if not isinstance(key, str):
-            raise NotSupportedError("expected a key text: `in` by embedding is not supported across shards yet")
-        owner = shard_of_key(key, self.num_shards)
-        found = self._agree(lambda: owner in self.shards and key in self.shards[owner])
-        return any(self._comm.gather_objects(found))
+        """Whether a record has this key text or key embedding (equal embedding). Collective."""
+        self._check_open()
+        texts, q = self._agree(lambda: self._one_key(key))
+        return bool(self._exact_ids(texts, q)[0] >= 0) if q.shape[0] else False
 
     def __enter__(self) -> ShardedDatabase:
         return self
@@ -302,10 +201,40 @@ class ShardedDatabase:
         )
 
     @property
+    def encoder(self) -> Encoder | None:
+        """The key encoder (one object shared by this rank's shards), or None."""
+        return next(iter(self.shards.values())).encoder
+
+    @property
+    def value_encoder(self) -> Encoder | None:
+        """The value encoder (shared by this rank's shards), or None."""
+        return next(iter(self.shards.values())).value_encoder
+
+    @value_encoder.setter
+    def value_encoder(self, encoder: Encoder | None) -> None:
+        for db in self.shards.values():
+            db.value_encoder = encoder
+
+    @property
     def query_encoder(self) -> Encoder | None:
         """The query-side encoder (shared by this rank's shards), or None."""
-        first = next(iter(self.shards.values()), None)
-        return None if first is None else first.query_encoder
+        return next(iter(self.shards.values())).query_encoder
+
+    @query_encoder.setter
+    def query_encoder(self, encoder: Encoder | None) -> None:
+        for db in self.shards.values():
+            db.query_encoder = encoder
+
+    @property
+    def team(self) -> Team:
+        """The ranks serving this database, as a fine-tuning run loops with them (see :mod:`kvsearch.team`)."""
+        return _ShardTeam(self._comm)
+
+    @property
+    def generation(self) -> int:
+        """The generation of encoders every shard is at (``shards.json``'s commit point)."""
+        recorded = ShardLayout.read(self.path).generation
+        return next(iter(self.shards.values())).generation if recorded is None else recorded
 
     def close(self) -> None:
         """Close this rank's shards (saving what changed). Not collective; closing twice is harmless."""
@@ -316,18 +245,74 @@ class ShardedDatabase:
             db.close()
 
     def refresh(self) -> None:
-        """Re-encode every key of this rank's shards with the key encoder (a new generation each), then a barrier."""
-        self._check_open()
-        self._agree(lambda: [db.refresh() for db in self.shards.values()])
-        self._comm.barrier()
-
-    def begin_generation(self) -> Any:
-        """Not supported across shards yet.
+        """Re-encode every key of every shard with the key encoder: a new generation on every shard. Collective.
 
         Raises:
-            NotSupportedError: always.
+            NonFiniteError: the encoder produced NaN or Inf on some shard (no shard changed generation).
         """
-        raise NotSupportedError("fine-tuning a sharded database is not supported yet; fine-tune a single Database")
+        self._check_open()
+        self.switch_generation(lambda s, db: db.refresh())
+
+    def switch_generation(self, step: Callable[[int, Database], Any]) -> int:
+        """Move every shard to a new generation together (two phases). Collective.
+
+        Phase one runs ``step`` on each of this rank's shards (each commits a generation in its own store
+        transaction); if it fails on any rank, the shards that moved are rolled back and the error is raised on
+        every rank. Phase two is the commit point: rank 0 records the new generation in ``shards.json``, then a
+        barrier. A crash between the phases leaves shards one generation ahead of ``shards.json``; opening the
+        database rolls them back.
+
+        Args:
+            step: ``step(shard, db)`` commits one shard's new generation (``Database.refresh``, or a draft's
+                ``commit``).
+
+        Returns:
+            The new generation.
+        """
+        before = self.generation
+        moved: list[Database] = []
+
+        def phase_one() -> None:
+            for s, db in self.shards.items():
+                step(s, db)
+                moved.append(db)
+
+        try:
+            self._agree(phase_one)
+        except BaseException:
+            for db in moved:
+                db.rollback_encoders()
+            raise
+        after = {db.generation for db in self.shards.values()}
+        new = self._agree(lambda: _one_generation(self._comm.gather_objects(sorted(after)), before))
+        if self.rank == 0:
+            replace(ShardLayout.read(self.path), generation=new).write(self.path)
+        self._comm.barrier()
+        return new
+
+    @staticmethod
+    def _check_generations(layout: ShardLayout, shards: dict[int, Database]) -> None:
+        """Roll back shards a crashed switch left one generation ahead of ``shards.json`` (with a warning)."""
+        if layout.generation is None:
+            return
+        for s, db in shards.items():
+            if db.generation == layout.generation + 1:
+                warnings.warn(
+                    f"shard {s} is at generation {db.generation}, shards.json at {layout.generation} (a switch "
+                    "was interrupted): rolling the shard back",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                db.rollback_encoders()
+            if db.generation != layout.generation:
+                raise errors.InconsistentDatabaseError(
+                    f"expected shard {s} at generation {layout.generation} (shards.json), got {db.generation}"
+                )
+
+    def begin_generation(self) -> ShardedDraft:
+        """Start a fine-tuning run's draft generation on every shard (see :class:`ShardedDraft`). Collective."""
+        self._check_open()
+        return ShardedDraft(self, self._agree(lambda: {s: db.begin_generation() for s, db in self.shards.items()}))
 
     # ------------------------------------------------------------------ writing
 
@@ -377,6 +362,27 @@ class ShardedDatabase:
             return records
 
         batches = self._comm.gather_objects(self._agree(prepare))  # every rank's records
+
+        def check_new() -> None:  # add: no key stored or given twice, checked on every owner before any write
+            given: dict[str, int] = {}
+            for source, records in enumerate(batches):
+                for owner, key, *_ in records:
+                    if key is None or owner not in self.shards:
+                        continue
+                    if key in given:
+                        raise errors.DuplicateKeyError(
+                            f"expected unique keys, got {key!r} from rank {given[key]} and rank {source}; "
+                            "nothing was added"
+                        )
+                    given[key] = source
+                    if key in self.shards[owner]:
+                        raise errors.DuplicateKeyError(
+                            f"expected new keys, got {key!r}, which is stored; nothing was added "
+                            "(upsert replaces a stored key)"
+                        )
+
+        if not upsert:
+            self._agree(check_new)
 
         def commit() -> dict[tuple[int, int], list[int]]:
             done: dict[tuple[int, int], list[int]] = {}
@@ -438,50 +444,163 @@ class ShardedDatabase:
     # ------------------------------------------------------------------ reading by id or key
 
     def get(self, id: int) -> Record:
-        """The record with this global id (see :meth:`kvsearch.Database.get`). Collective.
+        """The record with this global id (see :meth:`kvsearch.Database.get`). Collective: each rank its own id.
 
         Raises:
             KeyNotFoundError: no record has this id.
         """
         self._check_open()
-        if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
-            raise InvalidArgumentError(f"expected an int id, got {type(id).__name__}")
-        owner = shard_of_id(int(id))
 
-        def local() -> Record | None:
-            if owner in self.shards:
-                return self.shards[owner].get(int(id))
-            return None
+        def check() -> int:
+            if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
+                raise InvalidArgumentError(f"expected an int id, got {type(id).__name__}")
+            return int(id)
 
-        found = [r for r in self._comm.gather_objects(self._agree(local)) if r is not None]
-        if not found:
-            raise KeyNotFoundError(f"expected a stored id, got {int(id)}")
-        return found[0]
+        wanted = self._comm.gather_objects(self._agree(check))  # every rank's id
 
-    def lookup(self, key: str, default: Any = _MISSING) -> str | Tensor | None:
-        """Exact lookup of a key text on its owner shard (see :meth:`kvsearch.Database.lookup`). Collective.
+        def local() -> dict[int, Record]:
+            found: dict[int, Record] = {}
+            for i in set(wanted):
+                s = shard_of_id(i) if i >= 0 else -1
+                if s in self.shards:
+                    try:
+                        found[i] = self.shards[s].get(i)
+                    except KeyNotFoundError:
+                        pass
+            return found
+
+        mine = wanted[self.rank]
+        for part in self._comm.gather_objects(self._agree(local)):
+            if mine in part:
+                return part[mine]
+        raise KeyNotFoundError(f"expected a stored id, got {mine}")
+
+    def lookup(self, key: str | Tensor, default: Any = _MISSING) -> str | Tensor | None:
+        """Exact lookup of a key text or key embedding (see :meth:`kvsearch.Database.lookup`). Collective: each
+        rank its own key.
 
         Raises:
             KeyNotFoundError: the key is not stored and no default was given.
-            NotSupportedError: a key given as an embedding.
         """
         self._check_open()
-        if not isinstance(key, str):
-            raise NotSupportedError("expected a key text: lookup by embedding is not supported across shards yet")
-        owner = shard_of_key(key, self.num_shards)
-
-        def local() -> tuple[bool, Any]:
-            if owner not in self.shards:
-                return False, None
-            value = self.shards[owner].lookup(key, default=_MISSING)
-            return (False, None) if value is _MISSING else (True, value)
-
-        for found, value in self._comm.gather_objects(self._agree(local)):
-            if found:
-                return value
+        texts, q = self._agree(lambda: self._one_key(key))
+        id_ = int(self._exact_ids(texts, q)[0])
+        _, values = self._texts([id_] if id_ >= 0 else [])
+        if id_ >= 0:
+            return values[id_]
         if default is _MISSING:
-            raise KeyNotFoundError(f"no record has the key {key!r}")
+            shown = key if isinstance(key, str) else "<embedding>"
+            raise KeyNotFoundError(f"no record has the key {shown!r}")
         return default
+
+    def _one_key(self, key: object) -> tuple[list[str] | None, Tensor]:
+        """A single key as ([text], (1, dim) placeholder) or (None, (1, dim) embedding)."""
+        if isinstance(key, str):
+            return [key], torch.zeros(1, self.dim)
+        if isinstance(key, (Tensor, np.ndarray)):
+            q, _ = query_tensor(key, self.dim)
+            if q.shape[0] != 1:
+                raise InvalidArgumentError(f"expected one key embedding (dim,), got shape {tuple(q.shape)}")
+            return None, q
+        raise InvalidArgumentError(f"expected a key text or a key embedding, got {type(key).__name__}")
+
+    def _exact_ids(self, texts: list[str] | None, q: Tensor) -> Tensor:
+        """The global id of the record whose key equals each query — text equality for texts, else an equal
+        embedding (the smallest such id) —, -1 where none. Collective.
+
+        Args:
+            texts: this rank's query texts, or None to match the embeddings.
+            q: (b, dim) this rank's query embeddings.
+
+        Returns:
+            (b,) int64 CPU ids.
+        """
+        asked = self._comm.gather_objects(texts if texts is not None else q.detach().to("cpu", torch.float32))
+
+        def local() -> list[Tensor]:
+            found = []
+            for wanted in asked:
+                ids = torch.full((len(wanted),), -1, dtype=torch.long)  # (n,)
+                for db in self.shards.values():
+                    if isinstance(wanted, list):  # only the owner shard can hold a key text
+                        hit = db.ids_of_keys(wanted) if wanted else ids
+                    else:
+                        hit = db.retriever.exact_targets(wanted) if len(db) and len(wanted) else ids
+                    ids = torch.where((hit >= 0) & ((ids < 0) | (hit < ids)), hit, ids)
+                found.append(ids)
+            return found
+
+        mine = torch.full((len(asked[self.rank]),), -1, dtype=torch.long)  # (b,)
+        for part in self._comm.gather_objects(self._agree(local)):
+            hit = part[self.rank]
+            mine = torch.where((hit >= 0) & ((mine < 0) | (hit < mine)), hit, mine)
+        return mine
+
+    def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
+        """The global id of each key text: (n,) int64 on the CPU, -1 where the key is not stored. Collective."""
+        self._check_open()
+        return self._exact_ids(self._agree(lambda: _texts_list(texts)), torch.zeros(len(texts), self.dim))
+
+    def key_texts(self, ids: Tensor | Sequence[int]) -> list[str | None]:
+        """The key text of each global id, in order: None where it has none or is not stored. Collective."""
+        wanted = [int(i) for i in torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()]
+        keys, _ = self._texts(wanted)
+        return [keys.get(i) for i in wanted]
+
+    def values_present(self, texts: Sequence[str]) -> Tensor:
+        """(n,) bool: whether some record of some shard holds each value text. Collective."""
+        self._check_open()
+        asked = self._comm.gather_objects(self._agree(lambda: _texts_list(texts)))
+
+        def local() -> list[Tensor]:
+            return [
+                torch.stack([db.values_present(wanted) for db in self.shards.values()]).any(0)
+                if wanted
+                else torch.zeros(0, dtype=torch.bool)
+                for wanted in asked
+            ]
+
+        present = torch.zeros(len(asked[self.rank]), dtype=torch.bool)  # (n,)
+        for part in self._comm.gather_objects(self._agree(local)):
+            present |= part[self.rank]
+        return present
+
+    def embeddings(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Key and value embeddings gathered by global id (any shape, -1 allowed), from their owners. Collective.
+
+        Returns:
+            keys (*ids.shape, dim), values (*ids.shape, value_dim) — zeros where an id is -1 or not stored — and
+            the mask (*ids.shape) of the stored ones, on :attr:`device`.
+        """
+        self._check_open()
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        asked = self._comm.gather_objects(ids.reshape(-1))
+
+        def local() -> list[tuple[Tensor, Tensor, Tensor]]:
+            out = []
+            for wanted in asked:  # (n,)
+                keys, values = torch.zeros(len(wanted), self.dim), torch.zeros(len(wanted), self.value_dim)
+                mask = torch.zeros(len(wanted), dtype=torch.bool)
+                for s, db in self.shards.items():
+                    own = (wanted >= 0) & ((wanted >> ID_SHIFT) == s)  # (n,)
+                    if own.any():
+                        k, v, m = db.embeddings(wanted[own])
+                        keys[own], values[own], mask[own] = k.cpu().float(), v.cpu().float(), m.cpu()
+                out.append((keys, values, mask))
+            return out
+
+        keys, values = torch.zeros(ids.numel(), self.dim), torch.zeros(ids.numel(), self.value_dim)
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        for part in self._comm.gather_objects(self._agree(local)):
+            k, v, m = part[self.rank]
+            keys[m], values[m] = k[m], v[m]
+            mask |= m
+        device = self.device
+        return (
+            keys.reshape(*ids.shape, self.dim).to(device),
+            values.reshape(*ids.shape, self.value_dim).to(device),
+            mask.reshape(ids.shape).to(device),
+        )
 
     # ------------------------------------------------------------------ search and query
 
@@ -510,6 +629,18 @@ class ShardedDatabase:
             NotSupportedError: ``k="all"``.
             InvalidArgumentError, DimensionMismatchError: bad arguments (on every rank).
         """
+        return self._candidates(self.shards, queries, k, targets=targets, where=where)
+
+    def _candidates(
+        self,
+        sources: Mapping[int, Any],
+        queries: Tensor,
+        k: int | Literal["all"],
+        *,
+        targets: Tensor | None = None,
+        where: Mapping[str, Any] | None = None,
+    ) -> Candidates:
+        """:meth:`candidates`, each shard's part picked by ``sources[shard].candidates`` (the shard, or a draft)."""
         self._check_open()
 
         def check() -> int:
@@ -530,7 +661,7 @@ class ShardedDatabase:
         all_q, counts = self._comm.gather_rows(q)  # (B, dim)
         all_t, _ = self._comm.gather_rows(t)  # (B,)
         filters = self._comm.gather_objects(None if where is None else dict(where))
-        ids, keys, values = self._agree(lambda: self._local_top(all_q, all_t, counts, filters, take))
+        ids, keys, values = self._agree(lambda: self._local_top(sources, all_q, all_t, counts, filters, take))
         mine = counts[self.rank]
         send = counts  # the rows of each source rank go back to it
         recv = [mine] * self.world_size
@@ -551,7 +682,13 @@ class ShardedDatabase:
         )  # fmt: skip
 
     def _local_top(
-        self, queries: Tensor, targets: Tensor, counts: list[int], filters: list[Any], take: int
+        self,
+        sources: Mapping[int, Any],
+        queries: Tensor,
+        targets: Tensor,
+        counts: list[int],
+        filters: list[Any],
+        take: int,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """This rank's best ``take`` candidates for every gathered query: ids (B, take), keys, values (on the CPU)."""
         parts: list[tuple[Tensor, Tensor, Tensor]] = []
@@ -564,7 +701,7 @@ class ShardedDatabase:
                 if n == 0 or len(db) == 0:
                     continue
                 own = torch.where((t >= 0) & ((t >> ID_SHIFT) == s), t, -1)  # (n,) targets on shard s
-                cand = db.candidates(q, take, targets=own, where=filters[source])
+                cand = sources[s].candidates(q, take, targets=own, where=filters[source])
                 found.append((cand.ids.cpu(), cand.keys.cpu(), cand.values.cpu()))
             if found:
                 ids = torch.cat([f[0] for f in found], 1)
@@ -664,8 +801,8 @@ class ShardedDatabase:
         q, texts, single, temp = self._agree(check)
         self._check_not_empty()
         targets = None
-        if pooling == "exact":
-            targets = self._exact_targets(texts, q)
+        if pooling == "exact":  # text equality for text queries, else equal embeddings
+            targets = self._exact_ids(texts, q)
         cand = self.candidates(q, k, targets=targets, where=where)
         out_device = q.device
         output, weights = attend(
@@ -677,27 +814,6 @@ class ShardedDatabase:
             output, weights, cand.ids, k=int(k), key_of_id=keys, values_of=lambda ids: values, device=out_device
         )
         return answer.row(0) if single else answer
-
-    def _exact_targets(self, texts: list[str] | None, q: Tensor) -> Tensor:
-        """The global id of each query's key (text equality). Collective."""
-        if texts is None:
-            raise NotSupportedError('pooling="exact" with query embeddings is not supported across shards yet')
-        asked = self._comm.gather_objects(texts)
-
-        def local() -> dict[str, int]:
-            found: dict[str, int] = {}
-            for text in {t for ts in asked for t in ts}:
-                s = shard_of_key(text, self.num_shards)
-                if s in self.shards:
-                    i = int(self.shards[s].ids_of_keys([text])[0])
-                    if i >= 0:
-                        found[text] = i
-            return found
-
-        found: dict[str, int] = {}
-        for part in self._comm.gather_objects(self._agree(local)):
-            found.update(part)
-        return torch.tensor([found.get(t, -1) for t in texts], dtype=torch.long)
 
 
 def _stored(db: Database, item: str | int) -> bool:
@@ -714,7 +830,8 @@ def _stored(db: Database, item: str | int) -> bool:
 def _best(
     q: Tensor, ids: Tensor, keys: Tensor, values: Tensor, targets: Tensor, take: int, score: str
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The best ``take`` of each query's candidates by score (desc), then id (asc); a target is always kept.
+    """The best ``take`` of each query's candidates by score (desc), then id (asc); a target is always kept (in the
+    last place when it ranks lower).
 
     Args:
         q: (b, dim). ids: (b, c) -1 where empty. keys: (b, c, dim). values: (b, c, value_dim). targets: (b,).
@@ -732,12 +849,108 @@ def _best(
     with torch.no_grad():
         scores = compute_scores(q.unsqueeze(1), keys, score).squeeze(1)  # (b, c')
         scores = scores.masked_fill(ids < 0, -math.inf)
-        scores = torch.where((ids == targets.unsqueeze(1)) & (ids >= 0), math.inf, scores)  # targets stay
         by_id = torch.argsort(torch.where(ids < 0, torch.iinfo(torch.long).max, ids), dim=1, stable=True)  # (b, c')
         order = by_id.gather(1, torch.argsort(scores.gather(1, by_id), dim=1, descending=True, stable=True))
-    order = order[:, :take]  # (b, take)
+        # a target below the top take replaces the worst kept candidate, as a single database does
+        is_target = (ids == targets.unsqueeze(1)) & (ids >= 0)  # (b, c')
+        late = is_target.gather(1, order)[:, take:].any(1)  # (b,)
+        where_target = is_target.float().argmax(1)  # (b,)
+        order = order[:, :take].clone()  # (b, take)
+        order[late, -1] = where_target[late]
     return (
         ids.gather(1, order),
         keys.gather(1, order.unsqueeze(-1).expand(-1, -1, keys.shape[-1])),
         values.gather(1, order.unsqueeze(-1).expand(-1, -1, values.shape[-1])),
     )
+
+
+class ShardedDraft:
+    """A fine-tuning run's draft generation on every shard of a sharded database (see :class:`kvsearch.generations.
+    Draft`): nothing on disk changes until :meth:`commit`, which switches every shard together. Collective.
+
+    Made by :meth:`ShardedDatabase.begin_generation`. The shards of a rank share one encoder object, which the run
+    trains (with its gradients averaged over the ranks: :mod:`kvsearch.team`), so every shard's draft sees it.
+    """
+
+    def __init__(self, sdb: ShardedDatabase, drafts: dict[int, Any]) -> None:
+        self.sdb = sdb
+        self.drafts = drafts
+        self.generation: int | None = None
+
+    @property
+    def state(self) -> str:
+        """``"open"``, ``"committed"`` or ``"discarded"``."""
+        return next(iter(self.drafts.values())).state
+
+    def refresh(self) -> None:
+        """Re-encode every shard's keys with the training key encoder into its working index, then a barrier."""
+        self.sdb._agree(lambda: [draft.refresh() for draft in self.drafts.values()])
+        self.sdb._comm.barrier()
+
+    def candidates(
+        self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None = None, where: Any = None
+    ) -> Candidates:
+        """As :meth:`ShardedDatabase.candidates`, over the drafts' working keys once :meth:`refresh` ran."""
+        return self.sdb._candidates(self.drafts, queries, k, targets=targets, where=where)
+
+    def commit(self, *, values: tuple[Tensor, Tensor] | None = None, summary: Mapping[str, Any] | None = None) -> int:
+        """Record the encoders as they are now as every shard's new generation (:meth:`ShardedDatabase.
+        switch_generation`).
+
+        Raises:
+            NotSupportedError: trained values (not supported across shards yet).
+            NonFiniteError: weights or embeddings are not finite: no shard changed and the draft is discarded.
+        """
+        try:
+            if values is not None:
+                raise NotSupportedError("train_values=True is not supported across shards yet")
+            self.generation = self.sdb.switch_generation(lambda s, db: self.drafts[s].commit(summary=summary))
+        except BaseException:
+            self.discard()
+            raise
+        return self.generation
+
+    def discard(self) -> None:
+        """Put the encoders back as they were at the start on every shard. Harmless after commit."""
+        for draft in self.drafts.values():
+            draft.discard()
+
+    def __enter__(self) -> ShardedDraft:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
+class _ShardTeam:
+    """The ranks of a sharded database as a :class:`~kvsearch.team.Team`."""
+
+    def __init__(self, comm: Comm) -> None:
+        self._comm = comm
+        self.rank, self.world = comm.rank, comm.world
+
+    def max(self, value: int) -> int:
+        return self._comm.all_max(value)
+
+    def sum(self, values: Tensor) -> Tensor:
+        return self._comm.all_reduce(values)
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        return self._comm.agree(fn)
+
+
+def _one_generation(per_rank: list[list[int]], before: int) -> int:
+    """The generation every shard moved to, or InconsistentDatabaseError."""
+    seen = {g for gens in per_rank for g in gens}
+    if len(seen) != 1 or next(iter(seen)) <= before:
+        raise errors.InconsistentDatabaseError(
+            f"expected every shard at one new generation after {before}, got {sorted(seen)}"
+        )
+    return next(iter(seen))
+
+
+def _texts_list(texts: Sequence[str]) -> list[str]:
+    """A sequence of key or value texts, checked."""
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise InvalidArgumentError(f"expected a list of texts, got {type(texts).__name__}")
+    return list(texts)

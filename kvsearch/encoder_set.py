@@ -103,7 +103,13 @@ class EncoderSet:
             return loaded
         if given.config() != loaded.config():
             raise ConfigMismatchError(f"{where} was created with {prefix} {loaded.config()}; got {given.config()}")
-        given.load_state_dict(loaded.state_dict())  # the stored (possibly fine-tuned) weights win
+        stored, current = loaded.state_dict(), given.state_dict()
+        if stored.keys() != current.keys() or not all(
+            torch.equal(stored[n], current[n].to(stored[n].device)) for n in stored
+        ):
+            # the stored (possibly fine-tuned) weights win; an encoder that holds them already is left untouched
+            # (several shards of a sharded database share one encoder object: none must see it change)
+            given.load_state_dict(stored)
         return given.to(self.device)
 
     def set_query(self, encoder: Encoder | None, dim: int) -> None:

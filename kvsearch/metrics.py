@@ -32,6 +32,7 @@ from kvsearch.errors import (
     NonFiniteError,
     UnknownOptionError,
 )
+from kvsearch.team import batches, team_of
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
@@ -203,9 +204,9 @@ def _key_ids(db: Database, texts: list[str], name: str) -> Tensor:
     """(n,) ids of key texts; KeyNotFoundError (with a hint at value targets) when one is not stored."""
     ids = db.ids_of_keys(texts)  # (n,)
     missing = [t for t, id_ in zip(texts, ids.tolist()) if id_ < 0]
+    unique = list(dict.fromkeys(missing))
+    other = int(db.values_present(unique).sum())  # always called: collective on a sharded database
     if missing:
-        unique = list(dict.fromkeys(missing))
-        other = int(db.values_present(unique).sum())
         hint = _hint(other, len(unique), "stored value texts", 'targets="value" (with an answer loss)')
         raise KeyNotFoundError(
             f"{name}: {len(missing)} of {len(texts)} target texts are no stored key (e.g. {_shown(missing)}){hint}"
@@ -217,9 +218,9 @@ def _check_value_texts(db: Database, texts: list[str], name: str) -> None:
     """InvalidArgumentError (with a hint at key targets) when a text is the value text of no stored record."""
     present = db.values_present(texts)  # (n,) bool
     missing = [t for t, ok in zip(texts, present.tolist()) if not ok]
+    unique = list(dict.fromkeys(missing))
+    other = int((db.ids_of_keys(unique) >= 0).sum())  # always called: collective on a sharded database
     if missing:
-        unique = list(dict.fromkeys(missing))
-        other = int((db.ids_of_keys(unique) >= 0).sum())
         hint = _hint(other, len(unique), "stored keys", 'targets="key"')
         raise InvalidArgumentError(
             f"{name}: {len(missing)} of {len(texts)} target texts are no stored value text "
@@ -324,35 +325,44 @@ def evaluate(
         UnknownOptionError: an unknown ``targets``.
         NonFiniteError: the query encoder gives NaN or Inf (e.g. diverged weights).
     """
-    check_pairs(pairs, "pairs", db)
-    if is_tensor_pairs(pairs):
-        raise InvalidArgumentError("expected (query text, target) pairs for retrieval metrics, got tensors")
-    if not isinstance(targets, str) or targets not in TARGET_KINDS:
-        raise UnknownOptionError(f"expected targets among {TARGET_KINDS}, got {targets!r}")
-    k = check_k(k)
-    batch_size = check_int(batch_size, "batch_size")
-    source: Any = db if retriever is None else retriever
-    if not callable(getattr(source, "candidates", None)):
-        raise InvalidArgumentError(f"expected a retriever with candidates(queries, k), got {type(source).__name__}")
+    team = team_of(db)  # a sharded database's ranks: each evaluates its own pairs, the metrics are over all
+
+    def check() -> tuple[int, int, Any]:
+        check_pairs(pairs, "pairs", db)
+        if is_tensor_pairs(pairs):
+            raise InvalidArgumentError("expected (query text, target) pairs for retrieval metrics, got tensors")
+        if not isinstance(targets, str) or targets not in TARGET_KINDS:
+            raise UnknownOptionError(f"expected targets among {TARGET_KINDS}, got {targets!r}")
+        source: Any = db if retriever is None else retriever
+        if not callable(getattr(source, "candidates", None)):
+            raise InvalidArgumentError(f"expected a retriever with candidates(queries, k), got {type(source).__name__}")
+        return check_k(k), check_int(batch_size, "batch_size"), source
+
+    k, batch_size, source = team.agree(check)
     encoder = next(e for e in (query_encoder, db.query_encoder, db.encoder) if e is not None)
     score = db.score if score is None else score
     queries = [q for q, _ in pairs]
-    wanted = target_ids(db, [t for _, t in pairs], "pairs") if targets == "key" else None  # (n,)
-    first = []
-    for start in range(0, len(pairs), batch_size):
-        q = encoder.encode(queries[start : start + batch_size]).float()  # (b, dim)
-        if not all_finite(q):
-            raise NonFiniteError(f"expected finite query embeddings, got NaN or Inf for pairs[{start}:]")
+    wanted = team.agree(lambda: target_ids(db, [t for _, t in pairs], "pairs")) if targets == "key" else None
+    sums = torch.zeros(4, dtype=torch.float64)  # queries, hits at 1, hits in the top k, reciprocal ranks
+    for rows in batches(team, len(pairs), batch_size):
+        chunk = queries[rows]
+        q = encoder.encode(chunk).float() if chunk else torch.zeros(0, db.dim)  # (b, dim)
+        if team.max(int(not all_finite(q))):
+            raise NonFiniteError(f"expected finite query embeddings, got NaN or Inf for pairs[{rows.start}:]")
         ids = ranked_ids(source, q, k, score)  # (b, t)
-        tid = None if wanted is None else wanted[start : start + batch_size]  # (b,)
-        texts = None if wanted is not None else [t for _, t in pairs[start : start + batch_size]]
-        hits = hit_matrix(db, ids, tid, texts)  # (b, t)
+        tid = None if wanted is None else wanted[rows]  # (b,)
+        texts = None if wanted is not None else [t for _, t in pairs[rows]]
+        hits = hit_matrix(db, ids, tid, texts).cpu()  # (b, t)
         rank = torch.where(hits.any(-1), hits.float().argmax(-1), -1)  # (b,) 0-based, -1 = missed
-        first.append(rank.cpu())
-    rank = torch.cat(first)  # (n,)
-    found = rank >= 0  # (n,)
+        found = rank >= 0  # (b,)
+        reciprocal = torch.where(found, 1.0 / (rank + 1).clamp(min=1), 0.0)  # (b,)
+        sums += torch.tensor(
+            [len(rank), float((rank == 0).sum()), float(found.sum()), float(reciprocal.double().sum())],
+            dtype=torch.float64,
+        )
+    total = team.sum(sums)
     return {
-        "recall@1": float((rank == 0).float().mean()),
-        "recall@k": float(found.float().mean()),
-        "mrr": float(torch.where(found, 1.0 / (rank + 1).clamp(min=1), 0.0).mean()),
+        "recall@1": float(total[1] / total[0]),
+        "recall@k": float(total[2] / total[0]),
+        "mrr": float(total[3] / total[0]),
     }

@@ -95,6 +95,8 @@ class ShardLayout:
         num_shards: the shard count.
         dim, value_dim, score, index: the options every shard was created with.
         hash: the key hash (:data:`HASH`). id_shift: :data:`ID_SHIFT`. format: the layout's version.
+        generation: the generation every shard is at (the commit point of a switch across shards: see
+            :meth:`kvsearch.distributed.ShardedDatabase.switch_generation`); None in layouts written before.
     """
 
     num_shards: int
@@ -105,6 +107,7 @@ class ShardLayout:
     hash: str = HASH
     id_shift: int = ID_SHIFT
     format: int = FORMAT
+    generation: int | None = None
 
     def __post_init__(self) -> None:
         n = self.num_shards

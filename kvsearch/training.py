@@ -63,7 +63,7 @@ from kvsearch.attention import (
 from kvsearch.checks import all_finite
 from kvsearch.database import Database
 from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
-from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError
+from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError, NotSupportedError
 from kvsearch.losses import (
     ANSWER_LOSSES,
     LOSSES,
@@ -87,6 +87,7 @@ from kvsearch.metrics import (
     higher_is_better,
     is_tensor_pairs,
 )
+from kvsearch.team import SOLO, average_gradients, batches, team_of
 from kvsearch.training_config import (
     KEEPS,
     OPTIMIZERS,
@@ -290,21 +291,30 @@ def finetune(
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
-    config = make_config(config, options)
-    if not isinstance(db, Database):
-        if callable(getattr(db, "begin_generation", None)):
-            db.begin_generation()  # a database that cannot be fine-tuned (e.g. across shards) says why, typed
-        raise InvalidArgumentError(f"expected a kvsearch Database, got {type(db).__name__}")
+    from kvsearch.distributed import ShardedDatabase
+
+    if not isinstance(db, (Database, ShardedDatabase)):
+        raise InvalidArgumentError(f"expected a kvsearch Database or ShardedDatabase, got {type(db).__name__}")
+    team = team_of(db)  # a sharded database's ranks: every check below is agreed, every loop has one length
+    config = team.agree(lambda: make_config(config, options))
     if len(db) == 0:
         raise EmptyDatabaseError("expected a database with records to fine-tune on, got an empty one")
+
+    def check_options() -> str:
+        if team is not SOLO and config.train_values:
+            raise NotSupportedError("train_values=True is not supported across shards yet")
+        check_pairs(train_pairs, "train_pairs", db)
+        if eval_pairs is not None:
+            check_pairs(eval_pairs, "eval_pairs", db)
+        if is_tensor_pairs(train_pairs) and config.loss == "retrieval":
+            raise InvalidArgumentError("the retrieval loss needs (query text, target key) pairs, got tensors")
+        if config.target_kind == "value" and not is_tensor_pairs(train_pairs) and db.value_encoder is None:
+            raise InvalidArgumentError('expected a database with a value encoder for targets="value", got none')
+        return check_metric(config.metric, train_pairs if eval_pairs is None else eval_pairs)
+
+    metric = team.agree(check_options)
     targets = config.target_kind
-    check_pairs(train_pairs, "train_pairs", db)
-    if eval_pairs is not None:
-        check_pairs(eval_pairs, "eval_pairs", db)
     tensor_pairs = is_tensor_pairs(train_pairs)
-    if tensor_pairs and config.loss == "retrieval":
-        raise InvalidArgumentError("the retrieval loss needs (query text, target key) pairs, got tensors")
-    metric = check_metric(config.metric, train_pairs if eval_pairs is None else eval_pairs)
     k, batch_size, temperature, pooling = config.k, config.batch_size, config.temperature, config.pooling
     score = db.score if config.score is None else config.score
     loss_fn = get_loss(config.loss)
@@ -318,21 +328,24 @@ def finetune(
     else:
         query_items = [q for q, _ in train_pairs]
         texts = [t for _, t in train_pairs]
-        if targets == "value" and db.value_encoder is None:
-            raise InvalidArgumentError('expected a database with a value encoder for targets="value", got none')
-        wanted = check_targets(db, texts, targets, "train_pairs")  # (n,) ids for key targets, else None
+        # (n,) ids for key targets, else None (collective lookups, then an agreed error)
+        wanted = team.agree(lambda: check_targets(db, texts, targets, "train_pairs"))
         if wanted is not None:
             _, values, _ = db.embeddings(wanted)  # (n, value_dim)
             target_values = values.to(device).detach().clone()  # (n, value_dim)
         else:
             target_values = _value_embeddings(db, texts)  # (n, value_dim)
     if eval_pairs is not None and not is_tensor_pairs(eval_pairs):
-        check_targets(db, [t for _, t in eval_pairs], targets, "eval_pairs")
-    if not all_finite(target_values):
-        raise NonFiniteError("expected finite target values, got NaN or Inf in the training targets")
+        team.agree(lambda: check_targets(db, [t for _, t in eval_pairs], targets, "eval_pairs"))
+
+    def check_finite_targets() -> None:
+        if not all_finite(target_values):
+            raise NonFiniteError("expected finite target values, got NaN or Inf in the training targets")
+
+    team.agree(check_finite_targets)
     force = wanted is not None and config.loss not in ANSWER_LOSSES
     n = len(query_items)
-    steps_per_epoch = math.ceil(n / batch_size)
+    steps_per_epoch = team.max(math.ceil(n / batch_size))
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
 
@@ -347,7 +360,9 @@ def finetune(
     try:
         bar = tqdm(total=config.epochs * steps_per_epoch, desc="finetune", unit="step", disable=not config.verbose)
         run = _Run(db, config.train, config.train_values, score, text=not tensor_pairs)
-        opt = _make_optimizer(config.optimizer, run.param_groups(config.lr))
+        groups = run.param_groups(config.lr)
+        params = [p for group in groups for p in group["params"]]  # in the same order on every rank
+        opt = _make_optimizer(config.optimizer, groups)
         modules = run.modules()
         modes = [(m, m.training) for m in modules]
         if isinstance(score, nn.Module):
@@ -399,27 +414,30 @@ def finetune(
         for epoch in range(1, config.epochs + 1):
             order = torch.randperm(n, generator=generator)  # (n,)
             epoch_losses = []
-            for start in range(0, n, batch_size):
-                batch = order[start : start + batch_size]  # (b,)
+            for rows in batches(team, n, batch_size):  # as many on every rank (empty ones at the end)
+                batch = order[rows]  # (b,)
                 if tensor_pairs:
                     q = query_items[batch.to(device)]  # (b, dim)
-                else:
+                elif len(batch):
                     q = run.query_encoder([query_items[i] for i in batch.tolist()]).float()  # (b, dim)
-                    if not all_finite(q):
-                        raise NonFiniteError(
-                            f"the query embeddings are NaN or Inf at step {step + 1} (epoch {epoch}): the query "
-                            "encoder's weights diverged (lower lr?); nothing was written"
-                        )
+                else:
+                    q = torch.zeros(0, db.dim, device=device)  # (0, dim): this rank has no batch left
+                if team.max(int(not all_finite(q))):
+                    raise NonFiniteError(
+                        f"the query embeddings are NaN or Inf at step {step + 1} (epoch {epoch}): the query "
+                        "encoder's weights diverged (lower lr?); nothing was written"
+                    )
                 tid = None if wanted is None else wanted[batch]  # (b,)
                 value_t = target_values[batch.to(device)]  # (b, value_dim)
                 loss_value = _step_loss(draft, db, run, q, tid, value_t, k, force, pooling, temperature, loss_fn)
-                loss_float = float(loss_value.detach())
+                opt.zero_grad(set_to_none=True)
+                if len(batch):
+                    loss_value.backward()
+                loss_float = average_gradients(team, params, float(loss_value.detach()), len(batch))
                 if not math.isfinite(loss_float):
                     raise NonFiniteError(
                         f"the training loss is {loss_float} at step {step + 1} (epoch {epoch}); nothing was written"
                     )
-                opt.zero_grad(set_to_none=True)
-                loss_value.backward()
                 step += 1
                 _optimizer_step(opt, step, epoch)  # NonFiniteError when a weight is no longer finite
                 epoch_losses.append(loss_float)
@@ -452,7 +470,7 @@ def finetune(
             for module, state in outsiders:
                 module.load_state_dict(state)
         else:
-            _probe(run, query_items, batch_size, tensor_pairs)
+            team.agree(lambda: _probe(run, query_items, batch_size, tensor_pairs))
             flags = _install(db, run)
             history.seconds = time.perf_counter() - started
             summary = _summary(history, config, step)
@@ -622,6 +640,8 @@ def _step_loss(
     cand = retriever.candidates(q, k, targets=targets if force else None)
     keys = run.candidate_keys(cand.ids, cand.keys, cand.mask)  # (b, k, dim)
     values = run.candidate_values(cand.ids, cand.values, cand.mask)  # (b, k, value_dim)
+    if q.shape[0] == 0:  # a rank with no batch left took part in the collectives above; it has no loss
+        return torch.zeros((), device=db.device)
     q = q.to(db.device)  # (b, dim)
     output, weights = attend(
         q, keys, values, score=run.score, pooling=pooling, mask=cand.mask, temperature=temperature
@@ -661,9 +681,11 @@ def _eval_loss(
 ) -> float:
     """The loss on tensor eval pairs, averaged over the pairs."""
     queries, values = pairs[0].float().to(db.device), pairs[1].float().to(db.device)  # (n, dim), (n, value_dim)
-    total = 0.0
-    for start in range(0, len(queries), batch_size):
-        q, v = queries[start : start + batch_size], values[start : start + batch_size]  # (b, dim), (b, value_dim)
+    team = team_of(db)
+    total = torch.zeros(2, dtype=torch.float64)  # loss * rows, rows
+    for rows in batches(team, len(queries), batch_size):
+        q, v = queries[rows], values[rows]  # (b, dim), (b, value_dim)
         loss = _step_loss(retriever, db, run, q, None, v, k, False, pooling, temperature, loss_fn)
-        total += float(loss) * len(q)
-    return total / len(queries)
+        total += torch.tensor([float(loss) * len(q), len(q)], dtype=torch.float64)
+    total = team.sum(total)
+    return float(total[0] / total[1])
