@@ -591,9 +591,85 @@ def silent_scenario(rank: int, world: int, root: Path, out: Results) -> None:
     out.save()
 
 
+# ----------------------------------------------------------------------------- fine-tuning across ranks
+
+FT_NAMES, FT_K, FT_LR = 600, 16, 0.5
+
+
+def finetune_data() -> tuple[list[str], list[str], list[tuple[str, str]], list[tuple[str, str]]]:
+    """Names and first names, Cyrillic-script training pairs and held-out pairs (the test_training task, small)."""
+    from kvsearch.datasets import noisy_queries, split_names, surname_directory
+
+    keys, values = surname_directory(FT_NAMES)
+    train, held = split_names(keys, 0.2, seed=0)
+    stored = set(keys)
+    return keys, values, noisy_queries(train, "cyrillic", avoid=stored), noisy_queries(held, "cyrillic", avoid=stored)
+
+
+def grad_options() -> dict[str, Any]:
+    """One plain SGD step over every pair in one batch: the weights' change is -lr times the full-batch gradient."""
+    return {
+        "loss": "retrieval",
+        "epochs": 1,
+        "batch_size": 10_000,
+        "optimizer": "sgd",
+        "lr": FT_LR,
+        "k": FT_K,
+        "verbose": False,
+    }
+
+
+def improve_options() -> dict[str, Any]:
+    return {"loss": "retrieval", "k": FT_K, "epochs": 2, "batch_size": 64, "verbose": False}
+
+
+def finetune_scenario(rank: int, world: int, root: Path, out: Results) -> None:
+    """finetune on a sharded database, each rank with its own (uneven) share of the pairs."""
+    import kvsearch
+    from kvsearch.distributed import ShardedDatabase
+
+    keys, values, train, held = finetune_data()
+
+    def build(name: str) -> ShardedDatabase:
+        sdb = ShardedDatabase(root / name, num_shards=num_shards(world), encoder=encoder(), device="cpu")
+        sdb.add(keys if rank == 0 else [], values if rank == 0 else [])  # rank 0 brings every record
+        return sdb
+
+    def grad() -> dict[str, Any]:
+        sdb = build("grad")
+        mine = [train[i] for i in split(len(train), world, "uneven")[rank]]
+        history = kvsearch.finetune(sdb, mine, train="query+keys", **grad_options())
+        state = {n: t.detach().clone() for n, t in sdb.encoder.state_dict().items()}
+        res = {"state": state, "losses": history.losses, "committed": history.committed}
+        res["generations"] = (sdb.generation, {s: db.generation for s, db in sdb.shards.items()})
+        sdb.close()
+        return res
+
+    def improve() -> dict[str, Any]:
+        sdb = build("improve")
+        mine = [train[i] for i in split(len(train), world, "uneven")[rank]]
+        mine_held = [held[i] for i in split(len(held), world, "uneven")[rank]]
+        history = kvsearch.finetune(sdb, mine, eval_pairs=mine_held, **improve_options())
+        asked = [q for q, _ in held[:10]]
+        res = {
+            "metrics": history.metrics,
+            "committed": history.committed,
+            "kept_epoch": history.kept_epoch,
+            "generations": (sdb.generation, {s: db.generation for s, db in sdb.shards.items()}),
+            "search": [[h.key for h in row] for row in sdb.search(asked, k=3)],
+            "evaluate": kvsearch.evaluate(sdb, mine_held, k=FT_K),
+        }
+        sdb.close()
+        return res
+
+    _phase(out, "grad", grad)
+    _phase(out, "improve", improve)
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path, Results], None]] = {
     "main": main_scenario,
     "silent": silent_scenario,
+    "finetune": finetune_scenario,
 }
 
 

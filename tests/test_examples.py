@@ -24,6 +24,7 @@ from kvsearch.distributed import ShardedDatabase
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "distributed_query.py"
+FINETUNE_EXAMPLE = ROOT / "examples" / "distributed_finetune.py"
 RANKS = 2
 SEARCH = re.compile(r"^rank (\d) search '([^']*)': (\[.*\])$")
 QUERY = re.compile(r"^rank (\d) query '([^']*)': answer '([^']*)' \((.*)\)$")
@@ -39,11 +40,11 @@ def load_example() -> ModuleType:
     return module
 
 
-def torchrun(path: Path) -> subprocess.CompletedProcess[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node=2 examples/distributed_query.py --path``."""
+def torchrun(path: Path, example: Path = EXAMPLE) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=2 examples/<example> --path``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    command += [str(EXAMPLE.relative_to(ROOT)), "--path", str(path)]
+    command += [str(example.relative_to(ROOT)), "--path", str(path)]
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
@@ -101,3 +102,21 @@ def test_distributed_query_example_exits_non_zero_on_a_mismatch(example, tmp_pat
     assert "MISMATCH" in result.stdout.splitlines()
     assert "rank 0 exact 'Li': 'Wrong' (found=True)" in result.stdout.splitlines()
     assert "rank 0: 2 answers differ from the single-process database" in result.stderr
+
+
+FINETUNED = re.compile(r"^finetune: recall@1 ([0-9.]+) -> best ([0-9.]+) at epoch (\d+) \(kept, generation (\d+)\)$")
+
+
+def test_distributed_finetune_example_improves_and_switches_every_shard(tmp_path):
+    result = torchrun(tmp_path / "people", FINETUNE_EXAMPLE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "ranks: 2, records: 1000, training pairs: 800" in lines
+    runs = [m for m in map(FINETUNED.match, lines) if m]
+    assert len(runs) == 1, result.stdout
+    before, after, _, generation = runs[0].groups()
+    assert float(after) > float(before) + 0.2  # Cyrillic queries: ~0 before, ~0.5 after 2 epochs when written
+    with ShardedDatabase(tmp_path / "people") as sdb:  # one process, every shard: the run's generation
+        assert sdb.generation == int(generation)
+        assert {db.generation for db in sdb.shards.values()} == {int(generation)}
+        assert sdb.query_encoder is not None and sdb.query_encoder.weights_changed()  # saved in every shard
