@@ -21,8 +21,12 @@ Writes route each record to its owner shard (a key by its hash, a key given as a
 its high bits); each shard commits its part in one transaction of its own — a batch spanning shards is atomic per
 shard, and retrying it with ``upsert`` is safe. Errors on one rank (bad input) are agreed on collectively and
 raised on every rank, so nobody hangs; a dead or silent peer raises :class:`~kvsearch.errors.DistributedError`
-within ``timeout`` seconds. Not supported across shards yet (a typed :class:`~kvsearch.errors.NotSupportedError`):
-``k="all"`` attention and fine-tuning.
+within ``timeout`` seconds.
+
+Fine-tuning (:func:`kvsearch.finetune` on a sharded database, every rank with its own pairs) loops with the ranks
+(:attr:`ShardedDatabase.team`, :mod:`kvsearch.team`) in a :class:`ShardedDraft`, and the kept encoders become every
+shard's generation at once (:meth:`ShardedDatabase.switch_generation`). Not supported across shards yet (a typed
+:class:`~kvsearch.errors.NotSupportedError`): ``k="all"`` attention and ``train_values=True``.
 
 This module knows nothing of a shard's internals: it uses each shard's public :class:`~kvsearch.Database` methods.
 """
