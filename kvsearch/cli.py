@@ -31,6 +31,7 @@ import json
 import math
 import shutil
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -254,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # query, info and delete show no progress; build and finetune only without --quiet
         quiet = getattr(args, "quiet", False) and _loads_a_sentence_model(args)
-        with _quiet_model_loading() if quiet else contextlib.nullcontext():
+        with _quiet_model_loading() if quiet else contextlib.nullcontext(), _one_line_warnings():
             return int(args.run(args) or 0)
     except KeyboardInterrupt:
         if args.debug:
@@ -293,6 +294,24 @@ def _loads_a_sentence_model(args: argparse.Namespace) -> bool:
         if kind not in (None, "ngram"):
             return True
     return False
+
+
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """kvsearch's own warnings (a database opened read-only, a missing file rewritten) as one line on stderr:
+    ``kvsearch: warning: ...``; other libraries' warnings as Python shows them."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            text = str(message)
+            if not text.startswith("kvsearch: "):
+                shown(message, category, filename, lineno, file, line)
+                return
+            print(f"{PROG}: warning: {text.removeprefix('kvsearch: ')}", file=sys.stderr)
+
+        warnings.showwarning = show
+        yield
 
 
 @contextlib.contextmanager
@@ -369,6 +388,7 @@ def _open_existing(path_text: str, *, unsharded_for: str | None = None) -> Datab
             )
         return ShardedDatabase(path)
     if not folders.is_database(path):
+        folders.check_store_present(path)  # MissingFileError: what is left of a database whose store is gone
         raise CommandError(f"no kvsearch database at {path_text!r} (expected a folder with {folders.STORE_FILE})")
     from kvsearch.database import Database
 
@@ -402,6 +422,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     created = not (sharding.is_sharded(path) if sharded else folders.is_database(path))
     folder_existed = path.exists()
     shards_before = _existing_shard_dirs(path, args.shards) if sharded and created else set()
+    creation = folders.Creation(path) if created and not sharded else None  # what the build makes, and only that
     encoder = encoder_from_name(args.encoder) if args.encoder else None
     if created and encoder is None:
         encoder = encoder_from_name("ngram")
@@ -425,28 +446,18 @@ def _cmd_build(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
         total = len(db)
-        db.close()
     except BaseException:
         if db is not None:
-            db.close()
+            with contextlib.suppress(Exception):  # the first error is the one to report (a full disk fails here too)
+                db.close()
         if created and sharded:  # nothing half-written stays behind: not even an empty new database
             _remove_new_sharded_database(path, folder_existed, args.shards, shards_before)
-        elif created:
-            _remove_new_database(path, folder_existed)
+        elif creation is not None:
+            creation.rollback()  # only what this build made: never a file that was there before
         raise
+    db.close()  # saves the index: a failure here leaves every record committed (the next open rebuilds the index)
     print(f"added {added} records from {args.source} to {args.db} ({total} records in all)")
     return 0
-
-
-def _remove_new_database(path: Path, folder_existed: bool) -> None:
-    if not folder_existed:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    for child in folders.files_of_database(path):  # the folder was there (empty or with other files): only ours
-        if child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            child.unlink(missing_ok=True)
 
 
 def _existing_shard_dirs(path: Path, num_shards: int) -> set[int]:

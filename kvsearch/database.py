@@ -26,14 +26,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvsearch import fileio, generations
 from kvsearch import folder as folders
-from kvsearch import generations
 from kvsearch.attention import POOLINGS, Candidates, ScoreFn, check_score, compute_scores
 from kvsearch.checks import check_batch, check_device, check_finite, check_k, check_path, check_temperature
 from kvsearch.config import check_reopen, new_config
 from kvsearch.encoder_set import EncoderSet
 from kvsearch.encoders import Encoder
 from kvsearch.errors import (
+    CorruptDatabaseError,
     DatabaseClosedError,
     DatabaseLockedError,
     DimensionMismatchError,
@@ -42,6 +43,8 @@ from kvsearch.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
     NonFiniteError,
+    NotSupportedError,
+    ReadOnlyDatabaseError,
     UnknownOptionError,
 )
 from kvsearch.filters import check_where
@@ -89,12 +92,18 @@ class Database:
         device: the torch device of the embeddings and the pooling; CUDA when present, else CPU.
         search_params: FAISS search parameters such as ``{"nprobe": 16}`` or ``{"efSearch": 128}``.
         lock_timeout: seconds a write waits for another writer's lock before ``DatabaseLockedError``.
+        read_only: open an existing database for reading only: nothing in its folder is written (not even the
+            index on close) and writes raise ``ReadOnlyDatabaseError``. A database whose folder (or store file)
+            cannot be written is opened so anyway, with one ``RuntimeWarning``.
 
     Raises:
-        InvalidArgumentError: no encoder and no dim, or a bad argument.
+        InvalidArgumentError: no encoder and no dim, or a bad argument (``read_only`` without a database).
         UnknownOptionError: an unknown score or index spec.
         ConfigMismatchError: reopening with a dim, index, score or encoder that differs from the stored one.
+        MissingFileError: the folder holds kvsearch files but no ``store.sqlite`` (it is never made anew beside
+            them), or an encoder's json is missing (the message says how to restore it).
         CorruptDatabaseError: a file of the database is damaged beyond rebuilding.
+        DiskFullError, ReadOnlyDatabaseError: a new database cannot be written (nothing of it is left).
     """
 
     def __init__(
@@ -110,28 +119,56 @@ class Database:
         device: str | torch.device | None = None,
         search_params: Mapping[str, float] | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        read_only: bool = False,
     ) -> None:
         self.device = check_device(device)
         check_path(path)
         if isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float)) or not lock_timeout >= 0:
             raise InvalidArgumentError(f"expected lock_timeout as a number of seconds >= 0, got {lock_timeout!r}")
+        if not isinstance(read_only, bool):
+            raise InvalidArgumentError(f"expected read_only as a bool, got {read_only!r}")
         self.path = None if path is None else Path(path)
         self._closed = False
+        self._atomic = 0  # depth of atomic() blocks open
         if self.path is not None and self.path.exists() and not self.path.is_dir():
             raise InvalidArgumentError(f"expected a folder for the database, got a file: {self.path}")
+        exists = self.path is not None and folders.is_database(self.path)
+        if read_only and not exists:
+            where = "a database in memory" if self.path is None else f"{self.path} without {folders.STORE_FILE}"
+            raise InvalidArgumentError(f"expected an existing database folder to open with read_only=True, got {where}")
+        if self.path is not None and not exists:
+            folders.check_store_present(self.path)  # what is left of a database whose store is gone: never a new one
         # what a failed creation leaves behind is removed again; a failed reopen touches nothing
-        creation = None if self.path is None or folders.is_database(self.path) else folders.Creation(self.path)
+        creation = None if exists else folders.Creation(self.path)
         if self.path is not None:
-            self.path.mkdir(parents=True, exist_ok=True)
-        self._store = Store(None if self.path is None else self.path / folders.STORE_FILE, self.device)
+            with fileio.storage_errors(self.path, "creating the database folder", "nothing was created"):
+                self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self._store = Store(
+                None if self.path is None else self.path / folders.STORE_FILE, self.device, read_only=read_only
+            )
+        except BaseException:
+            if creation is not None:
+                creation.rollback()
+            raise
         self._store.write_lock.timeout = float(lock_timeout)
         self._files = folders.EncoderFiles(self.path, self._store)
+        if self._store.read_only is not None and not read_only:
+            warnings.warn(
+                f"kvsearch: {self.path} was opened read-only ({self._store.read_only}); reads work, writes raise "
+                "ReadOnlyDatabaseError",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         try:
             saved = self._store.get_meta("config")
-            if saved is None:
-                self._create(encoder, value_encoder, dim, value_dim, index, score, search_params)
-            else:
+            if saved is not None:
                 self._reopen(saved, encoder, value_encoder, dim, value_dim, index, score, search_params)
+            elif self._store.read_only is not None:
+                raise CorruptDatabaseError(f"{self._store.path} holds no configuration: its creation never finished")
+            else:
+                with fileio.storage_errors(self.path, "creating the database", "nothing of it was kept"):
+                    self._create(encoder, value_encoder, dim, value_dim, index, score, search_params)
         except BaseException:
             self._store.close()
             if creation is not None:
@@ -169,7 +206,7 @@ class Database:
         what = f"{self.path}: the stored key embeddings differ from the key encoder's by up to {mismatch:.3g}"
         try:
             self.commit_generation(reencode={"keys"})
-        except (DatabaseLockedError, NonFiniteError) as exc:
+        except (DatabaseLockedError, NonFiniteError, ReadOnlyDatabaseError) as exc:
             raise InconsistentDatabaseError(f"{what}; they could not be re-encoded ({exc})") from None
         warnings.warn(f"kvsearch: {what}; every key was re-encoded with the stored encoder", RuntimeWarning, 3)
 
@@ -189,12 +226,56 @@ class Database:
 
         Raises:
             DatabaseClosedError: the database was closed.
+            ReadOnlyDatabaseError: the database is read-only (nothing is locked or written).
             DatabaseLockedError: another writer held the lock for longer than ``lock_timeout``.
+            DiskFullError: the file system refused the write for lack of space (it was rolled back).
+            StoreChangedError: ``store.sqlite`` was deleted or replaced since the database was opened.
         """
         self._check_open()
+        self._check_writable()
         with self._store.lock, self._store.write_lock:
             self._sync()
-            yield
+            with fileio.storage_errors(self.path, "writing to the database"):
+                yield
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the database is read-only (asked for, or its folder cannot be written): writes raise."""
+        return self._store.read_only is not None
+
+    def _check_writable(self) -> None:
+        if self._store.read_only is not None:
+            raise ReadOnlyDatabaseError(
+                f"{self.path} is open read-only ({self._store.read_only}): writes are refused, nothing was written"
+            )
+
+    @contextmanager
+    def atomic(self) -> Iterator[None]:
+        """``with db.atomic(): ...`` — the writes inside (``add``, ``upsert``, ``delete``) are one transaction:
+        all kept, or none.
+
+        The write lock is held for the whole block: other processes read what was committed before it and wait to
+        write (``lock_timeout``); other threads of this process wait too (they would see the writes uncommitted).
+        An exception inside, or a commit the file system refuses (a full disk), rolls every write of the block back:
+        the store, the in-memory tensors and the index are as they were before it. New generations (``refresh``,
+        fine-tuning, ``save_encoders``, ``rollback_encoders``) are refused inside: their files are not rolled back.
+
+        Raises:
+            ReadOnlyDatabaseError: the database is read-only. DatabaseLockedError: another writer holds the lock.
+            DiskFullError: the commit failed for lack of space; nothing of the block was kept.
+        """
+        with self._writing():
+            try:
+                with self._store.transaction():
+                    self._atomic += 1
+                    try:
+                        yield
+                    finally:
+                        self._atomic -= 1
+            except BaseException:
+                self._store.load(self.dim, self.value_dim)  # back to what is committed: the mirror and the index
+                self._retriever.open()
+                raise
 
     @contextmanager
     def _reading(self) -> Iterator[None]:
@@ -219,7 +300,10 @@ class Database:
         reloaded, the encoders too if another process saved new ones (their weights are loaded into this
         process's encoder objects), and the retriever serves the saved index of that version or rebuilds it.
         """
-        if self.path is None or not self._store.is_stale():
+        if self.path is None:
+            return
+        self._store.check_file()  # raises StoreChangedError: never read or write a store deleted from the folder
+        if not self._store.is_stale():
             return
         config = self._store.get_meta("config") or self._config
         encoders_moved = config.get("encoders_version", 0) != self._config.get("encoders_version", 0)
@@ -446,12 +530,17 @@ class Database:
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
         """
         with self._writing():
+            self._refuse_in_atomic("a new generation")
             config = generations.commit(
                 self._store, self._files, self._encoders, self._config, force=reencode, values=values, summary=summary
             )
             self._config = config
             self._retriever.rebuild()
         return int(config["generation"])
+
+    def _refuse_in_atomic(self, what: str) -> None:
+        if self._atomic:
+            raise NotSupportedError(f"{what} inside atomic() is not supported: its files could not be rolled back")
 
     def begin_generation(self) -> Draft:
         """Start preparing a new generation in memory (a fine-tuning run): see :class:`~kvsearch.generations.Draft`.
@@ -473,6 +562,7 @@ class Database:
             CorruptDatabaseError: a file of the previous generation is missing or damaged.
         """
         with self._writing():
+            self._refuse_in_atomic("rolling back the encoders")
             self._config = generations.rollback(self._store, self._files, self._encoders, self._config)
             self._retriever.rebuild()
         return self.generation
@@ -503,8 +593,12 @@ class Database:
 
         Raises:
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
+            ReadOnlyDatabaseError: the database is read-only.
+            DiskFullError: no space for a file (none is left half written; the index is rebuilt at the next open).
+            StoreChangedError: ``store.sqlite`` was deleted or replaced: nothing is saved beside another store.
         """
         self._check_open()
+        self._check_writable()
         self._save(wait=True)
 
     def _save(self, *, wait: bool) -> None:
@@ -514,8 +608,9 @@ class Database:
         or overwrites, what another process wrote. The index is derived data: ``close`` writes it only if the
         lock is free at once (else the next open rebuilds it from the store).
         """
-        if self.path is None:
+        if self.path is None or self.read_only:  # a read-only reader never writes, not even its index
             return
+        self._store.check_file()
         if self._encoders.changed():
             try:
                 self.save_encoders()
@@ -539,10 +634,12 @@ class Database:
     def close(self) -> None:
         """Save what changed (see :meth:`save`) and close the store. Closing twice is harmless.
 
-        A process that only read writes nothing and takes no lock.
+        A process that only read writes nothing and takes no lock; a read-only database writes nothing at all.
 
         Raises:
             DatabaseLockedError: an encoder changed and another writer held the lock past ``lock_timeout``.
+            DiskFullError: no space to save the index or the encoders (the store is closed all the same).
+            StoreChangedError: ``store.sqlite`` was deleted or replaced: nothing was saved (the store is closed).
         """
         if self._closed:
             return

@@ -74,10 +74,12 @@ class EncoderSet:
         """The encoders a stored configuration records, loaded (and checked) from the folder.
 
         An encoder passed in must have the stored configuration; it gets the stored (possibly fine-tuned)
-        weights.
+        weights. When the current generation's ``{prefix}.json`` is missing, the one passed in rewrites it if its
+        configuration has the recorded digest (see :meth:`~kvsearch.folder.EncoderFiles.restore_config`).
 
         Raises:
             ConfigMismatchError: a given encoder differs from the stored one, or is given where none is stored.
+            MissingFileError: an encoder's json is missing and no encoder with the recorded digest was passed.
             CorruptDatabaseError: an encoder file is damaged or does not match its recorded digest.
         """
         encoders = cls(files, device)
@@ -98,6 +100,8 @@ class EncoderSet:
             if given is not None:
                 raise ConfigMismatchError(f"{where} was created without {prefix}; got one")
             return None
+        if given is not None and self.files.folder is not None and not self.files.has(prefix):
+            self.files.restore_config(prefix, given)  # the json was deleted: rewritten if ``given`` is the recorded one
         loaded = self.files.load(prefix, self.device)
         if given is None:
             return loaded

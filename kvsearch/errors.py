@@ -23,6 +23,11 @@ __all__ = [
     "MissingDependencyError",
     "BadFileError",
     "MemoryLimitError",
+    "StorageError",
+    "DiskFullError",
+    "ReadOnlyDatabaseError",
+    "MissingFileError",
+    "StoreChangedError",
 ]
 
 
@@ -77,6 +82,14 @@ class CorruptDatabaseError(KVSearchError, RuntimeError):
     """A file of the database is damaged or foreign and cannot be rebuilt from the store."""
 
 
+class MissingFileError(CorruptDatabaseError):
+    """A file the database needs (``store.sqlite``, an encoder json) is missing; the message says how to restore it."""
+
+
+class StoreChangedError(CorruptDatabaseError):
+    """``store.sqlite`` was deleted or replaced from outside while the database was open: nothing more is written."""
+
+
 class InconsistentDatabaseError(CorruptDatabaseError):
     """The stored key embeddings are not the key encoder's: written by an older version, or damaged."""
 
@@ -107,6 +120,18 @@ class BadFileError(KVSearchError, ValueError):
 
 class MemoryLimitError(KVSearchError, MemoryError):
     """An operation would need more memory than it may use; it is refused before anything is written."""
+
+
+class StorageError(KVSearchError, OSError):
+    """The file system refused a write (or an open): the message names the path and the cause."""
+
+
+class DiskFullError(StorageError):
+    """No space left on the device (or the quota is used up); the write was rolled back, nothing of it kept."""
+
+
+class ReadOnlyDatabaseError(StorageError):
+    """The database is open read-only (asked for, or its folder or file system cannot be written): no writes."""
 
 
 class DistributedError(KVSearchError, RuntimeError):

@@ -17,7 +17,6 @@ training (IVF, PQ, OPQ) are served by an exact flat index until enough vectors e
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import faiss
 import numpy as np
@@ -31,6 +30,7 @@ from kvsearch.errors import (
     InvalidArgumentError,
     UnknownOptionError,
 )
+from kvsearch.fileio import write_atomic
 from kvsearch.limits import check_fits, index_bytes
 from kvsearch.topk import (
     EXACT_FILTER_MAX,
@@ -575,18 +575,14 @@ class Index:
     # ------------------------------------------------------------------ persistence
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the index to ``path`` atomically (a temporary file, then a rename); read it with :func:`load_index`."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
+        """Write the index to ``path`` atomically (a temporary file, then a rename); read it with :func:`load_index`.
+
+        Raises:
+            OSError: the file cannot be written (the temporary file is removed; ``path`` is as it was).
+        """
         blob = faiss.serialize_index(self._faiss)  # uint8 array
-        np.savez(
-            tmp.with_suffix(".npz"),
-            faiss=blob,
-            labels=self._labels,
-            dead=self._dead,
-            fallback=np.array(self._fallback),
-        )
-        os.replace(tmp.with_suffix(".npz"), path)
+        arrays = {"faiss": blob, "labels": self._labels, "dead": self._dead, "fallback": np.array(self._fallback)}
+        write_atomic(path, lambda f: np.savez(f, **arrays), sync=False)  # derived data: a torn file fails its hash
 
     @classmethod
     def load(

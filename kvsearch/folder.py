@@ -32,16 +32,23 @@ import json
 import os
 import shutil
 import sqlite3
-import tempfile
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
+from kvsearch import fileio
 from kvsearch.encoders import ENCODER_KINDS, Encoder, SentenceEncoder
-from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, InvalidArgumentError, UnknownOptionError
+from kvsearch.errors import (
+    CorruptDatabaseError,
+    DatabaseLockedError,
+    InvalidArgumentError,
+    MissingFileError,
+    UnknownOptionError,
+)
 from kvsearch.locking import LOCK_FILE
 
 if TYPE_CHECKING:
@@ -56,6 +63,7 @@ __all__ = [
     "ENCODER_FILES_META",
     "is_database",
     "files_of_database",
+    "check_store_present",
     "Creation",
     "sha256_file",
     "save_encoder",
@@ -110,6 +118,7 @@ def _patterns() -> list[str]:
     """Glob patterns of every file and folder kvsearch writes into a database folder, leftovers included."""
     patterns = [STORE_FILE, *(STORE_FILE + s for s in _SQLITE_SIDE_FILES), f"{STORE_FILE}.emb*", LOCK_FILE]
     patterns += [INDEX_FILE, f"{INDEX_FILE}.*", MANIFEST_FILE, f"{MANIFEST_FILE}.*.tmp", f"{_STAGING[0]}*{_STAGING[1]}"]
+    patterns += [f".{INDEX_FILE}.*.tmp", f".{MANIFEST_FILE}.*.tmp"]
     patterns += [GENERATIONS_DIR]
     for prefix in ENCODER_PREFIXES:
         model_dir = _MODEL_DIR.format(prefix=prefix)
@@ -137,6 +146,34 @@ def files_of_database(path: str | os.PathLike[str]) -> list[Path]:
         return []
     found = {p for pattern in _patterns() for p in folder.glob(pattern)}
     return sorted(found, key=lambda p: p.name)
+
+
+#: Files that may be left in a folder without its store and say nothing of a database having been there.
+_HARMLESS = {LOCK_FILE, STORE_FILE + "-shm", STORE_FILE + "-journal"}
+
+
+def check_store_present(path: str | os.PathLike[str]) -> None:
+    """Refuse a folder that holds kvsearch files but no :data:`STORE_FILE`: its store was deleted or moved.
+
+    A new database must never be created beside what is left of an old one (its encoders, its index): the store
+    was the single source of truth, and a fresh empty one would hide that it is gone.
+
+    Args:
+        path: a folder without a store (one that does not exist holds nothing).
+
+    Raises:
+        MissingFileError: the folder holds kvsearch files (other than a lock file or SQLite's shared memory).
+    """
+    folder = Path(path)
+    if is_database(folder):
+        return
+    left = [p.name for p in files_of_database(folder) if p.name not in _HARMLESS]
+    if left:
+        raise MissingFileError(
+            f"{folder / STORE_FILE} is missing, but the folder holds other kvsearch files ({', '.join(left)}): the "
+            "store (the records, the single source of truth) was deleted or moved. Restore it from a backup, or "
+            "remove those files to make a new database in this folder"
+        )
 
 
 def _remove(path: Path) -> None:
@@ -210,42 +247,36 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 # --------------------------------------------------------------------------- atomic writes
 
 
-@contextlib.contextmanager
-def _temp_path(folder: Path, name: str) -> Iterator[Path]:
-    """A fresh temporary file name in ``folder`` (same file system, so ``os.replace`` is atomic)."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-    finally:
-        tmp_path.unlink(missing_ok=True)  # no-op once it has been moved into place
+def _json_bytes(data: Mapping[str, Any]) -> bytes:
+    """The bytes of an encoder's json, exactly as :func:`save_encoder` writes them (digests compare these)."""
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    with _temp_path(path.parent, path.name) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+def _config_data(encoder: Encoder, weights: str | None) -> dict[str, Any]:
+    """What ``{prefix}.json`` holds for ``encoder`` whose weights are in the file or folder ``weights`` (or none)."""
+    data = {**encoder.config(), "weights": weights}
+    if isinstance(encoder, SentenceEncoder) and weights is not None:
+        data["model"] = weights
+    return data
+
+
+def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    blob = _json_bytes(data)
+    fileio.write_atomic(path, lambda f: f.write(blob))
 
 
 def _write_safetensors_atomic(path: Path, state: Mapping[str, Tensor]) -> None:
     from safetensors.torch import save_file
 
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-    with _temp_path(path.parent, path.name) as tmp:
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+    fileio.write_atomic_path(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move the finished folder ``src`` to ``dst``, replacing an older ``dst`` (rename, then delete)."""
     old = None
     if dst.exists():
-        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old."))
+        old = fileio.temp_dir(dst.parent, f".{dst.name}.old.")
         os.replace(dst, old / dst.name)
     os.replace(src, dst)
     if old is not None:
@@ -287,25 +318,24 @@ def save_encoder(encoder: Encoder, folder: str | os.PathLike[str], prefix: str) 
         raise InvalidArgumentError(f"expected a kvsearch Encoder, got {type(encoder).__name__}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    data = {**encoder.config(), "weights": None}
     needs_weights = encoder.needs_weights()
     if isinstance(encoder, SentenceEncoder):
+        weights = None
         if needs_weights:
             model_dir = folder / _MODEL_DIR.format(prefix=prefix)
-            tmp_dir = Path(tempfile.mkdtemp(dir=folder, prefix=f".{model_dir.name}."))
+            tmp_dir = fileio.temp_dir(folder, f".{model_dir.name}.")
             try:
                 encoder.model.save(str(tmp_dir), create_model_card=False, safe_serialization=True)
                 _replace_dir(tmp_dir, model_dir)
             finally:
                 shutil.rmtree(tmp_dir, ignore_errors=True)
-            data["model"] = data["weights"] = model_dir.name
-        _write_json_atomic(folder / f"{prefix}.json", data)
+            weights = model_dir.name
+        _write_json_atomic(folder / f"{prefix}.json", _config_data(encoder, weights))
         return
     weights_path = folder / f"{prefix}.safetensors"
     if needs_weights:
         _write_safetensors_atomic(weights_path, encoder.state_dict())
-        data["weights"] = weights_path.name
-    _write_json_atomic(folder / f"{prefix}.json", data)
+    _write_json_atomic(folder / f"{prefix}.json", _config_data(encoder, weights_path.name if needs_weights else None))
     if not needs_weights:
         weights_path.unlink(missing_ok=True)
 
@@ -475,26 +505,25 @@ def write_generation(
     Returns:
         file name -> SHA-256 of every file written (model folders excepted).
     """
-    from safetensors.torch import save_file
-
     if int(generation) < 1:
         raise InvalidArgumentError(f"expected a generation >= 1 to write, got {generation!r}")
     target = generation_dir(folder, generation)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=_STAGING[1]))
+    doing, then = f"writing the encoders of generation {generation}", "the database keeps its current generation"
+    with fileio.storage_errors(target, doing, then):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = fileio.temp_dir(target.parent, f".{target.name}.", _STAGING[1])
     try:
-        for prefix, encoder in encoders.items():
-            save_encoder(encoder, staging, prefix)
-        for stem, state in (tensors or {}).items():
-            save_file(
-                {name: t.detach().cpu().contiguous() for name, t in state.items()}, str(staging / f"{stem}.safetensors")
-            )
-        digests = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        _fsync_dir(staging)
-        if target.exists():
-            _remove(target)
-        os.replace(staging, target)
-        _fsync_dir(target.parent)
+        with fileio.storage_errors(target, doing, then):
+            for prefix, encoder in encoders.items():
+                save_encoder(encoder, staging, prefix)
+            for stem, state in (tensors or {}).items():
+                _write_safetensors_atomic(staging / f"{stem}.safetensors", state)
+            digests = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
+            _fsync_dir(staging)
+            if target.exists():
+                _remove(target)
+            os.replace(staging, target)
+            _fsync_dir(target.parent)
     finally:
         _remove(staging)
     return digests
@@ -506,9 +535,11 @@ def current_generation_dir(path: str | os.PathLike[str]) -> Path:
     Raises:
         CorruptDatabaseError: the store cannot be read.
     """
+    from kvsearch.store import connect_read_only
+
     store = Path(path) / STORE_FILE
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=10.0)) as conn:
+        with contextlib.closing(connect_read_only(store)) as conn:
             row = conn.execute("SELECT value FROM meta WHERE name = ?", (ENCODER_FILES_META,)).fetchone()
     except sqlite3.Error as exc:
         raise CorruptDatabaseError(f"{store}: cannot read {ENCODER_FILES_META!r}: {exc}") from None
@@ -592,11 +623,16 @@ class EncoderFiles:
             The encoder, in eval mode.
 
         Raises:
+            MissingFileError: ``{prefix}.json`` is missing (the message says how to restore it).
             CorruptDatabaseError: a file differs from what was saved (naming it, the expected and the found
                 digest), cannot be read, or does not describe an encoder.
             InvalidArgumentError: a database in memory has no encoder files; a bad prefix.
         """
         record = self.record()
+        if not (self.current_dir(record) / f"{_check_prefix(prefix)}.json").is_file():
+            record = self._latest_record()  # another process may have switched generations since
+            if not (self.current_dir(record) / f"{prefix}.json").is_file():
+                raise MissingFileError(self._missing(prefix, record))
         try:
             _check_encoder_files(self.current_dir(record), prefix, record or None)
             return load_encoder(self.current_dir(record), prefix, device=device)
@@ -604,6 +640,65 @@ class EncoderFiles:
             record = self._latest_record()
             _check_encoder_files(self.current_dir(record), prefix, record or None)
             return load_encoder(self.current_dir(record), prefix, device=device)
+
+    def restore_config(self, prefix: str, encoder: Encoder) -> None:
+        """Rewrite the current generation's missing ``{prefix}.json`` from ``encoder``, if it is the recorded one.
+
+        The json holds the encoder's configuration and the name of its weights; its SHA-256 is recorded in the store.
+        The bytes :func:`save_encoder` would write for ``encoder`` (with the weights file or model folder of the
+        generation where there is one) are compared with that digest: equal, they are written back (a warning says
+        so); else nothing is written.
+
+        Args:
+            prefix: the encoder's file name stem.
+            encoder: the encoder the database was created with (its weights may be untrained: the stored ones load).
+
+        Raises:
+            MissingFileError: no digest is recorded, ``encoder`` does not give it, or the folder is read-only.
+        """
+        record = self.record()
+        directory = self.current_dir(record)
+        path = directory / f"{_check_prefix(prefix)}.json"
+        expected = self._expected(path.name, record)
+        names = (f"{prefix}.safetensors", _MODEL_DIR.format(prefix=prefix))
+        options = [None, *(name for name in names if (directory / name).exists())]
+        blobs = [_json_bytes(_config_data(encoder, weights)) for weights in options]
+        blob = next((b for b in blobs if hashlib.sha256(b).hexdigest() in expected), None)
+        if blob is None:
+            found = hashlib.sha256(blobs[0]).hexdigest()
+            raise MissingFileError(self._missing(prefix, record, given=f"its configuration gives SHA-256 {found}"))
+        if self.store.read_only is not None:
+            raise MissingFileError(f"{path} is missing and cannot be rewritten: {self.store.read_only}")
+        with fileio.storage_errors(path, "rewriting a missing encoder config", "nothing was written"):
+            fileio.write_atomic(path, lambda f: f.write(blob))
+        warnings.warn(
+            f"kvsearch: {path} was missing; it was rewritten from the encoder passed in, whose configuration has the "
+            "SHA-256 the store records",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _expected(self, name: str, record: Mapping[str, Any]) -> set[str]:
+        """The recorded digests of a file of the current generation (current and, for generation 0, pending)."""
+        known = [d for d in (record.get("current"), record.get("pending")) if isinstance(d, dict)]
+        return {d[name] for d in known if isinstance(d.get(name), str)}
+
+    def _missing(self, prefix: str, record: Mapping[str, Any], given: str | None = None) -> str:
+        """What to say of a missing ``{prefix}.json``: which file, and how to restore it."""
+        path = self.current_dir(record) / f"{prefix}.json"
+        expected = sorted(self._expected(path.name, record))
+        text = f"{path} is missing (deleted from outside?)"
+        if not expected:
+            return f"{text}; no digest of it is recorded to check an encoder against: restore it from a backup"
+        text += f"; the store records its SHA-256 {' or '.join(expected)}"
+        if given is not None:
+            text += f"; the {prefix} passed in does not match it ({given})"
+        if prefix == "query_encoder":  # a fine-tuned query side: it cannot be passed in
+            return f"{text}. Restore it from a backup"
+        return (
+            f"{text}. Open the database with the encoder it was created with — Database({str(self.folder)!r}, "
+            f"{prefix}=...) — and the file is rewritten from it; or restore it from a backup"
+        )
 
     def load_generation(
         self, generation: int, digests: Mapping[str, str], prefix: str, device: str | torch.device | None = None
@@ -634,9 +729,11 @@ class EncoderFiles:
 
     def _latest_record(self) -> dict[str, Any]:
         """The record as last committed, read on a fresh connection (outside this view's read snapshot)."""
+        from kvsearch.store import connect_read_only
+
         path = self.folder / STORE_FILE
         try:
-            with contextlib.closing(sqlite3.connect(str(path), timeout=10.0)) as conn:
+            with contextlib.closing(connect_read_only(path)) as conn:
                 row = conn.execute("SELECT value FROM meta WHERE name = ?", (ENCODER_FILES_META,)).fetchone()
         except sqlite3.Error as exc:
             raise CorruptDatabaseError(f"{path}: cannot read {ENCODER_FILES_META!r}: {exc}") from None
@@ -651,7 +748,7 @@ class EncoderFiles:
         otherwise (or when another writer holds the lock) the record is left as it is (still accepted on load).
         """
         record = self.record()
-        if self.folder is None or not record.get("pending") or record.get("generation"):
+        if self.folder is None or not record.get("pending") or record.get("generation") or self.store.read_only:
             return
         try:
             self.store.write_lock.acquire(timeout=0.0)
@@ -697,18 +794,18 @@ def write_index(folder: str | os.PathLike[str], index: SavableIndex, *, version:
         version: the store version the index reflects.
 
     Raises:
-        OSError: a file cannot be written.
+        DiskFullError, ReadOnlyDatabaseError: a file cannot be written (no temporary file is left; the store is
+            intact and the index is rebuilt from it at the next open).
+        OSError: another failure to write.
     """
     folder = Path(folder)
     index_path = folder / INDEX_FILE
-    index.save(index_path)
-    manifest = {"version": version, "spec": index.spec, "ntotal": index.ntotal, "sha256": sha256_file(index_path)}
-    tmp = folder / f"{MANIFEST_FILE}.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(json.dumps(manifest))
-        os.replace(tmp, folder / MANIFEST_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)  # no-op once it has been moved into place
+    then = "the store is intact and the index is rebuilt from it at the next open"
+    with fileio.storage_errors(index_path, "saving the index", then):
+        index.save(index_path)
+        manifest = {"version": version, "spec": index.spec, "ntotal": index.ntotal, "sha256": sha256_file(index_path)}
+        blob = json.dumps(manifest).encode()
+        fileio.write_atomic(folder / MANIFEST_FILE, lambda f: f.write(blob), sync=False)
 
 
 def saved_index_path(folder: str | os.PathLike[str], *, version: int, spec: str, ntotal: int) -> Path | None:

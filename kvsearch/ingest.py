@@ -10,8 +10,9 @@ which duplicate detection needs):
    file or is already stored, JSON lines parse. Every bad row is reported with its line number in one
    :class:`~kvsearch.errors.BadFileError`, and nothing is written.
 2. write: ``batch_size`` rows at a time are encoded and added (``Database.add``: store, then index),
-   with a tqdm bar. If a write fails midway (or the run is interrupted), the records this ingest added
-   are deleted again, so nothing half-written stays behind.
+   with a tqdm bar, all in one transaction of the database (``Database.atomic``): if a write fails midway
+   (a full disk too), or the run is interrupted or killed, nothing of the file is kept. A database without
+   ``atomic`` (a sharded one) commits batch by batch, and the records this ingest added are deleted again.
 
 Line numbers are 1-based physical lines of the file (a CSV header is line 1; a quoted CSV field that
 spans lines is reported at the line where its record starts).
@@ -19,6 +20,7 @@ spans lines is reported at the line where its record starts).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -237,7 +239,7 @@ def ingest_file(
             nothing was written.
         UnknownOptionError: an unknown format, or a suffix that names none.
         InvalidArgumentError: a bad argument (such as ``batch_size < 1``).
-        KVSearchError: a write failed; the records this call had added were deleted again.
+        KVSearchError: a write failed (``DiskFullError``: no space left); nothing of the file was kept.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"expected batch_size as a positive int, got {batch_size!r}")
@@ -254,23 +256,26 @@ def ingest_file(
     columns = (key, value) if key != value else (key,)
     added: list[int] = []
     bar = tqdm(total=count, desc="encoding + indexing", unit="rec", disable=not progress, dynamic_ncols=True)
+    atomic = getattr(db, "atomic", None)  # one transaction: a full disk or a kill leaves nothing of the file
     try:
-        keys: list[str] = []
-        values: list[str] = []
-        for row in read_rows(path, columns, format=fmt):
-            if row.problem is not None:
-                raise BadFileError(f"{os.fspath(path)!r} line {row.line} changed during ingest: {row.problem}")
-            keys.append(row.fields[0])
-            values.append(row.fields[-1])
-            if len(keys) == batch_size:
+        with contextlib.nullcontext() if atomic is None else atomic():
+            keys: list[str] = []
+            values: list[str] = []
+            for row in read_rows(path, columns, format=fmt):
+                if row.problem is not None:
+                    raise BadFileError(f"{os.fspath(path)!r} line {row.line} changed during ingest: {row.problem}")
+                keys.append(row.fields[0])
+                values.append(row.fields[-1])
+                if len(keys) == batch_size:
+                    added += db.add(keys=keys, values=values)
+                    bar.update(len(keys))
+                    keys, values = [], []
+            if keys:
                 added += db.add(keys=keys, values=values)
                 bar.update(len(keys))
-                keys, values = [], []
-        if keys:
-            added += db.add(keys=keys, values=values)
-            bar.update(len(keys))
     except BaseException:
-        _undo(db, added)
+        if atomic is None:
+            _undo(db, added)
         raise
     finally:
         bar.close()

@@ -7,6 +7,8 @@ waiting at most ``timeout`` seconds before :class:`~kvsearch.errors.DatabaseLock
 The lock is ``fcntl.flock`` on a file in the folder: the kernel drops it when its holder dies (even by
 SIGKILL), so a crashed writer never leaves a stale lock behind. It is reentrant within one thread of one
 process, and fork-aware: a child process never shares its parent's lock (it opens its own file description).
+
+A database open read-only has a lock that is never taken: it refuses at once, and never creates its file.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from kvsearch.errors import DatabaseLockedError
+from kvsearch.errors import DatabaseLockedError, ReadOnlyDatabaseError
+from kvsearch.fileio import storage_errors
 
 try:  # POSIX only; elsewhere the lock degrades to SQLite's own write lock
     import fcntl
@@ -36,14 +39,22 @@ class WriteLock:
     Args:
         path: the lock file, or None for a database in memory (the lock then only orders threads).
         timeout: seconds to wait for another holder, >= 0.
+        read_only: why the database is read-only (then the lock is never taken and its file never made), or None.
 
     Raises:
         DatabaseLockedError: (on enter) another process held the lock for longer than ``timeout``.
+        ReadOnlyDatabaseError: (on enter) the database is read-only, or the lock file cannot be made.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None, timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        timeout: float = DEFAULT_LOCK_TIMEOUT,
+        read_only: str | None = None,
+    ) -> None:
         self.path = None if path is None else Path(path)
         self.timeout = float(timeout)
+        self.read_only = read_only
         self._thread_lock = threading.RLock()
         self._depth = 0
         self._fd: int | None = None
@@ -61,7 +72,8 @@ class WriteLock:
             self._fd, self._depth, self._pid = None, 0, os.getpid()
             self._thread_lock = threading.RLock()
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            with storage_errors(self.path, "taking the write lock", "nothing was written"):
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides, as for every file
         return self._fd
 
     def acquire(self, timeout: float | None = None) -> None:
@@ -69,7 +81,11 @@ class WriteLock:
 
         Raises:
             DatabaseLockedError: another process holds it after ``timeout`` seconds.
+            ReadOnlyDatabaseError: the database is read-only (nothing is created), or the lock file cannot be made.
         """
+        if self.read_only is not None:
+            where = "the database" if self.path is None else self.path.parent
+            raise ReadOnlyDatabaseError(f"{where} is open read-only ({self.read_only}): nothing can be written")
         wait = self.timeout if timeout is None else float(timeout)
         if self._pid != os.getpid() and self.path is not None:
             self._file()  # reset the fork-inherited state before touching the thread lock

@@ -8,11 +8,18 @@ Every write is one SQLite transaction that also bumps a version counter; the in-
 changed only after the commit succeeds. Anything derived from the store (the FAISS index) records the
 version it was built at, so a stale copy is detected on open and rebuilt.
 
+A store opened read-only (asked for, or its folder or file cannot be written) reads through a ``mode=ro``
+connection and refuses every write with :class:`~kvsearch.errors.ReadOnlyDatabaseError`. A write transaction
+that the file system refuses (a full disk) is rolled back and raised as :class:`~kvsearch.errors.DiskFullError`.
+The store remembers which file it opened: once ``store.sqlite`` is deleted or replaced from outside,
+:meth:`Store.check_file` raises :class:`~kvsearch.errors.StoreChangedError` (every transaction checks it).
+
 The store knows nothing of FAISS or autograd: its tensors are plain (no grad), on ``device``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -29,11 +36,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, DuplicateKeyError, KeyNotFoundError
+from kvsearch import fileio
+from kvsearch.errors import (
+    CorruptDatabaseError,
+    DatabaseLockedError,
+    DuplicateKeyError,
+    KeyNotFoundError,
+    ReadOnlyDatabaseError,
+    StorageError,
+    StoreChangedError,
+)
 from kvsearch.filters import where_sql
 from kvsearch.locking import LOCK_FILE, WriteLock
 
-__all__ = ["Record", "Store"]
+__all__ = ["Record", "Store", "connect_read_only"]
 
 #: Stores of at least this many records keep a memory-mapped copy of their embeddings (see Store.write_side).
 SIDE_MIN_ROWS = 50_000
@@ -49,6 +65,36 @@ CREATE TABLE IF NOT EXISTS records (
     value_emb BLOB NOT NULL
 );
 """
+
+_SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_CANTOPEN = 5, 6, 14
+#: SQLite errors of a file that cannot be reached, as opposed to one that is damaged.
+_SQLITE_ACCESS = {3, 10, 14, 23}  # SQLITE_PERM, SQLITE_IOERR, SQLITE_CANTOPEN, SQLITE_AUTH
+_CONNECT = {"isolation_level": None, "check_same_thread": False}  # we open transactions ourselves
+
+
+def connect_read_only(path: str | os.PathLike[str], timeout: float = 10.0) -> sqlite3.Connection:
+    """A read-only SQLite connection to ``path`` that never writes into its folder.
+
+    ``mode=ro`` first (it sees other processes' commits); where SQLite cannot make its WAL index because the folder
+    cannot be written and no WAL is pending (a store closed cleanly on a read-only file system), ``immutable=1``.
+
+    Raises:
+        sqlite3.Error: the file cannot be opened or read.
+    """
+    uri = Path(path).absolute().as_uri()
+    conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=timeout, **_CONNECT)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # SQLite opens lazily: fail here, not later
+        return conn
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        wal = Path(f"{path}-wal")
+        pending = wal.is_file() and wal.stat().st_size > 0
+        if fileio.sqlite_code(exc) != _SQLITE_CANTOPEN or pending:
+            raise
+    conn = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=timeout, **_CONNECT)
+    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    return conn
 
 
 @dataclass(frozen=True)
@@ -78,46 +124,132 @@ class Store:
     Args:
         path: the SQLite file, or None for an in-memory store.
         device: where the in-memory tensors live.
+        timeout: seconds to wait for another process's SQLite lock (and the write lock).
+        read_only: open for reading only; a store whose folder or file cannot be written is opened so anyway.
+
+    Attributes:
+        read_only: why the store is read-only (asked for, or what cannot be written), or None.
 
     Raises:
         CorruptDatabaseError: the file is not a SQLite database or lacks our tables.
+        StorageError: the file cannot be opened (:class:`ReadOnlyDatabaseError`: a new store in a folder that cannot
+            be written; :class:`DiskFullError`: no space to create it).
         DatabaseLockedError: another process holds a write transaction for longer than the timeout.
     """
 
-    def __init__(self, path: str | Path | None, device: torch.device | str = "cpu", timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        path: str | Path | None,
+        device: torch.device | str = "cpu",
+        timeout: float = 10.0,
+        *,
+        read_only: bool = False,
+    ) -> None:
         self.path = None if path is None else Path(path)
         self.device = torch.device(device)
         self.lock = threading.RLock()
         self._timeout = timeout
         self._pid = os.getpid()
         self.loaded_version = 0  # the store version the in-memory mirror (and the index) reflect
-        # One writer at a time per folder, across processes; every transaction takes it (reentrant).
-        self.write_lock = WriteLock(None if path is None else self.path.parent / LOCK_FILE, timeout)
+        self.read_only: str | None = None
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
+        if self.path is not None:
+            self.read_only = "it was opened with read_only=True" if read_only else self._unwritable()
         _open_stores.add(self)
         try:
-            self._conn = sqlite3.connect(
-                ":memory:" if path is None else str(path),
-                timeout=timeout,
-                isolation_level=None,  # we open transactions ourselves
-                check_same_thread=False,
-            )
-            if path is not None:
-                # A record is ~4 dim bytes of embeddings: 16 KiB pages hold several, and a 64 MiB WAL between
-                # checkpoints, insert ~1.5x faster than SQLite's 4 KiB / 4 MiB defaults (page_size only takes
-                # effect when the file is created; it must come before WAL mode).
-                self._conn.execute("PRAGMA page_size=16384")
-                self._conn.execute("PRAGMA journal_mode=WAL")
-                self._conn.execute("PRAGMA synchronous=FULL")
-                self._conn.execute("PRAGMA wal_autocheckpoint=4096")
-            self._conn.executescript(_SCHEMA)
-        except sqlite3.DatabaseError as exc:
-            raise CorruptDatabaseError(f"{path} is not a kvsearch store (SQLite said: {exc})") from None
+            self._conn = self._connect()
+        except sqlite3.Error as exc:
+            refused = fileio.is_read_only(exc) or fileio.sqlite_code(exc) == _SQLITE_CANTOPEN
+            if self.path is None or self.read_only is not None or not self.path.is_file() or not refused:
+                raise self._open_error(exc) from None
+            self.read_only = f"SQLite cannot write {self.path} ({exc})"  # e.g. a file another user owns
+            try:
+                self._conn = self._connect()
+            except sqlite3.Error as again:
+                raise self._open_error(again) from None
+        # One writer at a time per folder, across processes; every transaction takes it (reentrant).
+        self.write_lock = WriteLock(None if path is None else self.path.parent / LOCK_FILE, timeout, self.read_only)
         # In-memory mirror, sorted by id: ids (n,), keys (n, dim), values (n, value_dim).
         self.ids = torch.empty(0, dtype=torch.long)
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
         self.id_of_key: dict[str, int] = {}
         self.key_of_id: dict[int, str] = {}
+
+    def _unwritable(self) -> str | None:
+        """Why the store cannot be written (its folder, or the file itself), or None.
+
+        Raises:
+            ReadOnlyDatabaseError: there is no store yet and its folder cannot be written (nothing to read).
+        """
+        reason = fileio.unwritable_reason(self.path.parent)
+        if reason is not None and not self.path.exists():
+            raise ReadOnlyDatabaseError(f"cannot create a store at {self.path}: {reason}")
+        if reason is None and self.path.exists():
+            reason = fileio.unwritable_reason(self.path)
+        return reason
+
+    def _connect(self) -> sqlite3.Connection:
+        """Open the connection (read-only when :attr:`read_only` says so) and remember which file it opened."""
+        if self.path is None:
+            conn = sqlite3.connect(":memory:", timeout=self._timeout, **_CONNECT)
+            conn.executescript(_SCHEMA)
+            return conn
+        if self.read_only is not None:
+            conn = connect_read_only(self.path, self._timeout)
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not {"meta", "records"} <= tables:
+                conn.close()
+                raise CorruptDatabaseError(f"{self.path} is not a kvsearch store (it lacks the meta / records tables)")
+        else:
+            with fileio.storage_errors(self.path, "creating the store", "nothing was created"):
+                fileio.create_new(self.path)  # made by us with the umask's mode, not SQLite's fixed 0644
+            conn = sqlite3.connect(str(self.path), timeout=self._timeout, **_CONNECT)
+            try:
+                # A record is ~4 dim bytes of embeddings: 16 KiB pages hold several, and a 64 MiB WAL between
+                # checkpoints, insert ~1.5x faster than SQLite's 4 KiB / 4 MiB defaults (page_size only takes
+                # effect when the file is created; it must come before WAL mode).
+                conn.execute("PRAGMA page_size=16384")
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+                conn.execute("PRAGMA wal_autocheckpoint=4096")
+                conn.executescript(_SCHEMA)
+            except BaseException:
+                conn.close()
+                raise
+        self._identity = fileio.file_identity(self.path)
+        return conn
+
+    def _open_error(self, exc: sqlite3.Error) -> Exception:
+        """The typed error of a store that cannot be opened: full, read-only, unreachable, locked, or damaged."""
+        typed = fileio.storage_error(exc, self.path, "opening the store", "nothing was written")
+        if typed is not None:
+            return typed
+        code = fileio.sqlite_code(exc)
+        if code in (_SQLITE_BUSY, _SQLITE_LOCKED):
+            return DatabaseLockedError(f"another process holds {self.path} locked: {exc}")
+        if code in _SQLITE_ACCESS:
+            return StorageError(f"cannot open {self.path} (SQLite said: {exc})")
+        return CorruptDatabaseError(f"{self.path} is not a kvsearch store (SQLite said: {exc})")
+
+    def check_file(self) -> None:
+        """Check that ``path`` still names the file this store opened.
+
+        Raises:
+            StoreChangedError: it was deleted, or replaced by another file, since the store was opened.
+        """
+        if self._identity is None:
+            return
+        now = fileio.file_identity(self.path)
+        if now == self._identity:
+            return
+        what = "deleted" if now is None else "replaced by another file"
+        raise StoreChangedError(
+            f"{self.path} was {what} while this database was open (expected the file of device {self._identity[0]} "
+            f"inode {self._identity[1]}, found {'none' if now is None else f'inode {now[1]}'}): nothing more is "
+            "written, it would be acknowledged into a file no longer in the folder. Restore the store from a backup "
+            "if it was lost, then open the folder again"
+        )
 
     # ------------------------------------------------------------------ fork safety
 
@@ -143,10 +275,11 @@ class Store:
             return  # an in-memory database was copied by fork(); the child owns its copy
         _inherited_connections.append(inherited)
         try:
-            self._connection = sqlite3.connect(
-                str(self.path), timeout=self._timeout, isolation_level=None, check_same_thread=False
-            )
-            self._connection.execute("PRAGMA synchronous=FULL")
+            if self.read_only is not None:
+                self._connection = connect_read_only(self.path, self._timeout)
+            else:
+                self._connection = sqlite3.connect(str(self.path), timeout=self._timeout, **_CONNECT)
+                self._connection.execute("PRAGMA synchronous=FULL")
         except sqlite3.DatabaseError as exc:
             raise CorruptDatabaseError(f"{self.path}: cannot reopen the store after fork(): {exc}") from None
 
@@ -288,9 +421,10 @@ class Store:
         another process committed since the mirror was loaded. Never raises for an I/O problem: the side files
         are an optimisation, and a failed write leaves the previous (then stale, hence unused) state.
         """
-        if self.path is None or self.keys is None or len(self.ids) < SIDE_MIN_ROWS:
+        if self.path is None or self.read_only is not None or self.keys is None or len(self.ids) < SIDE_MIN_ROWS:
             return False
         version = self.loaded_version
+        written: list[Path] = []  # temporary files, removed again if the write stops
         try:
             if self.version != version:
                 return False
@@ -301,6 +435,7 @@ class Store:
             for part, tensor in (("ids", self.ids), ("keys", self.keys), ("values", self.values)):
                 final = self._side_file(version, part)
                 tmp = final.with_name(f"{final.name}.{os.getpid()}.tmp")  # two processes never share a file
+                written.append(tmp)
                 array = np.ascontiguousarray(tensor.detach().cpu().numpy())
                 sums[part] = _crc32(array)
                 with open(tmp, "wb") as f:
@@ -311,6 +446,7 @@ class Store:
             dims = {"dim": self.keys.shape[1], "value_dim": self.values.shape[1]}
             info = {"version": version, "n": len(self.ids), **dims, "crc32": sums}
             tmp = manifest.with_name(f"{manifest.name}.{os.getpid()}.tmp")
+            written.append(tmp)
             with open(tmp, "w") as f:
                 f.write(json.dumps(info))
                 f.flush()
@@ -321,6 +457,9 @@ class Store:
                     old.unlink(missing_ok=True)
             return True
         except (OSError, ValueError, sqlite3.Error):
+            for tmp in written:  # a full disk leaves no temporary file behind
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
             return False
 
     def is_stale(self) -> bool:
@@ -701,38 +840,99 @@ if hasattr(os, "register_at_fork"):
 class Transaction:
     """``with store.transaction():`` — BEGIN IMMEDIATE under the write lock, then COMMIT, or ROLLBACK on error.
 
-    Nested inside an open transaction it adds nothing (``depth_owner`` is False): the outermost one commits.
+    Nested inside an open transaction it is a SAVEPOINT (``depth_owner`` is False): an error inside rolls back only
+    its own writes, and the outermost one commits. Every write transaction first checks that the store file is
+    still the one opened (:meth:`Store.check_file`). A commit the file system refuses (a full disk) is rolled back
+    and raised as :class:`~kvsearch.errors.DiskFullError`; a rolled-back transaction leaves ``loaded_version`` as
+    it found it.
+
+    Raises:
+        ReadOnlyDatabaseError: the store is read-only. DatabaseLockedError: another writer holds it.
+        StoreChangedError: the store file was deleted or replaced. DiskFullError: no space to commit.
     """
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.depth_owner = False
+        self.savepoint: str | None = None
+        self.loaded = store.loaded_version
 
     def __enter__(self) -> None:
-        conn = self.store._conn
+        store = self.store
+        conn = store._conn
+        self.loaded = store.loaded_version
         if conn.in_transaction:
+            self.savepoint = f"kvsearch_{id(self):x}"
+            conn.execute(f"SAVEPOINT {self.savepoint}")
             return
-        self.store.write_lock.acquire()  # bounded wait, then DatabaseLockedError
+        store.write_lock.acquire()  # bounded wait, then DatabaseLockedError; ReadOnlyDatabaseError when read-only
         try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            self.store.write_lock.release()
-            if "locked" in str(exc):
-                raise DatabaseLockedError(f"another process is writing to {self.store.path}: {exc}") from None
-            raise
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc):
+                    raise DatabaseLockedError(f"another process is writing to {store.path}: {exc}") from None
+                typed = self._typed(exc)
+                if typed is None:
+                    raise
+                raise typed from None
+            store.check_file()
         except BaseException:
-            self.store.write_lock.release()
+            self._abort()
+            store.write_lock.release()
             raise
         self.depth_owner = True
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        conn = self.store._conn
+        if self.savepoint is not None:
+            if exc_type is None:
+                conn.execute(f"RELEASE {self.savepoint}")
+                return
+            if conn.in_transaction:  # SQLite may have rolled the whole transaction back itself (a full disk)
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute(f"ROLLBACK TO {self.savepoint}")
+                    conn.execute(f"RELEASE {self.savepoint}")
+            self.store.loaded_version = self.loaded
+            typed = self._typed(exc)
+            if typed is not None:
+                raise typed from None
+            return
         if not self.depth_owner:
             return
-        conn = self.store._conn
         try:
             if exc_type is None:
-                conn.execute("COMMIT")
+                try:
+                    conn.execute("COMMIT")
+                except sqlite3.Error as failed:
+                    self._abort()
+                    typed = self._typed(failed)
+                    if typed is None:
+                        raise
+                    raise typed from None
             else:
-                conn.execute("ROLLBACK")
+                self._abort()
+                typed = self._typed(exc)
+                if typed is not None:
+                    raise typed from None
         finally:
             self.store.write_lock.release()
+
+    def _abort(self) -> None:
+        """Roll back what is open (SQLite may already have done it) and forget the versions it counted."""
+        conn = self.store._conn
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        self.store.loaded_version = self.loaded
+
+    def _typed(self, exc: BaseException | None) -> Exception | None:
+        """A full disk or a read-only file as the typed error, else None (the error stays as it is)."""
+        if exc is None or not isinstance(exc, (OSError, sqlite3.Error)):
+            return None
+        return fileio.storage_error(
+            exc,
+            self.store.path,
+            "writing to the store",
+            "the write was rolled back: the store holds what was committed before it",
+        )
