@@ -614,9 +614,12 @@ class KVAttention(nn.Module):
     """Attention over a database as a torch layer: queries (batch, dim) -> output (batch, value_dim).
 
     The database is duck-typed: it needs ``dim`` and ``candidates(queries, k) -> Candidates``
-    (it detaches the queries for its index search itself). The last weights and ids are kept
-    on ``last_weights`` / ``last_ids`` (detached; ids are expanded to the weights' shape for
-    ``k="all"``).
+    (it detaches the queries for its index search itself). With exact pooling, a database that
+    also has ``exact_targets(queries) -> ids`` (and ``candidates(..., targets=ids)``) decides
+    which stored key each query is, as ``Database.query`` does (one equal key embedding, else not
+    found, also when several are equal); without it, the candidates' embeddings are compared.
+    The last weights and ids are kept on ``last_weights`` / ``last_ids`` (detached; ids are
+    expanded to the weights' shape for ``k="all"``).
     """
 
     def __init__(
@@ -685,7 +688,11 @@ class KVAttention(nn.Module):
                 f"expected queries of shape (batch, {self.db.dim}), got {tuple(queries.shape)}"
             )
         check_finite(queries)  # before the index sees them
-        cand = self.db.candidates(queries, self.k)
+        exact_targets = getattr(self.db, "exact_targets", None)
+        if self.pooling == "exact" and callable(exact_targets):  # the database's rule: one equal stored key
+            cand = self.db.candidates(queries, self.k, targets=exact_targets(queries))
+        else:
+            cand = self.db.candidates(queries, self.k)
         output, weights = attend(
             queries,
             cand.keys,

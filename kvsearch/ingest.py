@@ -8,7 +8,8 @@ which duplicate detection needs):
 
 1. validate every row: the key and value columns exist, a CSV / TSV row has no more fields than the
    header and no unterminated quote, the key is not empty, no key repeats in the file or is already
-   stored, JSON lines parse. Every bad row is reported with its line number in one
+   stored (keys compared as the database compares them: NFC, surrounding whitespace stripped), JSON
+   lines parse. Every bad row is reported with its line number in one
    :class:`~kvsearch.errors.BadFileError`, and nothing is written.
 2. write: ``batch_size`` rows at a time are encoded and added (``Database.add``: store, then index),
    with a tqdm bar. If a write fails midway (or the run is interrupted), the records this ingest added
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 from tqdm import tqdm
 
 from kvsearch.errors import BadFileError, InvalidArgumentError, KVSearchError, UnknownOptionError
+from kvsearch.inputs import normalize_key
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
@@ -237,10 +239,10 @@ def _validate(db: Database, path: str | os.PathLike[str], key: str, value: str, 
         if row.problem is not None:
             bad(row.line, row.problem)
             continue
-        k = row.fields[0]
+        k = normalize_key(row.fields[0])  # as the database compares and stores it
         v = row.fields[-1]
-        if not k.strip():
-            bad(row.line, f"empty key {k!r}")
+        if not k:
+            bad(row.line, f"empty key {row.fields[0]!r}")
         elif "\x00" in k or "\x00" in v:
             bad(row.line, "a NUL character in the key or value")
         elif k in seen:

@@ -32,6 +32,7 @@ from kvsearch.errors import (
     NonFiniteError,
     UnknownOptionError,
 )
+from kvsearch.inputs import normalize_key
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
@@ -336,7 +337,7 @@ def evaluate(
         raise InvalidArgumentError(f"expected a retriever with candidates(queries, k), got {type(source).__name__}")
     encoder = next(e for e in (query_encoder, db.query_encoder, db.encoder) if e is not None)
     score = db.score if score is None else score
-    queries = [q for q, _ in pairs]
+    queries = [normalize_key(q) for q, _ in pairs]  # as Database.query encodes text queries
     wanted = target_ids(db, [t for _, t in pairs], "pairs") if targets == "key" else None  # (n,)
     first = []
     for start in range(0, len(pairs), batch_size):

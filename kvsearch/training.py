@@ -64,6 +64,7 @@ from kvsearch.checks import all_finite
 from kvsearch.database import Database
 from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
 from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError
+from kvsearch.inputs import normalize_key
 from kvsearch.losses import (
     ANSWER_LOSSES,
     LOSSES,
@@ -316,7 +317,7 @@ def finetune(
         target_values = train_pairs[1].float().to(device)  # (n, value_dim)
         wanted = None
     else:
-        query_items = [q for q, _ in train_pairs]
+        query_items = [normalize_key(q) for q, _ in train_pairs]  # as Database.query encodes text queries
         texts = [t for _, t in train_pairs]
         if targets == "value" and db.value_encoder is None:
             raise InvalidArgumentError('expected a database with a value encoder for targets="value", got none')
