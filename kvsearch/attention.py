@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.checks import COSINE_EPS, check_finite, check_temperature
-from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.checks import COSINE_EPS, all_finite, check_finite, check_temperature
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 
 __all__ = [
     "ScoreName",
@@ -220,11 +220,87 @@ def _first_true(x: Tensor) -> Tensor:
     return x & (x.cumsum(-1) == 1)  # (..., m)
 
 
-def _masked_softmax(scaled: Tensor, keep: Tensor) -> Tensor:
-    """Softmax over kept entries; dropped entries and fully dropped rows get exactly 0, never NaN."""
-    filled = scaled.masked_fill(~keep, torch.finfo(scaled.dtype).min)  # (..., m) finite, so no NaN
-    weights = torch.softmax(filled, dim=-1)  # (..., m) uniform on a fully dropped row
+def _masked_softmax(scores: Tensor, keep: Tensor, temperature: float) -> Tensor:
+    """softmax(scores / temperature) over kept entries; dropped entries and fully dropped rows get exactly 0.
+
+    The row's best kept score is subtracted before dividing by the temperature (softmax does not change), so a
+    tiny temperature cannot overflow: every kept entry is <= 0, the best is 0. Never NaN, forward or backward.
+    """
+    if scores.shape[-1] == 0:
+        return torch.softmax(scores, dim=-1)  # (..., 0)
+    low = torch.finfo(scores.dtype).min
+    top = scores.detach().masked_fill(~keep, low).amax(-1, keepdim=True)  # (..., 1) the best kept score
+    scaled = ((scores - top) / temperature).nan_to_num(nan=0.0, posinf=0.0, neginf=low)  # (..., m) <= 0 where kept
+    weights = torch.softmax(scaled.masked_fill(~keep, low), dim=-1)  # (..., m) finite; uniform on a dropped row
     return torch.where(keep, weights, 0)  # (..., m)
+
+
+def _peak(x: Tensor) -> float:
+    """The largest absolute entry of a non-empty tensor, in one reduction pass (no copy of ``x``)."""
+    low, high = torch.aminmax(x.detach())
+    return max(-float(low), float(high))
+
+
+def _count_nonfinite(x: Tensor) -> int:
+    """How many entries of ``x`` are NaN or infinite (for error messages)."""
+    return int((~torch.isfinite(x.detach())).sum())
+
+
+def _largest(x: Tensor) -> float:
+    """The largest absolute entry of ``x`` (0 for an empty tensor), for error messages."""
+    return _peak(x) if x.numel() else 0.0
+
+
+def _keep_finite_scores(scores: Tensor, keep: Tensor) -> Tensor:
+    """The keep-mask with the candidates scored -inf dropped; NaN or +inf on a kept candidate raises.
+
+    Raises:
+        NonFiniteError: a kept candidate's score is NaN or +inf.
+    """
+    if all_finite(scores):
+        return keep
+    bad = (torch.isnan(scores) | (scores == math.inf)) & keep  # (..., m)
+    if bool(bad.any()):
+        raise NonFiniteError(
+            "scores must be finite, or -inf for a candidate to drop: expected no NaN or +inf, "
+            f"got {int(bad.sum())} in scores of shape {tuple(scores.shape)}"
+        )
+    return keep & (scores != -math.inf)  # (..., m)
+
+
+def _unit_rows(x: Tensor) -> Tensor:
+    """Rows scaled to unit norm as ``F.normalize`` does (norms clamped to ``COSINE_EPS``: a zero row stays zero).
+
+    A row whose squared norm overflows (entries near 1e19 and above in float32) is first divided by its largest
+    entry, which the cosine does not see: its norm is then finite and its direction exact.
+    """
+    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
+    if not all_finite(norms):
+        peak = x.detach().abs().amax(-1, keepdim=True)  # (..., 1)
+        x = x / torch.where(peak > 1, peak, 1)  # (..., dim) huge rows brought to [-1, 1]; small rows as they are
+        norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
+    return x / norms.clamp(min=COSINE_EPS)  # (..., dim)
+
+
+def _gaussian(queries: Tensor, keys: Tensor) -> Tensor:
+    """-|q - k|^2 / 2 for queries (..., n, dim) and keys (..., m, dim), accurate far from the origin: (..., n, m).
+
+    The expanded form ``|q|^2 - 2 q.k + |k|^2`` cancels catastrophically in float32 when the norms are large next
+    to the distance. A query that is the only one of its keys (gathered candidates) is scored by the direct
+    difference ``|k - q|^2`` (memory: one copy of its keys). Otherwise both sides are first moved by the same
+    vector, the keys' mean (detached): the distance, and its gradient, do not change, and what rounding is left
+    is that of the points' spread around their mean, not of their distance to the origin (memory O(n m) plus one
+    centred copy of each side).
+    """
+    if queries.shape[-2] == 1 and torch.broadcast_shapes(queries.shape[:-2], keys.shape[:-2]) == keys.shape[:-2]:
+        distances = torch.linalg.vector_norm(keys - queries, dim=-1)  # (..., m): no second copy of the keys
+        return -0.5 * distances.square().unsqueeze(-2)  # (..., 1, m)
+    reference = keys.detach().mean(-2, keepdim=True)  # (..., 1, dim)
+    queries, keys = queries - reference, keys - reference  # (..., n, dim), (..., m, dim)
+    dots = queries @ keys.transpose(-2, -1)  # (..., n, m)
+    query_sq = queries.pow(2).sum(-1).unsqueeze(-1)  # (..., n, 1)
+    key_sq = keys.pow(2).sum(-1).unsqueeze(-2)  # (..., 1, m)
+    return -0.5 * (query_sq - 2 * dots + key_sq).clamp(min=0)  # (..., n, m)
 
 
 # ----------------------------------------------------------------------------- functions
@@ -234,10 +310,11 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
     """Score every query against every key.
 
     ``dot`` is q.k, ``scaled_dot`` q.k / sqrt(dim), ``cosine`` the dot of the unit vectors
-    (a zero vector scores 0), ``gaussian`` -||q - k||^2 / 2, computed as
-    -(|q|^2 - 2 q.k + |k|^2) / 2 clamped to <= 0 (memory O(n m), like ``torch.cdist``'s
-    matmul path; in float32 it loses precision when the norms are large). A callable is
-    called as is.
+    (a zero vector scores 0; rows too large to square are scaled down first), ``gaussian``
+    -||q - k||^2 / 2: the direct difference for a query with keys of its own (n = 1), else
+    -(|q'|^2 - 2 q'.k' + |k'|^2) / 2 clamped to <= 0 on q' = q - r, k' = k - r with r the keys'
+    mean — accurate however far the points are from the origin, with memory O(n m) plus one
+    centred copy of each side. A callable is called as is.
 
     Args:
         queries: (..., n, dim).
@@ -257,18 +334,15 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
         return score(queries, keys)  # (..., n, m)
     check_score(score)
     _check_pair(queries, keys)
+    if score == "gaussian":
+        return _gaussian(queries, keys)  # (..., n, m)
     if score == "cosine":
-        queries = F.normalize(queries, dim=-1, eps=COSINE_EPS)  # (..., n, dim)
-        keys = F.normalize(keys, dim=-1, eps=COSINE_EPS)  # (..., m, dim)
+        queries = _unit_rows(queries)  # (..., n, dim)
+        keys = _unit_rows(keys)  # (..., m, dim)
     dots = queries @ keys.transpose(-2, -1)  # (..., n, m)
-    if score in ("dot", "cosine"):
-        return dots  # (..., n, m)
     if score == "scaled_dot":
         return dots / math.sqrt(queries.shape[-1])  # (..., n, m)
-    query_sq = queries.pow(2).sum(-1).unsqueeze(-1)  # (..., n, 1)
-    key_sq = keys.pow(2).sum(-1).unsqueeze(-2)  # (..., 1, m)
-    sq_dists = (query_sq - 2 * dots + key_sq).clamp(min=0)  # (..., n, m)
-    return -0.5 * sq_dists  # (..., n, m)
+    return dots  # (..., n, m): dot, cosine
 
 
 def pool(
@@ -287,6 +361,8 @@ def pool(
     gradient. ``exact``: one-hot on the first candidate where ``match`` is True, zeros where
     none is (constant weights). ``average``: 1 / count. In every mode a dropped entry gets
     exactly 0 and a row with nothing kept gets all zeros, never NaN, forward and backward.
+    A score of -inf drops its candidate like the mask does (so a row scored -inf everywhere
+    gets zeros); NaN or +inf on a kept candidate raises.
 
     Args:
         scores: floating-point (..., m).
@@ -302,6 +378,7 @@ def pool(
         UnknownOptionError: ``pooling`` is unknown.
         InvalidArgumentError: bad temperature, scores not floating point, mask or match not a
             bool tensor of a broadcastable shape, or ``exact`` without ``match``.
+        NonFiniteError: a kept candidate's score is NaN or +inf.
     """
     _check_option(pooling, POOLINGS, "pooling")
     temperature = check_temperature(temperature)
@@ -317,9 +394,10 @@ def pool(
         if match is None:
             raise InvalidArgumentError("exact pooling needs match: expected a bool tensor, got None")
         keep = keep & _keep_mask(match, shape, "match", device)  # (..., m)
+    keep = _keep_finite_scores(scores, keep)  # (..., m) a -inf score drops its candidate
 
     if pooling == "softmax":
-        return _masked_softmax(scores / temperature, keep)  # (..., m)
+        return _masked_softmax(scores, keep, temperature)  # (..., m)
     if pooling in ("normalize", "nonnegative"):
         positive = torch.where(keep, scores.relu(), 0)  # (..., m)
         if pooling == "nonnegative":
@@ -327,7 +405,7 @@ def pool(
         total = positive.sum(-1, keepdim=True)  # (..., 1)
         return positive / torch.where(total > 0, total, 1)  # (..., m); a zero row stays zero, no 0/0
     if pooling == "hard":
-        soft = _masked_softmax(scores / temperature, keep)  # (..., m)
+        soft = _masked_softmax(scores, keep, temperature)  # (..., m)
         filled = scores.masked_fill(~keep, -math.inf)  # (..., m)
         best = keep & (filled == filled.amax(-1, keepdim=True))  # (..., m) every kept maximum
         onehot = _first_true(best).to(scores.dtype)  # (..., m)
@@ -387,7 +465,9 @@ def attend(
 
     Raises:
         DimensionMismatchError: the shapes fit no layout, or batch, m or dim disagree.
-        NonFiniteError: the queries, keys or values hold NaN or Inf.
+        NonFiniteError: the queries, keys or values hold NaN or Inf; a built-in score overflowed
+            (finite inputs too large for the dtype); a callable score gave NaN or +inf on a kept
+            candidate (-inf drops the candidate, see ``pool``); or the output overflowed.
         InvalidArgumentError: a bad option value, non-float embeddings, a valid_lens, mask or match of the
             wrong dtype or shape, or the gaussian score with normalize / nonnegative pooling (all weights 0).
         UnknownOptionError: an unknown score or pooling name.
@@ -451,6 +531,12 @@ def attend(
     if not isinstance(scores, Tensor) or scores.shape != expected:
         got = tuple(scores.shape) if isinstance(scores, Tensor) else _describe(scores)
         raise DimensionMismatchError(f"the score function must return shape {tuple(expected)}, got {got}")
+    if isinstance(score, str) and not all_finite(scores):
+        raise NonFiniteError(
+            f"the {score} scores overflowed: expected queries and keys whose scores fit in {scores.dtype}, got "
+            f"{_count_nonfinite(scores)} non-finite scores from finite inputs (largest entry "
+            f"{max(_largest(queries), _largest(keys)):.3g}); scale them down or use float64"
+        )
     if pooling == "exact" and match is None:
         match = _exact_matches(queries, keys)  # (n, m) | (b, 1, k) | (b, n, m)
 
@@ -458,6 +544,12 @@ def attend(
     if training and dropout > 0:
         weights = F.dropout(weights, p=dropout, training=True)  # like scores
     output = weights @ values  # (n, value_dim) | (b, 1, value_dim) | (b, n, value_dim)
+    if not all_finite(output):
+        raise NonFiniteError(
+            f"the output overflowed: expected weights @ values to fit in {output.dtype}, got "
+            f"{_count_nonfinite(output)} non-finite entries (largest weight {_largest(weights):.3g}, "
+            f"largest value {_largest(values):.3g})"
+        )
     if gathered:
         output = output.squeeze(-2)  # (b, value_dim)
         weights = weights.squeeze(-2)  # (b, k)
@@ -522,9 +614,12 @@ class KVAttention(nn.Module):
     """Attention over a database as a torch layer: queries (batch, dim) -> output (batch, value_dim).
 
     The database is duck-typed: it needs ``dim`` and ``candidates(queries, k) -> Candidates``
-    (it detaches the queries for its index search itself). The last weights and ids are kept
-    on ``last_weights`` / ``last_ids`` (detached; ids are expanded to the weights' shape for
-    ``k="all"``).
+    (it detaches the queries for its index search itself). With exact pooling, a database that
+    also has ``exact_targets(queries) -> ids`` (and ``candidates(..., targets=ids)``) decides
+    which stored key each query is, as ``Database.query`` does (one equal key embedding, else not
+    found, also when several are equal); without it, the candidates' embeddings are compared.
+    The last weights and ids are kept on ``last_weights`` / ``last_ids`` (detached; ids are
+    expanded to the weights' shape for ``k="all"``).
     """
 
     def __init__(
@@ -593,7 +688,11 @@ class KVAttention(nn.Module):
                 f"expected queries of shape (batch, {self.db.dim}), got {tuple(queries.shape)}"
             )
         check_finite(queries)  # before the index sees them
-        cand = self.db.candidates(queries, self.k)
+        exact_targets = getattr(self.db, "exact_targets", None)
+        if self.pooling == "exact" and callable(exact_targets):  # the database's rule: one equal stored key
+            cand = self.db.candidates(queries, self.k, targets=exact_targets(queries))
+        else:
+            cand = self.db.candidates(queries, self.k)
         output, weights = attend(
             queries,
             cand.keys,

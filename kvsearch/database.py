@@ -323,7 +323,7 @@ class Database:
         q = query_tensor(key, self.dim)[0] if isinstance(key, (Tensor, np.ndarray)) else None
         with self._reading():
             if isinstance(key, str):
-                return key in self._store.id_of_key
+                return self._store.id_of(key) >= 0
             return q is not None and bool((self._retriever.exact_targets(q) >= 0).all())
 
     def __enter__(self) -> Database:
@@ -398,7 +398,9 @@ class Database:
         """Add records. Keys must be new.
 
         Args:
-            keys: key texts (a list of str; a single str adds one record), or key embeddings (n, dim).
+            keys: key texts (a list of str; a single str adds one record), or key embeddings (n, dim). Key texts
+                are stored NFC-normalised and stripped of surrounding whitespace (see
+                :func:`~kvsearch.inputs.normalize_key`); values are stored as given.
             values: value texts, or value embeddings (n, value_dim) (or (n,) when value_dim is 1).
             metadata: one JSON-serialisable dict (or None) per record.
 
@@ -416,10 +418,21 @@ class Database:
     ) -> list[int]:
         """Add records, replacing (in place, same id) those whose key text is already stored.
 
-        Args and Raises: as :meth:`add`, except that stored keys are allowed.
+        A replaced record takes the new key text, value and embeddings. Its metadata is replaced only where
+        metadata is given: ``metadata=None`` (or a None entry in the list) keeps what is stored, ``{}`` clears it.
+
+        Args:
+            keys: as :meth:`add`; stored keys are allowed (compared after normalisation, see :meth:`add`).
+            values: as :meth:`add`.
+            metadata: one dict or None per record (a single dict for a single record), or None for all: None
+                keeps a replaced record's stored metadata (a new record gets none), a dict replaces it, ``{}``
+                clears it.
 
         Returns:
             The ids, in order: the existing id for a replaced key, a new id otherwise.
+
+        Raises:
+            As :meth:`add`, except that stored keys are allowed.
         """
         return self._write(keys, values, metadata, upsert=True)
 
@@ -449,7 +462,8 @@ class Database:
         """Delete records by key text or by id.
 
         Args:
-            key_or_keys: a key, an id, or a list of them (or an integer tensor / array of ids).
+            key_or_keys: a key (compared after normalisation, see :meth:`lookup`), an id, or a list of them (or an
+                integer tensor / array of ids).
 
         Returns:
             The deleted ids.
@@ -670,14 +684,18 @@ class Database:
         """Exact lookup: the value stored under this key (a traditional database query).
 
         Args:
-            key: a key text, or a key embedding (dim,) matched by equality.
+            key: a key text, compared after Unicode NFC normalisation and stripping surrounding whitespace (see
+                :func:`~kvsearch.inputs.normalize_key`; keys stored by earlier versions as given are found by
+                their normalised text too), or a key embedding (dim,) matched by equality — ambiguous, hence not
+                found, when several stored keys have that very embedding.
             default: returned when the key is not stored; without it, a miss raises.
 
         Returns:
             The value text, or the value embedding (CPU tensor) for a value given as an embedding.
 
         Raises:
-            KeyNotFoundError: the key is not stored and no default was given.
+            KeyNotFoundError: the key is not stored (or, for an embedding, stored more than once) and no default
+                was given.
         """
         q = None
         if isinstance(key, (Tensor, np.ndarray)):
@@ -686,11 +704,21 @@ class Database:
                 raise InvalidArgumentError(f"expected one key embedding (dim,), got shape {tuple(q.shape)}")
         elif not isinstance(key, str):
             raise InvalidArgumentError(f"expected a key text or a key embedding, got {type(key).__name__}")
+        count = 0
         with self._reading():
-            id_ = self._store.id_of_key.get(key, -1) if q is None else int(self._retriever.exact_targets(q)[0])
+            if q is None:
+                id_ = self._store.id_of(key)
+            else:
+                first, counts = self._retriever.exact_matches(q)  # (1,), (1,)
+                id_, count = (int(first[0]) if int(counts[0]) == 1 else -1), int(counts[0])
             if id_ >= 0:
                 return self._values_of([id_])[id_]
         if default is _MISSING:
+            if count > 1:
+                raise KeyNotFoundError(
+                    f"no record has the key <embedding> unambiguously: expected one stored key with that embedding, "
+                    f"got {count} stored keys with it"
+                )
             shown = key if isinstance(key, str) else "<embedding>"
             raise KeyNotFoundError(f"no record has the key {shown!r}")
         return default
@@ -750,7 +778,8 @@ class Database:
                 index picks candidates with the database's metric; this only rescores them.
             pooling: ``softmax``, ``normalize``, ``nonnegative``, ``hard``, ``exact`` or ``average``.
                 ``exact`` is a database lookup: one-hot on the record whose key equals the query (text
-                equality, or equal embedding), else "not found" (zero output, value None, found False).
+                equality after normalisation, or equal embedding), else "not found" (zero output, value None,
+                found False) — also for an embedding that several stored keys have (ambiguous).
             temperature: softmax temperature (softmax and hard), > 0.
             where: a metadata filter (as in :meth:`search`): only matching records are candidates.
 
@@ -780,7 +809,7 @@ class Database:
                 if texts is None:
                     targets = self._retriever.exact_targets(q)  # (b,)
                 else:
-                    targets = torch.tensor([self._store.id_of_key.get(t, -1) for t in texts], dtype=torch.long)
+                    targets = torch.tensor([self._store.id_of(t) for t in texts], dtype=torch.long)
             cand = self._retriever.candidates(q, k, targets=targets, where=where)
             output, weights = attend_candidates(
                 q,
@@ -829,6 +858,27 @@ class Database:
         with self._reading():
             return self._retriever.candidates(queries, k, targets=targets, where=where)
 
+    def exact_targets(self, queries: Tensor) -> Tensor:
+        """For each query embedding, the id of the one record whose key embedding equals it, else -1.
+
+        The rule of ``pooling="exact"`` for embeddings: several stored keys with that very embedding are ambiguous,
+        hence -1 (not found), as none is. :class:`~kvsearch.KVAttention` with exact pooling uses it.
+
+        Args:
+            queries: (batch, dim).
+
+        Returns:
+            (batch,) int64 ids on the CPU.
+
+        Raises:
+            DimensionMismatchError: queries are not (batch, dim).
+        """
+        if not isinstance(queries, Tensor) or queries.dim() != 2 or queries.shape[1] != self.dim:
+            got = tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__
+            raise DimensionMismatchError(f"expected queries (batch, {self.dim}), got {got}")
+        with self._reading():
+            return self._retriever.exact_targets(queries)
+
     # ------------------------------------------------------------------ reads by id (for training and tools)
 
     def ids(self) -> Tensor:
@@ -837,10 +887,10 @@ class Database:
             return self._store.ids.clone()
 
     def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
-        """The id of each key text: (n,) int64 on the CPU, -1 where the key is not stored."""
+        """The id of each key text (compared after normalisation, see :meth:`lookup`): (n,) int64 on the CPU, -1
+        where the key is not stored."""
         with self._reading():
-            id_of_key = self._store.id_of_key
-            return torch.tensor([id_of_key.get(t, -1) for t in texts], dtype=torch.long)
+            return torch.tensor([self._store.id_of(t) for t in texts], dtype=torch.long)
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
         """Whether some stored record has each value text: (n,) bool on the CPU."""

@@ -6,8 +6,10 @@
 Two streaming passes over the file, so memory stays bounded by one batch (plus the set of keys seen,
 which duplicate detection needs):
 
-1. validate every row: the key and value columns exist, the key is not empty, no key repeats in the
-   file or is already stored, JSON lines parse. Every bad row is reported with its line number in one
+1. validate every row: the key and value columns exist, a CSV / TSV row has no more fields than the
+   header and no unterminated quote, the key is not empty, no key repeats in the file or is already
+   stored (keys compared as the database compares them: NFC, surrounding whitespace stripped), JSON
+   lines parse. Every bad row is reported with its line number in one
    :class:`~kvsearch.errors.BadFileError`, and nothing is written.
 2. write: ``batch_size`` rows at a time are encoded and added (``Database.add``: store, then index),
    with a tqdm bar, all in one transaction of the database (``Database.atomic``): if a write fails midway
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 from tqdm import tqdm
 
 from kvsearch.errors import BadFileError, InvalidArgumentError, KVSearchError, UnknownOptionError
+from kvsearch.inputs import normalize_key
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
@@ -82,8 +85,10 @@ def detect_format(path: str | os.PathLike[str], format: str | None = None) -> Fo
 def read_rows(path: str | os.PathLike[str], columns: tuple[str, ...], *, format: str | None = None) -> Iterator[Row]:
     """Stream the chosen columns of a CSV, TSV or JSONL file, one :class:`Row` at a time.
 
-    Rows with a missing column, a non-text JSON field or a line that is not a JSON object come with a
-    ``problem`` instead of fields; blank JSONL lines are skipped. The file is never read whole.
+    Rows with a missing column, more fields than the header (CSV / TSV), a quote that is never closed (CSV /
+    TSV: reported at its record, not read as a field running to the end of the file), a non-text JSON field or
+    a line that is not a JSON object come with a ``problem`` instead of fields; blank lines are skipped. The
+    file is never read whole.
 
     Args:
         path: the file.
@@ -117,8 +122,47 @@ def read_rows(path: str | os.PathLike[str], columns: tuple[str, ...], *, format:
         handle.close()
 
 
+class _Lines:
+    """The lines of a file as ``csv.reader`` reads them, keeping those of the record being read.
+
+    ``record`` holds the physical lines read since it was last emptied; ``done`` says the file ended.
+    """
+
+    def __init__(self, handle: Iterator[str]) -> None:
+        self._lines = iter(handle)
+        self.record: list[str] = []
+        self.done = False
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            line = next(self._lines)
+        except StopIteration:
+            self.done = True
+            raise
+        self.record.append(line)
+        return line
+
+
+def _runs_to_the_end(lines: list[str], delimiter: str) -> bool:
+    """Whether a record read up to the end of the file is inside a quoted field there (an unterminated quote).
+
+    Read leniently, such a field silently takes every line after it; read strictly (only this record) it is
+    "unexpected end of data".
+    """
+    try:
+        for _ in csv.reader(lines, delimiter=delimiter, strict=True):
+            pass
+    except csv.Error as exc:
+        return "end of data" in str(exc)
+    return False
+
+
 def _delimited_rows(handle, columns: tuple[str, ...], delimiter: str, name: str) -> Iterator[Row]:
-    reader = csv.reader(handle, delimiter=delimiter)
+    lines = _Lines(handle)
+    reader = csv.reader(lines, delimiter=delimiter)
     header = next(reader, None)
     if header is None:
         return
@@ -131,10 +175,23 @@ def _delimited_rows(handle, columns: tuple[str, ...], delimiter: str, name: str)
         )
     positions = [header.index(c) for c in columns]
     start = reader.line_num + 1  # the physical line where the next record begins
+    lines.record = []
     for fields in reader:
         line, start = start, reader.line_num + 1
+        record, lines.record = lines.record, []
+        if lines.done and _runs_to_the_end(record, delimiter):
+            yield Row(line, None, "unterminated quote: a quoted field opened here runs to the end of the file")
+            continue
         if not fields:
             continue  # a blank line
+        if len(fields) > len(header):
+            yield Row(
+                line,
+                None,
+                f"{len(fields)} fields, header has {len(header)}: expected one field per column "
+                "(an unquoted delimiter?)",
+            )
+            continue
         if len(fields) <= max(positions):
             absent = [c for c, p in zip(columns, positions) if p >= len(fields)]
             yield Row(line, None, f"missing column {absent[0]!r} ({len(fields)} fields, header has {len(header)})")
@@ -184,10 +241,10 @@ def _validate(db: Database, path: str | os.PathLike[str], key: str, value: str, 
         if row.problem is not None:
             bad(row.line, row.problem)
             continue
-        k = row.fields[0]
+        k = normalize_key(row.fields[0])  # as the database compares and stores it
         v = row.fields[-1]
-        if not k.strip():
-            bad(row.line, f"empty key {k!r}")
+        if not k:
+            bad(row.line, f"empty key {row.fields[0]!r}")
         elif "\x00" in k or "\x00" in v:
             bad(row.line, "a NUL character in the key or value")
         elif k in seen:
@@ -234,9 +291,9 @@ def ingest_file(
         How many records were added (0 for a file without records).
 
     Raises:
-        BadFileError: the file cannot be read, or has bad rows (missing column, empty key, duplicate key
-            in the file or already stored, bad JSON); ``.problems`` lists them with line numbers, and
-            nothing was written.
+        BadFileError: the file cannot be read, or has bad rows (missing column, extra fields, unterminated
+            quote, empty key, duplicate key in the file or already stored, bad JSON); ``.problems`` lists
+            them with line numbers, and nothing was written.
         UnknownOptionError: an unknown format, or a suffix that names none.
         InvalidArgumentError: a bad argument (such as ``batch_size < 1``).
         KVSearchError: a write failed (``DiskFullError``: no space left); nothing of the file was kept.

@@ -3,12 +3,16 @@
 Every function raises a typed error that says what was expected and what came, before anything is encoded,
 searched or written. This module knows nothing of storage, search or autograd: the facade
 (:class:`~kvsearch.Database`) calls it first and hands the checked texts and tensors on.
+
+Key texts and text queries are compared after Unicode NFC normalisation and stripping surrounding whitespace
+(:func:`normalize_key`, the one place that rule lives); values are stored as given.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +33,7 @@ from kvsearch.errors import (
 __all__ = [
     "Queries",
     "KeysIn",
+    "normalize_key",
     "query_texts",
     "query_tensor",
     "record_side",
@@ -41,8 +46,27 @@ Queries = str | Sequence[str] | Tensor | np.ndarray
 KeysIn = str | Sequence[str] | Tensor | np.ndarray
 
 
+def normalize_key(text: str) -> str:
+    """A key text or a text query as kvsearch compares it: Unicode NFC, surrounding whitespace stripped.
+
+    "Müller" typed as ``u`` + a combining diaeresis (NFD) and as ``ü`` (NFC) are one key, and so are " 42 " and
+    "42" (``str.strip``: spaces, tabs, newlines, no-break and ideographic spaces). Case and inner whitespace
+    are kept. Values are never normalised.
+
+    Args:
+        text: a key or query text.
+
+    Returns:
+        The normalised text (idempotent: normalising it again changes nothing).
+    """
+    return unicodedata.normalize("NFC", text).strip()
+
+
 def query_texts(queries: Queries) -> list[str] | None:
-    """The query texts of ``queries`` (a str or a list of str), or None when queries are not text.
+    """The query texts of ``queries`` (a str or a list of str), normalised, or None when queries are not text.
+
+    Returns:
+        Each text as :func:`normalize_key` makes it, or None.
 
     Raises:
         InvalidArgumentError: an empty list, a non-str item, an empty or blank text, too many queries.
@@ -53,12 +77,15 @@ def query_texts(queries: Queries) -> list[str] | None:
     if not texts:
         raise InvalidArgumentError("expected at least one query, got an empty list")
     check_batch(len(texts), "queries")
+    out = []
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise InvalidArgumentError(f"expected query texts, got {type(t).__name__} at position {i}")
-        if not t.strip():
+        text = normalize_key(t)
+        if not text:
             raise InvalidArgumentError(f"expected non-empty query texts, got {t!r} at position {i}")
-    return texts
+        out.append(text)
+    return out
 
 
 def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
@@ -101,7 +128,8 @@ def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> 
 
     Args:
         items: texts (a str is one record), or embeddings (n, dim) (or (n,) when dim is 1).
-        name: ``"keys"`` or ``"values"`` — keys are also checked for emptiness and duplicates.
+        name: ``"keys"`` or ``"values"`` — keys are normalised (:func:`normalize_key`) and checked for
+            emptiness and duplicates after it; values are kept as given.
         encoder: the encoder of this side (texts need one).
         dim: the embedding dimension of this side.
 
@@ -131,11 +159,16 @@ def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> 
         if not isinstance(t, str):
             raise InvalidArgumentError(f"expected {name} as str, got {type(t).__name__} at position {i}")
         if name == "keys":
-            if not t.strip():
+            key = normalize_key(t)
+            if not key:
                 raise EmptyKeyError(f"expected a non-empty key, got {t!r} at position {i}")
-            if t in seen:
-                raise DuplicateKeyError(f"expected unique keys, got {t!r} at positions {seen[t]} and {i}")
-            seen[t] = i
+            if key in seen:
+                raise DuplicateKeyError(
+                    f"expected unique keys (compared after NFC and stripping surrounding whitespace), "
+                    f"got {key!r} at positions {seen[key]} and {i}"
+                )
+            seen[key] = i
+            texts[i] = t = key
         if "\x00" in t:
             raise InvalidArgumentError(f"expected {name} without NUL characters, got one at position {i}")
     if texts and encoder is None:
@@ -194,7 +227,8 @@ def check_metadata(metadata: object, n: int) -> list[dict[str, Any] | None]:
 
 
 def delete_items(key_or_keys: object) -> list[str | int]:
-    """What a delete names: key texts and int ids, from one item, a list, or an integer tensor / array.
+    """What a delete names: key texts (normalised, :func:`normalize_key`) and int ids, from one item, a list,
+    or an integer tensor / array.
 
     Raises:
         InvalidArgumentError: an array of non-integers, or an item that is neither str nor int.
@@ -208,7 +242,7 @@ def delete_items(key_or_keys: object) -> list[str | int]:
     out: list[str | int] = []
     for item in items:
         if isinstance(item, str):
-            out.append(item)
+            out.append(normalize_key(item))
         elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
             out.append(int(item))
         else:

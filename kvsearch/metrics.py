@@ -32,6 +32,7 @@ from kvsearch.errors import (
     NonFiniteError,
     UnknownOptionError,
 )
+from kvsearch.inputs import normalize_key
 from kvsearch.team import batches, team_of
 
 if TYPE_CHECKING:
@@ -341,7 +342,7 @@ def evaluate(
     k, batch_size, source = team.agree(check)
     encoder = next(e for e in (query_encoder, db.query_encoder, db.encoder) if e is not None)
     score = db.score if score is None else score
-    queries = [q for q, _ in pairs]
+    queries = [normalize_key(q) for q, _ in pairs]  # as Database.query encodes text queries
     wanted = team.agree(lambda: target_ids(db, [t for _, t in pairs], "pairs")) if targets == "key" else None
     sums = torch.zeros(4, dtype=torch.float64)  # queries, hits at 1, hits in the top k, reciprocal ranks
     for rows in batches(team, len(pairs), batch_size):

@@ -232,7 +232,10 @@ class Retriever:
         return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
 
     def exact_targets(self, queries: Tensor) -> Tensor:
-        """For each query embedding, the id of the first record whose key embedding equals it, else -1.
+        """For each query embedding, the id of the one record whose key embedding equals it, else -1.
+
+        A query equal to several stored key embeddings (duplicate embeddings are accepted, and an encoder may map
+        two key texts to one vector) is ambiguous: -1, as when none is equal — never one of them picked silently.
 
         Args:
             queries: (batch, dim).
@@ -240,13 +243,27 @@ class Retriever:
         Returns:
             (batch,) int64 CPU ids.
         """
+        first, count = self.exact_matches(queries)  # (batch,), (batch,)
+        return torch.where(count == 1, first, -1)  # (batch,)
+
+    def exact_matches(self, queries: Tensor) -> tuple[Tensor, Tensor]:
+        """For each query embedding, the first id whose key embedding equals it (-1 if none) and how many do.
+
+        Args:
+            queries: (batch, dim).
+
+        Returns:
+            ids (batch,) and counts (batch,), int64 on the CPU.
+        """
         keys = self.store.keys  # (m, dim)
         q = queries.detach().to(self.store.device)  # (b, dim)
-        targets = torch.full((q.shape[0],), -1, dtype=torch.long)  # (b,)
+        first = torch.full((q.shape[0],), -1, dtype=torch.long)  # (b,)
+        count = torch.zeros(q.shape[0], dtype=torch.long)  # (b,)
         for start in range(0, len(keys), EXACT_MATCH_ROWS):
             chunk = keys[start : start + EXACT_MATCH_ROWS]  # (c, dim)
             eq = (chunk.unsqueeze(0) == q.unsqueeze(1)).all(-1)  # (b, c)
-            hit = eq.any(-1).cpu() & (targets < 0)  # (b,)
-            first = eq.float().argmax(-1).cpu() + start  # (b,)
-            targets = torch.where(hit, self.store.ids[first.clamp(max=len(self.store.ids) - 1)], targets)
-        return targets
+            hit = eq.any(-1).cpu() & (first < 0)  # (b,)
+            row = eq.float().argmax(-1).cpu() + start  # (b,)
+            first = torch.where(hit, self.store.ids[row.clamp(max=len(self.store.ids) - 1)], first)
+            count += eq.sum(-1).cpu()
+        return first, count

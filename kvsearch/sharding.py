@@ -6,8 +6,8 @@
 A record's id is global: the shard in the high bits, ``id = (shard << ID_SHIFT) | local``; shard s's store hands
 out ids from ``(s << ID_SHIFT) + 1`` (its AUTOINCREMENT sequence is seeded at creation), so a deleted id is never
 reused and the owner of an id is ``id >> ID_SHIFT``. A key text lives on ``shard_of_key(key)``: a stable 64-bit
-BLAKE2b hash of its UTF-8 bytes (never Python's ``hash()``, which is salted per process). Rank r of a world of
-size W serves the shards s with ``s % W == r``.
+BLAKE2b hash of the UTF-8 bytes of its normalised text (never Python's ``hash()``, which is salted per
+process). Rank r of a world of size W serves the shards s with ``s % W == r``.
 
 This module knows nothing of torch.distributed, search or autograd.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError
+from kvsearch.inputs import normalize_key
 
 __all__ = [
     "SHARDS_FILE",
@@ -48,8 +49,9 @@ FORMAT = 1
 
 
 def shard_of_key(key: str, num_shards: int) -> int:
-    """The shard a key text lives on: BLAKE2b-64 of its UTF-8 bytes (little-endian) modulo the shard count."""
-    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    """The shard a key text lives on: BLAKE2b-64 of the UTF-8 bytes of its normalised text
+    (:func:`~kvsearch.inputs.normalize_key`), little-endian, modulo the shard count."""
+    digest = hashlib.blake2b(normalize_key(key).encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % num_shards
 
 

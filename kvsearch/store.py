@@ -24,6 +24,7 @@ import json
 import os
 import sqlite3
 import threading
+import warnings
 import weakref
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -47,6 +48,7 @@ from kvsearch.errors import (
     StoreChangedError,
 )
 from kvsearch.filters import where_sql
+from kvsearch.inputs import normalize_key
 from kvsearch.locking import LOCK_FILE, WriteLock
 
 __all__ = ["Record", "Store", "connect_read_only"]
@@ -173,6 +175,7 @@ class Store:
         self.ids = torch.empty(0, dtype=torch.long)
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+        # id_of_key: the normalised key text (normalize_key) -> id; key_of_id: id -> the key text as stored.
         self.id_of_key: dict[str, int] = {}
         self.key_of_id: dict[int, str] = {}
 
@@ -346,8 +349,8 @@ class Store:
             self.ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
             self.keys = torch.from_numpy(keys).to(self.device)  # (n, dim)
             self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
-            self.id_of_key = {r[1]: r[0] for r in rows if r[1] is not None}
             self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
+            self.id_of_key = _id_of_key(self.key_of_id, self.path)
             self.loaded_version = version
 
     # ------------------------------------------------------------------ embeddings side file
@@ -504,7 +507,8 @@ class Store:
         """Insert or update records in one transaction.
 
         Args:
-            keys, values, metadata: one entry per record.
+            keys, values, metadata: one entry per record. A replaced record whose metadata entry is None keeps
+                its stored metadata; ``{}`` clears it.
             key_embs: (n, dim) float32. value_embs: (n, value_dim) float32.
             ids: per record, the stored id it replaces in place, or None for a new record (all new if None).
 
@@ -519,6 +523,10 @@ class Store:
         def row(i: int, id_: int) -> tuple:
             meta = None if not metadata[i] else json.dumps(metadata[i])
             return (keys[i], values[i], meta, key_np[i].tobytes(), value_np[i].tobytes(), id_)
+
+        def update(i: int, id_: int) -> tuple:
+            key, value, meta, key_bytes, value_bytes, id_ = row(i, id_)
+            return (key, value, metadata[i] is None, meta, key_bytes, value_bytes, id_)  # None: keep the stored
 
         with self.lock:
             with self.transaction():
@@ -535,8 +543,9 @@ class Store:
                     (row(i, out[i]) for i in new),
                 )
                 self._conn.executemany(
-                    "UPDATE records SET key = ?, value = ?, metadata = ?, key_emb = ?, value_emb = ? WHERE id = ?",
-                    (row(i, out[i]) for i in old),
+                    "UPDATE records SET key = ?, value = ?, metadata = CASE WHEN ? THEN metadata ELSE ? END, "
+                    "key_emb = ?, value_emb = ? WHERE id = ?",
+                    (update(i, out[i]) for i in old),
                 )
                 self.bump_version()
             # Committed: now mirror it in memory (still under the lock, so readers never see half of it).
@@ -557,14 +566,18 @@ class Store:
                 self.keys = add_keys.clone() if self.keys is None else torch.cat([self.keys, add_keys])
                 self.values = add_values.clone() if self.values is None else torch.cat([self.values, add_values])
             for i in old:
-                old_key = self.key_of_id.pop(out[i], None)
-                if old_key is not None:
-                    self.id_of_key.pop(old_key, None)
+                self._forget_key(out[i])
             for i, key in enumerate(keys):
                 if key is not None:
-                    self.id_of_key[key] = out[i]
+                    self.id_of_key[normalize_key(key)] = out[i]
                     self.key_of_id[out[i]] = key
         return out
+
+    def _forget_key(self, id_: int) -> None:
+        """Drop a record's key from the key maps (the normalised key only if it names this record)."""
+        key = self.key_of_id.pop(id_, None)
+        if key is not None and self.id_of_key.get(normalize_key(key)) == id_:
+            del self.id_of_key[normalize_key(key)]
 
     def delete(self, ids: Sequence[int]) -> None:
         """Delete records by id in one transaction.
@@ -605,13 +618,21 @@ class Store:
         """
         out: list[int | None] = [None] * len(keys)
         for i, key in enumerate(keys):
-            if key is not None and key in self.id_of_key:
+            id_ = -1 if key is None else self.id_of(key)
+            if id_ >= 0:
                 if not allow:
                     raise DuplicateKeyError(
                         f"expected new keys, got {key!r} (record {i}) which is already stored; use upsert"
                     )
-                out[i] = self.id_of_key[key]
+                out[i] = id_
         return out
+
+    def id_of(self, key: str) -> int:
+        """The id of the record with this key text, -1 if none: compared after :func:`normalize_key`.
+
+        Keys stored by an earlier version that did not normalise are found by their normalised text too.
+        """
+        return self.id_of_key.get(normalize_key(key), -1)
 
     def resolve(self, items: Sequence[str | int], consequence: str) -> list[int]:
         """The stored ids of key texts and ids, in order, without repeats.
@@ -626,9 +647,10 @@ class Store:
         ids: list[int] = []
         for item in items:
             if isinstance(item, str):
-                if item not in self.id_of_key:
+                id_ = self.id_of(item)
+                if id_ < 0:
                     raise KeyNotFoundError(f"expected a stored key, got {item!r}; {consequence}")
-                ids.append(self.id_of_key[item])
+                ids.append(id_)
             else:
                 if not self.contains_id(item):
                     raise KeyNotFoundError(f"expected a stored id, got {item}; {consequence}")
@@ -685,9 +707,7 @@ class Store:
         self.keys = self.keys[keep_dev]
         self.values = self.values[keep_dev]
         for id_ in drop.tolist():
-            key = self.key_of_id.pop(id_, None)
-            if key is not None:
-                self.id_of_key.pop(key, None)
+            self._forget_key(id_)
 
     # ------------------------------------------------------------------ reading
 
@@ -814,6 +834,31 @@ class Store:
             if self._pid == os.getpid() or self.path is None:
                 self._connection.close()
             self.write_lock.close()
+
+
+def _id_of_key(key_of_id: dict[int, str], where: Path | None) -> dict[str, int]:
+    """The normalised key -> id map of the stored keys.
+
+    Keys written by this version are normalised already. Keys an earlier version stored as given (surrounding
+    whitespace, NFD) are found by their normalised text; should two of them normalise alike, the key names the
+    older record (the smaller id), the other stays reachable by id, and a RuntimeWarning names them.
+    """
+    id_of_key = {normalize_key(key): id_ for id_, key in key_of_id.items()}
+    if len(id_of_key) == len(key_of_id):
+        return id_of_key
+    groups: dict[str, list[int]] = {}
+    for id_, key in sorted(key_of_id.items()):
+        groups.setdefault(normalize_key(key), []).append(id_)
+    clashes = {key: ids for key, ids in groups.items() if len(ids) > 1}
+    shown = "; ".join(f"{key!r}: ids {ids}" for key, ids in list(clashes.items())[:5])
+    warnings.warn(
+        f"kvsearch: {where or 'a database in memory'} holds {len(clashes)} keys stored by an earlier version that "
+        f"are equal after normalisation (NFC, surrounding whitespace stripped): {shown}. Each key names its "
+        "smallest id; the others are reachable by id only (get / delete by id).",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return {key: ids[0] for key, ids in groups.items()}
 
 
 def _crc32(array: np.ndarray) -> int:

@@ -7,8 +7,9 @@ and the per-query log-sum-exp (batch,); its backward recomputes each chunk's pro
 neither pass ever holds a (batch, m) tensor.
 
 Scores supported (the database's): ``dot``, ``scaled_dot`` (/ sqrt(dim)), ``cosine`` (unit query and keys) and
-``gaussian`` (-||q - k||^2 / 2, computed as ``q.k - |k|^2 / 2``: the ``-|q|^2 / 2`` term is the same for every
-key of a query, so the softmax, and its gradient, do not see it). Gradients flow to queries, keys and values.
+``gaussian`` (-||q - k||^2 / 2, computed as ``q'.k' - |k'|^2 / 2 - |q'|^2 / 2`` on points centred on a common
+reference, the query itself for one query, else the keys' mean — each chunk of keys is centred as it is read —
+so that it stays accurate far from the origin). Gradients flow to queries, keys and values.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvsearch.attention import Candidates, ScoreFn, attend, compute_scores
-from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_temperature
-from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_temperature
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 from kvsearch.limits import check_fits
 
 __all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
@@ -36,18 +37,24 @@ def default_chunk(batch: int) -> int:
     return max(256, CHUNK_ELEMENTS // max(1, batch))
 
 
-def _chunk_keys(keys: Tensor, normalize: bool) -> tuple[Tensor, Tensor | None]:
-    """The keys as scored (unit rows for cosine) and their norms (clamped as F.normalize does), or None."""
+def _chunk_keys(keys: Tensor, normalize: bool, center: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk of keys: as scored (unit rows for cosine), raw (minus ``center`` for gaussian), and the norms
+    (clamped as F.normalize does) or None."""
+    if center is not None:
+        keys = keys - center  # (c, dim): the gaussian score on centred points
     if not normalize:
-        return keys, None
+        return keys, keys, None
     norms = keys.norm(dim=-1, keepdim=True).clamp(min=COSINE_EPS)  # (c, 1)
-    return keys / norms, norms  # (c, dim), (c, 1)
+    return keys / norms, keys, norms  # (c, dim), (c, dim), (c, 1)
 
 
 def _chunk_scores(
     q: Tensor, unit: Tensor, raw: Tensor, scale: float, gaussian: bool, shift: Tensor | None = None
 ) -> Tensor:
-    """Scores (batch, c) of queries (batch, dim) against one chunk of keys (c, dim), minus ``shift`` (batch, 1)."""
+    """Scores (batch, c) of queries (batch, dim) against one chunk of keys (c, dim), minus ``shift`` (batch, 1).
+
+    For gaussian, ``shift`` already holds the queries' ``scale * |q|^2 / 2``.
+    """
     if shift is None:
         scores = torch.mm(q, unit.T).mul_(scale)  # (batch, c)
     else:
@@ -55,6 +62,11 @@ def _chunk_scores(
     if gaussian:
         scores -= (0.5 * scale) * raw.pow(2).sum(-1)  # (batch, c): - |k|^2 / 2, scaled
     return scores
+
+
+def _query_shift(queries: Tensor, scale: float, gaussian: bool) -> Tensor | None:
+    """The queries' part of the gaussian score, ``scale * |q|^2 / 2`` (batch, 1), or None for the other scores."""
+    return (0.5 * scale) * queries.pow(2).sum(-1, keepdim=True) if gaussian else None  # (batch, 1)
 
 
 class _StreamingSoftmaxAttention(torch.autograd.Function):
@@ -70,6 +82,7 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
         normalize: bool,
         gaussian: bool,
         chunk: int,
+        center: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         batch, m = queries.shape[0], keys.shape[0]
         dtype = queries.dtype
@@ -78,10 +91,10 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
         acc = torch.zeros(batch, values.shape[1], dtype=dtype, device=queries.device)  # (batch, value_dim)
         best_score = torch.full((batch,), -math.inf, dtype=dtype, device=queries.device)  # (batch,)
         best_row = torch.zeros(batch, dtype=torch.long, device=queries.device)  # (batch,)
+        query_shift = _query_shift(queries, scale, gaussian)  # (batch, 1) | None
         for start in range(0, m, chunk):
-            raw = keys[start : start + chunk]  # (c, dim)
-            unit, _ = _chunk_keys(raw, normalize)  # (c, dim)
-            scores = _chunk_scores(queries, unit, raw, scale, gaussian)  # (batch, c)
+            unit, raw, _ = _chunk_keys(keys[start : start + chunk], normalize, center)  # (c, dim), (c, dim)
+            scores = _chunk_scores(queries, unit, raw, scale, gaussian, shift=query_shift)  # (batch, c)
             chunk_max, chunk_arg = scores.max(dim=1)  # (batch,), (batch,)
             better = chunk_max > best_score  # (batch,) first maximum wins ties, as argmax does
             best_row = torch.where(better, chunk_arg + start, best_row)  # (batch,)
@@ -94,14 +107,14 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
             running_max = new_max
         output = acc / total  # (batch, value_dim)
         lse = (running_max + total.log()).squeeze(1)  # (batch,)
-        ctx.save_for_backward(queries, keys, values, output, lse)
+        ctx.save_for_backward(queries, keys, values, output, lse, center)
         ctx.scale, ctx.normalize, ctx.gaussian, ctx.chunk = scale, normalize, gaussian, chunk
         ctx.mark_non_differentiable(lse, best_row)
         return output, lse, best_row
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor, _grad_lse: Tensor, _grad_best: Tensor) -> tuple:
-        queries, keys, values, output, lse = ctx.saved_tensors
+        queries, keys, values, output, lse, center = ctx.saved_tensors
         scale, normalize, gaussian, chunk = ctx.scale, ctx.normalize, ctx.gaussian, ctx.chunk
         want_q, want_k, want_v = ctx.needs_input_grad[:3]
         grad_q = torch.zeros_like(queries) if want_q else None  # (batch, dim)
@@ -109,10 +122,11 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
         grad_v = torch.empty_like(values) if want_v else None  # (m, value_dim)
         delta = (grad_output * output).sum(dim=1, keepdim=True)  # (batch, 1): sum_j p_j (dO . v_j)
         lse = lse.unsqueeze(1)  # (batch, 1)
+        if gaussian:
+            lse = lse + _query_shift(queries, scale, gaussian)  # (batch, 1): the scores' query part, as forward
         for start in range(0, keys.shape[0], chunk):
             stop = start + chunk
-            raw = keys[start:stop]  # (c, dim)
-            unit, norms = _chunk_keys(raw, normalize)  # (c, dim), (c, 1) | None
+            unit, raw, norms = _chunk_keys(keys[start:stop], normalize, center)  # (c, dim), (c, dim), (c, 1) | None
             probs = _chunk_scores(queries, unit, raw, scale, gaussian, shift=lse).exp_()  # (batch, c)
             if want_v:
                 grad_v[start:stop] = probs.T @ grad_output  # (c, value_dim)
@@ -132,7 +146,9 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
                 if gaussian:
                     grad_unit = grad_unit - scale * grad_scores.sum(0).unsqueeze(1) * raw  # (c, dim)
                 grad_k[start:stop] = grad_unit
-        return grad_q, grad_k, grad_v, None, None, None, None
+        # The gaussian's query part -scale |q|^2 / 2 adds -scale q sum_j grad_scores to grad_q: 0, as a softmax's
+        # gradient sums to 0 over each row (it is the same for every key of a query).
+        return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
 def streaming_attention(
@@ -167,6 +183,7 @@ def streaming_attention(
         UnknownOptionError: a score not in ``STREAMING_SCORES``.
         InvalidArgumentError: a bad temperature or chunk, non-float inputs, or no keys.
         DimensionMismatchError: shapes that do not line up.
+        NonFiniteError: the scores overflowed (finite inputs too large for the dtype).
     """
     if score not in STREAMING_SCORES:
         raise UnknownOptionError(f"expected score among {STREAMING_SCORES} for streaming attention, got {score!r}")
@@ -195,9 +212,19 @@ def streaming_attention(
         scale /= math.sqrt(queries.shape[1])
     if score == "cosine":
         queries = F.normalize(queries, dim=-1, eps=COSINE_EPS)  # (batch, dim), differentiable
+    center = None
+    if score == "gaussian":  # a common reference, subtracted from the queries here and from each chunk of keys
+        center = queries.detach()[0] if queries.shape[0] == 1 else keys.detach().mean(0)  # (dim,)
+        queries = queries - center  # (batch, dim), differentiable
     output, lse, best_row = _StreamingSoftmaxAttention.apply(
-        queries, keys, values, scale, score == "cosine", score == "gaussian", int(chunk)
+        queries, keys, values, scale, score == "cosine", score == "gaussian", int(chunk), center
     )  # (batch, value_dim), (batch,), (batch,)
+    if not all_finite(output):
+        raise NonFiniteError(
+            f"the {score} scores overflowed: expected queries and keys whose scores fit in {output.dtype}, got "
+            f"a non-finite output for {int((~torch.isfinite(output.detach())).any(1).sum())} queries; "
+            "scale them down or use float64"
+        )
     return (output, lse, best_row) if return_stats else output
 
 

@@ -64,6 +64,7 @@ from kvsearch.checks import all_finite
 from kvsearch.database import Database
 from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
 from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError, NotSupportedError
+from kvsearch.inputs import normalize_key
 from kvsearch.losses import (
     ANSWER_LOSSES,
     LOSSES,
@@ -326,7 +327,7 @@ def finetune(
         target_values = train_pairs[1].float().to(device)  # (n, value_dim)
         wanted = None
     else:
-        query_items = [q for q, _ in train_pairs]
+        query_items = [normalize_key(q) for q, _ in train_pairs]  # as Database.query encodes text queries
         texts = [t for _, t in train_pairs]
         # (n,) ids for key targets, else None (collective lookups, then an agreed error)
         wanted = team.agree(lambda: check_targets(db, texts, targets, "train_pairs"))

@@ -159,3 +159,65 @@ def test_progress_bar_on_stderr(tmp_path, capsys):
     ingest_file(small_db(), path, key="last", value="first", progress=True)
     err = capsys.readouterr().err
     assert "encoding + indexing" in err and f"{len(RECORDS)}/{len(RECORDS)}" in err
+
+
+# ----------------------------------------------------------------------------- rows that do not fit the header
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_a_row_with_extra_fields_is_reported_not_truncated(tmp_path, fmt):
+    sep = "," if fmt == "csv" else "\t"
+    path = tmp_path / f"authors.{fmt}"
+    lines = ["last", "Zhang" + sep + "Aston", sep.join(["Smith", "John", " Jr."]), "Li" + sep + "Mu"]
+    path.write_text("\n".join([lines[0] + sep + "first", *lines[1:]]) + "\n")
+    db = small_db()
+    with pytest.raises(BadFileError) as info:
+        ingest_file(db, path, key="last", value="first", progress=False)
+    expected = "3 fields, header has 2: expected one field per column (an unquoted delimiter?)"
+    assert info.value.problems == [(3, expected)] and f"line 3: {expected}" in str(info.value)
+    assert len(db) == 0  # nothing written, not "John"
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ('last,first\nZhang,Aston\nSmith,"John\nLi,Mu\nHu,Rachel\n', 3),  # in the value: it would swallow the rest
+        ('last,first\nZhang,Aston\n"Smith,John\nLi,Mu\n', 3),  # in the key
+        ('last,first\nZhang,Aston\nLi,Mu\nSmith,"John', 4),  # on the last line, no newline
+    ],
+)
+def test_an_unterminated_quote_is_reported_as_such(tmp_path, text, line):
+    path = tmp_path / "a.csv"
+    path.write_text(text)
+    db = small_db()
+    with pytest.raises(BadFileError) as info:
+        ingest_file(db, path, key="last", value="first", progress=False)
+    assert info.value.problems == [(line, "unterminated quote: a quoted field opened here runs to the end of the file")]
+    assert "missing column" not in str(info.value)
+    assert len(db) == 0
+
+
+def test_a_quoted_field_over_several_lines_and_a_last_line_without_newline_still_read(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text('last,first\n"Multi\nline",x\nLi,"Mu, Jr."\nHu,Rachel')
+    assert [row.fields for row in read_rows(path, ("last", "first"))] == [
+        ("Multi\nline", "x"),
+        ("Li", "Mu, Jr."),
+        ("Hu", "Rachel"),
+    ]
+
+
+def test_the_cli_build_reports_extra_fields_and_quotes_on_one_line(tmp_path, capsys):
+    from kvsearch.cli import main
+
+    path = tmp_path / "a.csv"
+    path.write_text('last,first\nZhang,Aston\nSmith,John, Jr.\nLi,Mu\nHu,"Rachel\n')
+    argv = ["build", str(tmp_path / "db"), "--from", str(path), "--key", "last", "--value", "first", "--quiet"]
+    assert main(argv) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"kvsearch build: error: '{path}' has 2 bad rows, nothing was written: "
+        "line 3: 3 fields, header has 2: expected one field per column (an unquoted delimiter?); "
+        "line 5: unterminated quote: a quoted field opened here runs to the end of the file"
+    )
+    assert not (tmp_path / "db").exists()
