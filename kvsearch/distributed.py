@@ -510,7 +510,8 @@ class ShardedDatabase:
 
     def _exact_ids(self, texts: list[str] | None, q: Tensor) -> Tensor:
         """The global id of the record whose key equals each query — text equality for texts, else an equal
-        embedding (the smallest such id) —, -1 where none. Collective.
+        embedding —, -1 where none. An embedding that several stored keys share (on one shard or on several) is
+        ambiguous: -1, as in a single :class:`~kvsearch.Database`. Collective.
 
         Args:
             texts: this rank's query texts, or None to match the embeddings.
@@ -521,24 +522,48 @@ class ShardedDatabase:
         """
         asked = self._comm.gather_objects(texts if texts is not None else q.detach().to("cpu", torch.float32))
 
-        def local() -> list[Tensor]:
+        def local() -> list[tuple[Tensor, Tensor]]:
             found = []
             for wanted in asked:
-                ids = torch.full((len(wanted),), -1, dtype=torch.long)  # (n,)
+                ids = torch.full((len(wanted),), -1, dtype=torch.long)  # (n,) one matching id
+                count = torch.zeros(len(wanted), dtype=torch.long)  # (n,) how many keys match
                 for db in self.shards.values():
+                    if not len(wanted):
+                        break
                     if isinstance(wanted, list):  # only the owner shard can hold a key text
-                        hit = db.ids_of_keys(wanted) if wanted else ids
+                        hit = db.ids_of_keys(wanted)
+                        hits = (hit >= 0).long()
+                    elif len(db):
+                        hit, hits = db.retriever.exact_matches(wanted)
                     else:
-                        hit = db.retriever.exact_targets(wanted) if len(db) and len(wanted) else ids
-                    ids = torch.where((hit >= 0) & ((ids < 0) | (hit < ids)), hit, ids)
-                found.append(ids)
+                        continue
+                    ids, count = torch.where(hit >= 0, hit, ids), count + hits
+                found.append((ids, count))
             return found
 
         mine = torch.full((len(asked[self.rank]),), -1, dtype=torch.long)  # (b,)
+        count = torch.zeros(len(asked[self.rank]), dtype=torch.long)  # (b,)
         for part in self._comm.gather_objects(self._agree(local)):
-            hit = part[self.rank]
-            mine = torch.where((hit >= 0) & ((mine < 0) | (hit < mine)), hit, mine)
-        return mine
+            hit, hits = part[self.rank]
+            mine, count = torch.where(hit >= 0, hit, mine), count + hits
+        return torch.where(count == 1, mine, -1)
+
+    def exact_targets(self, queries: Tensor) -> Tensor:
+        """For each query embedding, the global id of the one record whose key embedding equals it, else -1 (see
+        :meth:`kvsearch.Database.exact_targets`). Collective.
+
+        Raises:
+            DimensionMismatchError: queries are not (batch, dim).
+        """
+        self._check_open()
+
+        def check() -> Tensor:
+            if not isinstance(queries, Tensor) or queries.dim() != 2 or queries.shape[1] != self.dim:
+                got = tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__
+                raise errors.DimensionMismatchError(f"expected queries (batch, {self.dim}), got {got}")
+            return queries
+
+        return self._exact_ids(None, self._agree(check))
 
     def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
         """The global id of each key text: (n,) int64 on the CPU, -1 where the key is not stored. Collective."""

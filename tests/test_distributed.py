@@ -501,3 +501,19 @@ def test_bad_input_on_one_rank_raises_everywhere(run):
 def test_ids_hold_their_shard():
     assert shard_of_id((3 << ID_SHIFT) + 1) == 3
     assert shard_of_key("Smith", 4) == shard_of_key("Smith", 4) in range(4)
+
+
+def test_an_embedding_stored_on_two_shards_is_ambiguous_like_in_one_database(tmp_path):
+    keys = torch.randn(6, 8, generator=torch.Generator().manual_seed(5))  # (6, 8)
+    keys[1] = keys[0]  # the same key embedding twice: round-robin puts them on different shards
+    values = torch.arange(12, dtype=torch.float32).reshape(6, 2)  # (6, 2)
+    single = kvsearch.Database(None, dim=8, value_dim=2, device="cpu")
+    single.add(keys, values)
+    with ShardedDatabase(tmp_path / "s", num_shards=3, dim=8, value_dim=2, device="cpu") as sdb:
+        ids = sdb.add(keys, values)
+        assert shard_of_id(ids[0]) != shard_of_id(ids[1])
+        for db in (single, sdb):
+            answer = db.query(keys[[0, 2]], k=3, pooling="exact")
+            assert answer.found == [False, True]
+            assert db.exact_targets(keys[[0, 2]]).tolist()[0] == -1
+            assert keys[0] not in db and keys[2] in db
