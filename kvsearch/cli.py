@@ -1,14 +1,20 @@
 """The ``kvsearch`` command line: build a database from a file, query it, inspect it, fine-tune it.
 
-    kvsearch build indexes/authors --from authors.csv --key last --value first
+    kvsearch build indexes/authors --from authors.csv --key last --value first --metadata year lang
+    kvsearch build indexes/authors --from authors.csv --key last --value first --metadata all --upsert
     kvsearch build indexes/people --from people.jsonl --shards 4      # a sharded database (ShardedDatabase)
     kvsearch query indexes/authors Li Lipto --k 3
+    kvsearch query indexes/authors Li --where '{"year": {"$gte": 2000}, "lang": "en"}'
     kvsearch query indexes/authors Li --pooling exact --json
     kvsearch info indexes/authors
     kvsearch delete indexes/authors Li
     kvsearch finetune indexes/authors --pairs pairs.csv --eval held_out.csv --epochs 3
     kvsearch rollback indexes/authors
     kvsearch demo
+
+``build --upsert`` makes the database hold what the file holds (new keys added, changed records replaced, equal
+ones left alone) and prints the three counts: re-running it finishes a build that was killed midway.
+``query`` prints only its results on stdout; the sentence model loads silently in every command.
 
 ``finetune`` prints one row per evaluation (epoch 0 is before training) with the kept epoch marked, and says
 whether the database switched to a new generation of encoders or kept its old retriever; ``rollback``
@@ -75,6 +81,25 @@ def _k(text: str) -> int | str:
     return "all" if text == "all" else _positive_int(text)
 
 
+def _where(text: str) -> dict[str, Any]:
+    """``--where``: a JSON object checked as a metadata filter (:func:`kvsearch.filters.check_where`)."""
+    from kvsearch.errors import KVSearchError
+    from kvsearch.filters import check_where
+
+    try:
+        where = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object such as \'{{"year": {{"$gte": 2000}}}}\', got {text!r} '
+            f"({exc.msg} at column {exc.colno})"
+        ) from None
+    try:
+        check_where(where)
+    except KVSearchError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return where
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -110,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--value", default="value", metavar="COL", help="the column holding the values (default: value)")
     p.add_argument("--format", choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)")
     p.add_argument(
+        "--metadata",
+        nargs="+",
+        metavar="COL",
+        help='columns stored as metadata for query --where, or "all" (every column but the key and the value); '
+        "a CSV field that reads as a number is stored as one, an empty one is left out, JSON keeps its types",
+    )
+    p.add_argument(
+        "--upsert",
+        action="store_true",
+        help="add the new keys, replace the records whose value or metadata changed, leave equal ones alone "
+        "(prints the counts); re-running it finishes a build that was interrupted",
+    )
+    p.add_argument(
         "--encoder",
         metavar="ngram|minilm|PATH",
         help="key and value encoder for a new database: ngram (character n-grams, the default), minilm "
@@ -125,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="create a sharded database of N shards (fixed for its life; torchrun ranks serve them, N a multiple "
         "of the world size); an existing sharded database is added to without it",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars (not even a model's loading bar)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=_cmd_build)
 
     p = sub.add_parser(
@@ -146,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--temperature", type=_positive_float, default=1.0, metavar="T", help="softmax temperature")
     p.add_argument("--score", choices=scores, help="rescore the candidates with this score (default: the DB's)")
+    p.add_argument(
+        "--where",
+        type=_where,
+        metavar="JSON",
+        help='a metadata filter: only matching records are candidates, e.g. \'{"year": {"$gte": 2000}, '
+        '"lang": "en"}\' (operators $eq $ne $gt $gte $lt $lte $in $nin)',
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_cmd_query, quiet=True)
 
@@ -217,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="recall@1",
         help="the eval metric that --keep best compares (default recall@1)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars (not even a model's loading bar)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=_cmd_finetune)
 
     p = sub.add_parser(
@@ -253,8 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        # query, info and delete show no progress; build and finetune only without --quiet
-        quiet = getattr(args, "quiet", False) and _loads_a_sentence_model(args)
+        # a model's loading bar and messages never show (our own bars: build and finetune without --quiet)
+        quiet = args.command == "demo" or _loads_a_sentence_model(args)
         with _quiet_model_loading() if quiet else contextlib.nullcontext(), _one_line_warnings():
             return int(args.run(args) or 0)
     except KeyboardInterrupt:
@@ -407,12 +452,17 @@ def _is_sharded_db(db: object) -> bool:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from kvsearch.encoders import encoder_from_name
-    from kvsearch.ingest import ingest_file
+    from kvsearch.ingest import ingest_file, upsert_file
 
     path = Path(args.db)
     source = Path(args.source)
     if not source.is_file():
         raise CommandError(f"no file at {args.source!r}")
+    metadata = args.metadata
+    if metadata is not None and "all" in metadata:
+        if len(metadata) > 1:
+            raise CommandError(f"expected --metadata all alone or column names, got {' '.join(metadata)}")
+        metadata = "all"
     sharded = args.shards is not None or sharding.is_sharded(path)
     if sharded and folders.is_database(path):
         raise CommandError(
@@ -436,7 +486,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
             from kvsearch.database import Database
 
             db = Database(path, encoder=encoder, index=args.index, score=args.score)
-        added = ingest_file(
+        ingest = upsert_file if args.upsert else ingest_file
+        done = ingest(
             db,
             source,
             key=args.key,
@@ -444,6 +495,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
             format=args.format,
             batch_size=args.batch_size,
             progress=not args.quiet,
+            metadata=metadata,
         )
         total = len(db)
     except BaseException:
@@ -456,7 +508,13 @@ def _cmd_build(args: argparse.Namespace) -> int:
             creation.rollback()  # only what this build made: never a file that was there before
         raise
     db.close()  # saves the index: a failure here leaves every record committed (the next open rebuilds the index)
-    print(f"added {added} records from {args.source} to {args.db} ({total} records in all)")
+    if args.upsert:
+        print(
+            f"upserted {args.source} into {args.db}: {done.added} added, {done.replaced} replaced, "
+            f"{done.unchanged} unchanged ({total} records in all)"
+        )
+    else:
+        print(f"added {done} records from {args.source} to {args.db} ({total} records in all)")
     return 0
 
 
@@ -486,7 +544,12 @@ def _cmd_query(args: argparse.Namespace) -> int:
 
             raise EmptyDatabaseError("expected a database with records to search, got an empty one")
         answer = db.query(
-            list(args.texts), k=args.k, pooling=args.pooling, temperature=args.temperature, score=args.score
+            list(args.texts),
+            k=args.k,
+            pooling=args.pooling,
+            temperature=args.temperature,
+            score=args.score,
+            where=args.where,
         )
         results = _answer_rows(db, args.texts, answer, only_weighted=args.pooling == "exact")
     if args.json:
@@ -496,7 +559,8 @@ def _cmd_query(args: argparse.Namespace) -> int:
     missing = [r["query"] for r in results if not r["found"]]
     if missing:
         why = "no record has the key" if args.pooling == "exact" else "no candidate for"
-        print(f"{PROG} query: not found: {why} " + ", ".join(repr(m) for m in missing), file=sys.stderr)
+        among = " among the records that match --where" if args.where is not None else ""
+        print(f"{PROG} query: not found: {why} " + ", ".join(repr(m) for m in missing) + among, file=sys.stderr)
         return 1
     return 0
 
@@ -512,6 +576,7 @@ def _answer_rows(
     weights = answer.weights.detach().cpu().tolist()  # (batch, k)
     wanted = sorted({i for row in ids for i in row if i >= 0})
     value_texts = db.value_texts(wanted)
+    metadata = _metadata_of(db, wanted)
     results = []
     for b, text in enumerate(texts):
         rows = [
@@ -520,6 +585,7 @@ def _answer_rows(
                 "key": answer.keys[b][j],
                 "value": value_texts.get(i),  # None for a value stored as an embedding
                 "weight": round(float(weights[b][j]), 6),
+                "metadata": metadata.get(i, {}),
             }
             for j, i in enumerate(ids[b])
             if i >= 0 and (weights[b][j] > 0 or not only_weighted)
@@ -535,6 +601,15 @@ def _answer_rows(
             }
         )
     return results
+
+
+def _metadata_of(db: Database | ShardedDatabase, ids: list[int]) -> dict[int, dict[str, Any]]:
+    """id -> the record's metadata ({} for none), read from the shard that holds it."""
+    parts = [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
+    out: dict[int, dict[str, Any]] = {}
+    for part in parts:
+        out.update((i, record.metadata) for i, record in part.store.fetch(ids).items())
+    return out
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

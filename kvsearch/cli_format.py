@@ -12,28 +12,44 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvsearch.training_config import History
 
-__all__ = ["answer_table", "info_text", "encoder_text", "last_run_text", "human_size", "history_table"]
+__all__ = [
+    "answer_table",
+    "info_text",
+    "encoder_text",
+    "metadata_text",
+    "cell",
+    "last_run_text",
+    "human_size",
+    "history_table",
+]
+
+
+#: The widest a key, value or metadata cell of an answer table gets; longer texts end in "…".
+MAX_CELL = 40
 
 
 def info_text(info: dict[str, Any]) -> str:
-    """The text form of ``kvsearch info``: one ``name  value`` line each, the encoders as kind and dim; the rows
-    a database does not have (shards of a plain one, generations of a sharded one) are left out."""
+    """The text form of ``kvsearch info``: one ``name  value`` line each, names aligned; what a database does
+    not have (shards of a plain one, generations of a sharded one) is left out, and so are the internals that
+    ``info --json`` keeps (the store version, the bare dims, the exact byte count)."""
     previous = info.get("previous_generation")
     generation = info.get("generation")
+    records = f"{info['records']:,}"
+    if info.get("indexed") is not None and info["indexed"] != info["records"]:
+        records += f" ({info['indexed']:,} in the index)"
+    per_shard = info.get("records_per_shard")
+    dim, value_dim = info["dim"], info["value_dim"]
     rows = [
         ("path", info["path"]),
-        ("shards", info.get("shards")),
-        ("records", info["records"]),
-        ("records_per_shard", ", ".join(str(n) for n in info.get("records_per_shard") or []) or None),
-        ("dim", info["dim"]),
-        ("value_dim", info["value_dim"]),
-        ("encoder", encoder_text(info["encoder"], info["dim"])),
-        ("query_encoder", encoder_text(info["query_encoder"], info["dim"], absent="none (the key encoder)")),
-        ("value_encoder", encoder_text(info["value_encoder"], info["value_dim"])),
-        ("index", info["index"]),
-        ("indexed", info["indexed"]),
-        ("score", info["score"]),
-        ("store_version", info.get("store_version")),
+        ("records", records),
+        ("shards", None if per_shard is None else f"{info['shards']} (records: {', '.join(map(str, per_shard))})"),
+        ("encoder", encoder_text(info["encoder"], dim, absent=f"none: keys are embeddings (dim {dim})")),
+        ("query encoder", encoder_text(info["query_encoder"], dim, absent="the key encoder")),
+        (
+            "value encoder",
+            encoder_text(info["value_encoder"], value_dim, absent=f"none: values are embeddings (dim {value_dim})"),
+        ),
+        ("index", f"{info['index']}, score {info['score']}"),
         (
             "generation",
             None
@@ -42,7 +58,7 @@ def info_text(info: dict[str, Any]) -> str:
             if previous is None
             else f"{generation} (previous {previous}: kvsearch rollback returns to it)",
         ),
-        ("last_run", None if "last_run" not in info else _last_run_or_none(info["last_run"])),
+        ("last run", None if "last_run" not in info else _last_run_or_none(info["last_run"])),
         ("size on disk", human_size(info["size_bytes"])),
     ]
     rows = [(name, value) for name, value in rows if value is not None]
@@ -55,31 +71,58 @@ def _last_run_or_none(run: dict[str, Any] | None) -> str:
 
 
 def answer_table(results: list[dict[str, Any]], pooling: str) -> str:
+    """The text form of ``kvsearch query``: per query a title line (its answer, or "not found"), then its
+    candidates best first, one aligned row each — key, value, weight, and the metadata when a candidate has
+    some. Long texts are cut at :data:`MAX_CELL` characters; ``--json`` has them whole."""
     blocks = []
     for r in results:
         head = f"query {r['query']!r} ({pooling}): " + (f"answer {r['value']!r}" if r["found"] else "not found")
-        rows = [("key", "value", "weight")]
-        rows += [
-            (str(c["key"]), "<embedding>" if c["value"] is None else str(c["value"]), f"{c['weight']:.4f}")
-            for c in r["candidates"]
-        ]
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = [f"  {a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
-        lines.insert(1, "  " + "  ".join("-" * w for w in widths))
-        blocks.append("\n".join([head, *lines]) if r["candidates"] else head)
+        if not r["candidates"]:
+            blocks.append(head)
+            continue
+        with_metadata = any(c.get("metadata") for c in r["candidates"])
+        rows = [["key", "value", "weight", *(["metadata"] if with_metadata else [])]]
+        for c in r["candidates"]:
+            value = "<embedding>" if c["value"] is None else c["value"]
+            row = [cell(str(c["key"])), cell(str(value)), f"{c['weight']:.4f}"]
+            rows.append(row + ([cell(metadata_text(c.get("metadata") or {}))] if with_metadata else []))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        rows.insert(1, ["-" * w for w in widths])
+        lines = []
+        for row in rows:
+            cells = [f"{row[0]:<{widths[0]}}", f"{row[1]:<{widths[1]}}", f"{row[2]:>{widths[2]}}", *row[3:]]
+            lines.append("  " + "  ".join(cells))
+        blocks.append("\n".join([head, *lines]))
     return "\n\n".join(blocks)
 
 
+def cell(text: str, width: int = MAX_CELL) -> str:
+    """A table cell: control characters (line breaks, tabs) as spaces, cut to ``width`` with a trailing "…"."""
+    text = "".join(ch if ch.isprintable() else " " for ch in text)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def metadata_text(metadata: dict[str, Any]) -> str:
+    """Metadata as ``year=2001 lang=en`` (texts bare, other values as JSON: ``ok=true``, ``note=null``)."""
+    return " ".join(
+        f"{name}={value if isinstance(value, str) else json.dumps(value)}" for name, value in metadata.items()
+    )
+
+
 def encoder_text(config: dict[str, Any] | str | None, dim: int | None, *, absent: str = "none") -> str:
-    """An encoder as ``kind=ngram, dim=256`` (and its model, if named); ``absent`` for None; a string as is."""
+    """An encoder as ``ngram, dim 256`` (a sentence encoder with its model: ``sentence all-MiniLM-L6-v2, dim
+    384``); ``absent`` for None; a string (such as "the key encoder") as is."""
     if config is None:
         return absent
     if isinstance(config, str):
         return config
-    parts = {"kind": config.get("kind"), "dim": config.get("dim", dim)}
-    if config.get("model") is not None:
-        parts["model"] = config["model"]
-    return ", ".join(f"{name}={value}" for name, value in parts.items() if value is not None)
+    kind = str(config.get("kind") or "encoder")
+    if kind == "sentence":
+        kind += f" {config.get('model') or 'all-MiniLM-L6-v2'}"
+    elif config.get("model") is not None:
+        kind += f" {config['model']}"
+    dim = config.get("dim", dim)
+    return kind if dim is None else f"{kind}, dim {dim}"
 
 
 def last_run_text(run: dict[str, Any]) -> str:
@@ -120,7 +163,7 @@ def human_size(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit} ({n} bytes)"
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"  # pragma: no cover
 

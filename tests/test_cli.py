@@ -24,6 +24,7 @@ import torch
 import kvsearch
 from kvsearch import sharding
 from kvsearch.cli import build_parser, main
+from kvsearch.cli_format import human_size
 from kvsearch.demo import AUTHORS
 from kvsearch.distributed import ShardedDatabase
 
@@ -91,7 +92,7 @@ def test_exact_query_json_and_not_found(built):
     answers = json.loads(result.stdout)
     assert [(a["query"], a["found"], a["value"]) for a in answers] == [("Li", True, "Mu"), ("Lix", False, None)]
     assert answers[0]["candidates"] == [
-        {"id": answers[0]["candidates"][0]["id"], "key": "Li", "value": "Mu", "weight": 1.0}
+        {"id": answers[0]["candidates"][0]["id"], "key": "Li", "value": "Mu", "weight": 1.0, "metadata": {}}
     ]
     assert answers[1]["candidates"] == []
     assert error_lines(result.stderr) == ["kvsearch query: not found: no record has the key 'Lix'"]
@@ -116,10 +117,17 @@ def test_info_as_text(built, capsys):
     text = capsys.readouterr().out
     with kvsearch.Database(built) as db:
         generation = db.generation
-    assert "records        6" in text and "encoder        kind=ngram, dim=256\n" in text
-    assert "query_encoder  none (the key encoder)\n" in text and "value_encoder  the key encoder\n" in text
-    assert f"generation     {generation} (no previous generation to roll back to)\n" in text
-    assert "last_run       none\n" in text
+    assert text.splitlines() == [
+        f"path           {built}",
+        "records        6",
+        "encoder        ngram, dim 256",
+        "query encoder  the key encoder",
+        "value encoder  the key encoder",
+        "index          Flat, score cosine",
+        f"generation     {generation} (no previous generation to roll back to)",
+        "last run       none",
+        f"size on disk   {human_size(sum(f.stat().st_size for f in built.rglob('*') if f.is_file()))}",
+    ]
 
 
 def test_delete_as_a_user_runs_it_then_exact_query_is_not_found(built, tmp_path, capsys):
@@ -155,8 +163,7 @@ def test_bad_file_is_one_line_and_leaves_nothing(tmp_path):
 
 def test_demo_as_a_user_runs_it(tmp_path):
     result = run("demo", "--path", str(tmp_path / "names"), cwd=tmp_path)  # .ci/run runs `kvsearch demo` too
-    assert result.returncode == 0
-    assert error_lines(result.stderr) == []  # only the sentence model's loading bar, no warning or error
+    assert (result.returncode, result.stderr) == (0, "")  # the sentence model loads silently
     out = result.stdout
     assert "exact lookup \"Li\"            -> 'Mu'" in out
     assert "found=False" in out and "Lipton->Zachary" in out
@@ -285,8 +292,8 @@ def test_finetune_keep_last_and_metric_are_passed_on(built, tmp_path, capsys):
     assert main(["info", str(db)]) == 0
     text = capsys.readouterr().out
     assert f"\ngeneration     {generation} (previous {start}: kvsearch rollback returns to it)\n" in text
-    assert f"\nlast_run       mrr {rows[0][5]} -> {rows[3][5]}, kept epoch 3 of 3, " in text
-    assert "\nquery_encoder  kind=ngram, dim=256\n" in text
+    assert f"\nlast run       mrr {rows[0][5]} -> {rows[3][5]}, kept epoch 3 of 3, " in text
+    assert "\nquery encoder  ngram, dim 256\n" in text
 
 
 def test_finetune_bad_pairs_is_one_line(built, tmp_path, capsys):
@@ -308,23 +315,31 @@ def test_top_level_help_as_a_user_runs_it():
     assert all(f"    {name}" in result.stdout for name in SUBCOMMANDS)
 
 
-def test_build_minilm_quiet_prints_only_its_result(tmp_path, capfd):
-    """``--quiet`` silences every bar, the sentence model's "Loading weights" bar too; query, info and delete
-    never show it."""
+def test_minilm_loads_silently_and_query_prints_only_its_results(tmp_path, capfd):
+    """The sentence model's "Loading weights" bar and transformers' messages never show: ``build`` prints only
+    its own bars (none with ``--quiet``), and ``kvsearch query`` on a MiniLM database, run as a user runs it,
+    prints its result lines on stdout and nothing else, with an empty stderr."""
     source = tmp_path / "authors.csv"
     source.write_text("last,first\n" + "".join(f"{k},{v}\n" for k, v in AUTHORS.items()))
-    # Without --quiet (in-process, to save a model load in another process): both bars are there to silence.
-    assert main(["build", str(tmp_path / "loud"), "--from", str(source), "--key", "last", "--value", "first",
+    db = tmp_path / "db"
+    # in-process (one model load less): kvsearch's own bars, not the model's
+    assert main(["build", str(db), "--from", str(source), "--key", "last", "--value", "first",
                  "--encoder", "minilm"]) == 0  # fmt: skip
-    err = capfd.readouterr().err
-    assert "Loading weights" in err and "encoding + indexing" in err
-    result = run("build", str(tmp_path / "db"), "--from", str(source), "--key", "last", "--value", "first",
-                 "--encoder", "minilm", "--quiet")  # fmt: skip
-    assert result.returncode == 0 and result.stderr == ""
-    assert result.stdout == f"added 6 records from {source} to {tmp_path / 'db'} (6 records in all)\n"
-    assert main(["query", str(tmp_path / "db"), "Li", "--json"]) == 0
+    captured = capfd.readouterr()
+    assert captured.out == f"added 6 records from {source} to {db} (6 records in all)\n"
+    assert "encoding + indexing" in captured.err and "Loading weights" not in captured.err
+    assert error_lines(captured.err) == []
+    assert main(["query", str(db), "Li", "--json"]) == 0
     captured = capfd.readouterr()
     assert captured.err == "" and json.loads(captured.out)[0]["value"] == "Mu"
+
+    result = run("query", str(db), "Lipto", "--k", "3")
+    assert (result.returncode, result.stderr) == (0, "")
+    title, header, rule, *rows = result.stdout.splitlines()
+    assert re.fullmatch(r"query 'Lipto' \(softmax\): answer '\w+'", title)
+    assert header.split() == ["key", "value", "weight"] and set(rule.replace(" ", "")) == {"-"}
+    assert len(rows) == 3 and all(AUTHORS[key] == value and 0 < float(weight) < 1 for key, value, weight in
+                                  (row.split() for row in rows))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SUBCOMMANDS)
@@ -353,6 +368,35 @@ def test_usage_errors_are_one_line_with_status_2(argv, capsys):
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "error:" in lines[0] and lines[0].endswith("--help)")
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ("{oops", "expected a JSON object such as '{\"year\": {\"$gte\": 2000}}', got '{oops' (Expecting"),
+        ('["lang"]', "expected where as a dict of field -> condition, got list"),
+        ('{"year": {"$after": 2000}}', "expected a filter operator among ("),
+        ('{"year": {"$gt": NaN}}', "expected a finite number in the filter at year.$gt, got nan"),
+        ('{"lang": {"$in": "en"}}', "expected a list for lang.$in, got str"),
+    ],
+)
+def test_bad_where_is_a_one_line_usage_error(built, where, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["query", str(built), "Li", "--where", where])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert captured.out == "" and line.startswith(f"kvsearch query: error: argument --where: {says}")
+
+
+def test_metadata_all_stands_alone(tmp_path, capsys):
+    source = tmp_path / "a.csv"
+    source.write_text("key,value,year\nLi,Mu,2013\n")
+    assert main(["build", str(tmp_path / "db"), "--from", str(source), "--metadata", "all", "year"]) == 1
+    assert capsys.readouterr().err == (
+        "kvsearch build: error: expected --metadata all alone or column names, got all year\n"
+    )
+    assert not (tmp_path / "db").exists()
 
 
 def test_commands_on_a_missing_database_do_not_create_one(tmp_path, capsys):
@@ -476,9 +520,10 @@ def test_sharded_info_as_a_user_runs_it(sharded, capsys):
 
     assert main(["info", str(sharded)]) == 0  # the text form, in-process
     text = capsys.readouterr().out
-    assert "\nshards             4\n" in text and "\nrecords            6\n" in text
-    assert "\nrecords_per_shard  " + ", ".join(map(str, per_shard(list(AUTHORS)))) + "\n" in text
-    assert "\nencoder            kind=ngram, dim=256\n" in text and "\nindex              Flat\n" in text
+    assert "\nrecords        6\n" in text
+    assert "\nshards         4 (records: " + ", ".join(map(str, per_shard(list(AUTHORS)))) + ")\n" in text
+    assert "\nencoder        ngram, dim 256\n" in text and "\nindex          Flat, score cosine\n" in text
+    assert "generation" not in text and "last run" not in text
 
 
 def test_sharded_delete_is_all_or_nothing(sharded, tmp_path, capsys):
@@ -514,8 +559,9 @@ def test_sharded_build_adds_to_an_existing_sharded_database(sharded, tmp_path, c
     again.write_text("key,value\nNew,One\nSmola,Alex\n")  # Smola is already stored
     assert main(["build", str(db), "--from", str(again), "--quiet"]) == 1
     assert capsys.readouterr().err == (
-        f"kvsearch build: error: '{again}' has 1 bad row, nothing was written: line 3: key 'Smola' is already "
-        "stored in the database\n"
+        f"kvsearch build: error: '{again}' has 1 bad row, nothing was written (1 with a key already stored: to add "
+        "the new records and replace the changed ones, upsert with 'kvsearch build --upsert' or "
+        "kvsearch.ingest.upsert_file): line 3: key 'Smola' is already stored in the database\n"
     )
     assert main(["build", str(db), "--from", str(more), "--shards", "2", "--quiet"]) == 1
     assert capsys.readouterr().err == f"kvsearch build: error: {db} was created with num_shards=4; got num_shards=2\n"
