@@ -48,7 +48,10 @@ CREATE TABLE IF NOT EXISTS records (
     key_emb BLOB NOT NULL,
     value_emb BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS given (id INTEGER PRIMARY KEY, side INTEGER NOT NULL);
 """
+#: Bits of ``given.side``: the record's key / value text came with its own embedding (never re-encoded).
+GIVEN_KEY, GIVEN_VALUE = 1, 2
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class Store:
         self.values: Tensor | None = None
         self.id_of_key: dict[str, int] = {}
         self.key_of_id: dict[int, str] = {}
+        # Ids of records whose key / value text came with its embedding: re-encoding from the text skips them.
+        self.given_keys: set[int] = set()
+        self.given_values: set[int] = set()
 
     # ------------------------------------------------------------------ fork safety
 
@@ -195,6 +201,7 @@ class Store:
                     rows = conn.execute("SELECT id, key FROM records WHERE key IS NOT NULL").fetchall()
                 if side is None:
                     rows = conn.execute("SELECT id, key, key_emb, value_emb FROM records ORDER BY id").fetchall()
+                given = conn.execute("SELECT id, side FROM given").fetchall()
             finally:
                 if own:
                     conn.execute("COMMIT")
@@ -215,6 +222,8 @@ class Store:
             self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
             self.id_of_key = {r[1]: r[0] for r in rows if r[1] is not None}
             self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
+            self.given_keys = {i for i, bits in given if bits & GIVEN_KEY}
+            self.given_values = {i for i, bits in given if bits & GIVEN_VALUE}
             self.loaded_version = version
 
     # ------------------------------------------------------------------ embeddings side file
@@ -361,6 +370,7 @@ class Store:
         key_embs: Tensor,
         value_embs: Tensor,
         ids: Sequence[int | None] | None = None,
+        given: Sequence[int] | None = None,
     ) -> list[int]:
         """Insert or update records in one transaction.
 
@@ -368,6 +378,8 @@ class Store:
             keys, values, metadata: one entry per record.
             key_embs: (n, dim) float32. value_embs: (n, value_dim) float32.
             ids: per record, the stored id it replaces in place, or None for a new record (all new if None).
+            given: per record, ``GIVEN_KEY | GIVEN_VALUE`` bits: which texts came with their own embedding
+                (kept as given: re-encoding the texts skips them). None: no text came with an embedding.
 
         Returns:
             The ids of the records, in order (new ids are fresh, never reused).
@@ -399,6 +411,10 @@ class Store:
                     "UPDATE records SET key = ?, value = ?, metadata = ?, key_emb = ?, value_emb = ? WHERE id = ?",
                     (row(i, out[i]) for i in old),
                 )
+                flagged = [(out[i], int(given[i])) for i in range(n) if given is not None and given[i]]
+                if old:
+                    self._conn.executemany("DELETE FROM given WHERE id = ?", ((out[i],) for i in old))
+                self._conn.executemany("INSERT INTO given (id, side) VALUES (?, ?)", flagged)
                 self.bump_version()
             # Committed: now mirror it in memory (still under the lock, so readers never see half of it).
             dev_keys = key_embs.detach().to(self.device, torch.float32)  # (n, dim)
@@ -421,6 +437,13 @@ class Store:
                 old_key = self.key_of_id.pop(out[i], None)
                 if old_key is not None:
                     self.id_of_key.pop(old_key, None)
+                self.given_keys.discard(out[i])
+                self.given_values.discard(out[i])
+            for id_, bits in flagged:
+                if bits & GIVEN_KEY:
+                    self.given_keys.add(id_)
+                if bits & GIVEN_VALUE:
+                    self.given_values.add(id_)
             for i, key in enumerate(keys):
                 if key is not None:
                     self.id_of_key[key] = out[i]
@@ -526,6 +549,7 @@ class Store:
 
     def _delete_rows(self, ids: Iterable[int]) -> None:
         self._conn.executemany("DELETE FROM records WHERE id = ?", ((int(i),) for i in ids))
+        self._conn.executemany("DELETE FROM given WHERE id = ?", ((int(i),) for i in ids))
 
     def bump_version(self) -> None:
         """Record one more committed write: the version, inside the open transaction (every write calls it last).
@@ -549,6 +573,8 @@ class Store:
             key = self.key_of_id.pop(id_, None)
             if key is not None:
                 self.id_of_key.pop(key, None)
+            self.given_keys.discard(id_)
+            self.given_values.discard(id_)
 
     # ------------------------------------------------------------------ reading
 
@@ -619,6 +645,17 @@ class Store:
             chunk = wanted[start : start + 900]
             marks = ",".join("?" * len(chunk))
             out.update(self._conn.execute(f"SELECT id, value FROM records WHERE id IN ({marks})", chunk).fetchall())
+        return out
+
+    def metadata_texts(self, ids: Iterable[int]) -> dict[int, str]:
+        """id -> the record's metadata as stored (JSON text), for the ids among ``ids`` that have metadata."""
+        wanted = sorted({int(i) for i in ids if int(i) >= 0})
+        out: dict[int, str] = {}
+        for start in range(0, len(wanted), 900):  # SQLite's bound-parameter limit
+            chunk = wanted[start : start + 900]
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT id, metadata FROM records WHERE id IN ({marks}) AND metadata IS NOT NULL"
+            out.update(self._conn.execute(sql, chunk).fetchall())
         return out
 
     def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:
