@@ -536,7 +536,7 @@ class ShardedDatabase:
         self._check_open()
         texts, q = self._agree(lambda: self._one_key(key))
         id_ = int(self._exact_ids(texts, q)[0])
-        _, values = self._texts([id_] if id_ >= 0 else [])
+        _, values, _ = self._texts([id_] if id_ >= 0 else [])
         if id_ >= 0:
             return values[id_]
         if default is _MISSING:
@@ -595,7 +595,7 @@ class ShardedDatabase:
     def key_texts(self, ids: Tensor | Sequence[int]) -> list[str | None]:
         """The key text of each global id, in order: None where it has none or is not stored. Collective."""
         wanted = [int(i) for i in torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()]
-        keys, _ = self._texts(wanted)
+        keys, _, _ = self._texts(wanted)
         return [keys.get(i) for i in wanted]
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
