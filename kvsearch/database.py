@@ -358,8 +358,8 @@ class Database:
         written and :class:`~kvsearch.DuplicateKeyError` says how to replace one (by id: ``delete(id)`` then
         :meth:`add`).
 
-        Args and Raises: as :meth:`add`, except that stored keys are allowed; also DuplicateKeyError for an
-        embedding key that matches no single record without text, or is given twice.
+        Args and Raises: as :meth:`add`, except that stored keys are allowed; also DuplicateKeyError for a key
+        embedding given twice, or equal to a stored key that has a text, or to the keys of several records.
 
         Returns:
             The ids, in order: the existing id for a replaced key, a new id otherwise.
@@ -827,11 +827,18 @@ class Database:
         with self._reading():
             return self._store.values_present(list(texts))
 
-    def key_texts(self, ids: Tensor | Sequence[int]) -> list[str | None]:
-        """The key text of each id, in order: None where the record has no key text or is not stored."""
+    def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool = False) -> list[str | None]:
+        """The key text of each id, in order: None where the record has no key text or is not stored.
+
+        Args:
+            ids: record ids.
+            encoded_only: None also for key texts that came with their own embedding (``key_embeddings=``): the
+                texts whose key embedding is the key encoder's, which a trainer may re-encode.
+        """
         with self._reading():
-            key_of = self._store.key_of_id
-            return [key_of.get(int(i)) for i in torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()]
+            key_of, given = self._store.key_of_id, self._store.given_keys if encoded_only else ()
+            flat = torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()
+            return [None if i in given else key_of.get(int(i)) for i in flat]
 
     def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]:
         """id -> the value text (None for a value given as an embedding), for the stored ones among ``ids``."""

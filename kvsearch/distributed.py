@@ -592,10 +592,14 @@ class ShardedDatabase:
         self._check_open()
         return self._exact_ids(self._agree(lambda: _texts_list(texts)), torch.zeros(len(texts), self.dim))
 
-    def key_texts(self, ids: Tensor | Sequence[int]) -> list[str | None]:
-        """The key text of each global id, in order: None where it has none or is not stored. Collective."""
+    def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool = False) -> list[str | None]:
+        """The key text of each global id, in order: None where it has none or is not stored. Collective.
+
+        ``encoded_only``: None also for key texts that came with their own embedding (see
+        :meth:`kvsearch.Database.key_texts`).
+        """
         wanted = [int(i) for i in torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()]
-        keys, _, _ = self._texts(wanted)
+        keys, _, _ = self._texts(wanted, encoded_only=encoded_only)
         return [keys.get(i) for i in wanted]
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
@@ -764,7 +768,9 @@ class ShardedDatabase:
             parts.append(_best(q, ids, keys, values, t, take, self.score))
         return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
-    def _texts(self, ids: Sequence[int]) -> tuple[dict[int, str | None], dict[int, Any], dict[int, str]]:
+    def _texts(
+        self, ids: Sequence[int], *, encoded_only: bool = False
+    ) -> tuple[dict[int, str | None], dict[int, Any], dict[int, str]]:
         """Key texts, values (text, or a CPU tensor) and metadata (JSON) of global ids, from their owners.
 
         Collective.
@@ -779,7 +785,7 @@ class ShardedDatabase:
             for s, db in self.shards.items():
                 own = [i for i in everything if shard_of_id(i) == s]
                 if own:
-                    keys.update(zip(own, db.key_texts(own)))
+                    keys.update(zip(own, db.key_texts(own, encoded_only=encoded_only)))
                     values.update(db.values_of(own))  # text, or the embedding for a value given as one
                     metadata.update((i, json.dumps(m)) for i, m in db.metadata_of(own).items() if m)
             return keys, values, metadata

@@ -48,7 +48,7 @@ class Hit:
     key: str | None
     value: str | Tensor | None
     score: float
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False)  # compared, not hashed (a dict)
 
     def __repr__(self) -> str:
         meta = f", metadata={_short(self.metadata)}" if self.metadata else ""
@@ -184,7 +184,7 @@ class _LazyRows(Sequence):
     __hash__ = None  # compares by content, like a list
 
     def __repr__(self) -> str:
-        return _short(self.tolist())
+        return repr(self.tolist())
 
 
 class LazyKeys(_LazyRows):

@@ -431,6 +431,10 @@ def test_given_key_embeddings_are_kept_by_reopen_and_refresh(tmp_path):
     again = Database(tmp_path / "db", encoder=NgramEncoder(dim=16, num_buckets=256))  # no repair of "doc-1"
     again.refresh()  # re-encodes the keys from their texts: not those that came with an embedding
     assert torch.equal(again.embeddings(torch.tensor([i]))[0], doc)
+    pairs = [("Lee", "Li"), ("Hoo", "Hu")]
+    kvsearch.finetune(again, pairs, targets="key", train="query+keys", keep="last", epochs=1, verbose=False)
+    assert again.generation == 3 and again.key_texts([i], encoded_only=True) == [None]
+    assert torch.equal(again.embeddings(torch.tensor([i]))[0], doc)  # a new key encoder, the given key kept
     assert again.search(doc[0], k=1)[0].key == "doc-1"
     again.close()
 
