@@ -14,6 +14,7 @@ users pass, and delegates: records to the :class:`~kvsearch.store.Store`, candid
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -38,10 +39,12 @@ from kvsearch.errors import (
     DatabaseClosedError,
     DatabaseLockedError,
     DimensionMismatchError,
+    DuplicateKeyError,
     EmptyDatabaseError,
     InconsistentDatabaseError,
     InvalidArgumentError,
     KeyNotFoundError,
+    MissingEncoderError,
     NonFiniteError,
     NotSupportedError,
     ReadOnlyDatabaseError,
@@ -64,7 +67,7 @@ from kvsearch.limits import check_fits, index_bytes
 from kvsearch.locking import DEFAULT_LOCK_TIMEOUT
 from kvsearch.results import Answer, Hit, LazyKeys, make_answer, make_hits
 from kvsearch.retrieval import DB_SCORES, Retriever
-from kvsearch.store import Record, Store
+from kvsearch.store import GIVEN_KEY, GIVEN_VALUE, Record, Store
 from kvsearch.streaming import attend_candidates
 
 __all__ = ["Database", "Hit", "Answer", "LazyKeys", "DB_SCORES"]
@@ -393,7 +396,13 @@ class Database:
     # ------------------------------------------------------------------ writing
 
     def add(
-        self, keys: KeysIn, values: KeysIn, metadata: Sequence[Mapping[str, Any] | None] | None = None
+        self,
+        keys: KeysIn,
+        values: KeysIn,
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        key_embeddings: Tensor | np.ndarray | None = None,
+        value_embeddings: Tensor | np.ndarray | None = None,
     ) -> list[int]:
         """Add records. Keys must be new.
 
@@ -403,30 +412,48 @@ class Database:
                 :func:`~kvsearch.inputs.normalize_key`); values are stored as given.
             values: value texts, or value embeddings (n, value_dim) (or (n,) when value_dim is 1).
             metadata: one JSON-serialisable dict (or None) per record.
+            key_embeddings: the key texts' own embeddings (n, dim), computed elsewhere (e.g. by another
+                library's model): the key encoder is not called, and is not needed. They are kept as given
+                (:meth:`refresh` and a new generation do not re-encode these keys).
+            value_embeddings: the value texts' own embeddings (n, value_dim), likewise.
 
         Returns:
             The new ids, in order.
 
         Raises:
-            EmptyKeyError, DuplicateKeyError, DimensionMismatchError, NonFiniteError, InvalidArgumentError:
-                raised before anything is written.
+            EmptyKeyError, DuplicateKeyError, DimensionMismatchError, NonFiniteError, InvalidArgumentError,
+                MissingEncoderError (texts for a side with no encoder and no embeddings given): raised before
+                anything is written.
         """
-        return self._write(keys, values, metadata, upsert=False)
+        return self._write(keys, values, metadata, key_embeddings, value_embeddings, upsert=False)
 
     def upsert(
-        self, keys: KeysIn, values: KeysIn, metadata: Sequence[Mapping[str, Any] | None] | None = None
+        self,
+        keys: KeysIn,
+        values: KeysIn,
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        key_embeddings: Tensor | np.ndarray | None = None,
+        value_embeddings: Tensor | np.ndarray | None = None,
     ) -> list[int]:
-        """Add records, replacing (in place, same id) those whose key text is already stored.
+        """Add records, replacing (in place, same id) those whose key is already stored.
 
         A replaced record takes the new key text, value and embeddings. Its metadata is replaced only where
         metadata is given: ``metadata=None`` (or a None entry in the list) keeps what is stored, ``{}`` clears it.
 
+        A key text is the same key as a stored key text (compared after normalisation, see :meth:`add`). A key
+        given as an embedding (no text) is the same key as a stored key embedding equal to it (bit for bit) that
+        has no text: that record is replaced. It is never added a second time: when the equal stored key has a
+        text, or several records have it, nothing is written and :class:`~kvsearch.DuplicateKeyError` says how to
+        replace one (by id: ``delete(id)`` then :meth:`add`).
+
         Args:
-            keys: as :meth:`add`; stored keys are allowed (compared after normalisation, see :meth:`add`).
+            keys: as :meth:`add`; stored keys are allowed.
             values: as :meth:`add`.
             metadata: one dict or None per record (a single dict for a single record), or None for all: None
                 keeps a replaced record's stored metadata (a new record gets none), a dict replaces it, ``{}``
                 clears it.
+            key_embeddings, value_embeddings: as :meth:`add`.
 
         Returns:
             The ids, in order: the existing id for a replaced key, a new id otherwise.
@@ -434,13 +461,13 @@ class Database:
         Raises:
             As :meth:`add`, except that stored keys are allowed.
         """
-        return self._write(keys, values, metadata, upsert=True)
+        return self._write(keys, values, metadata, key_embeddings, value_embeddings, upsert=True)
 
-    def _write(self, keys, values, metadata, *, upsert: bool) -> list[int]:
+    def _write(self, keys, values, metadata, key_embeddings, value_embeddings, *, upsert: bool) -> list[int]:
         self._check_open()
-        key_texts, key_embs = record_side(keys, "keys", self.encoder, self.dim)
+        key_texts, key_embs = record_side(keys, "keys", self.encoder, self.dim, key_embeddings)
         n = len(key_texts)
-        value_texts, value_embs = record_side(values, "values", self.value_encoder, self.value_dim)
+        value_texts, value_embs = record_side(values, "values", self.value_encoder, self.value_dim, value_embeddings)
         if len(value_texts) != n:
             raise DimensionMismatchError(f"expected one value per key ({n}), got {len(value_texts)} values")
         check_batch(n, "records")
@@ -448,33 +475,77 @@ class Database:
         # Refused up front if the grown mirror (copied once by torch.cat) and the index additions cannot fit.
         need = (len(self._store) + 2 * n) * (self.dim + self.value_dim) * 4 + index_bytes(self.index_spec, n, self.dim)
         check_fits(need, f"adding {n:,} records")
+        # which texts came with their own embedding: kept as given, never re-encoded from the text
+        given = (GIVEN_KEY if key_embeddings is not None else 0) | (GIVEN_VALUE if value_embeddings is not None else 0)
         with self._writing():
             existing = self._store.stored_ids_of_keys(key_texts, allow=upsert)  # raises DuplicateKeyError
+            if upsert and n and key_texts[0] is None:  # keys as embeddings: the same key is an equal embedding
+                existing = self._equal_keys(key_embs)  # raises DuplicateKeyError
             if n == 0:
                 return []
             key_embs = encode_side(key_texts, key_embs, self.encoder, self.dim, "keys")  # (n, dim)
             value_embs = encode_side(value_texts, value_embs, self.value_encoder, self.value_dim, "values")
-            ids = self._store.write(key_texts, value_texts, metadata, key_embs, value_embs, existing)
+            ids = self._store.write(key_texts, value_texts, metadata, key_embs, value_embs, existing, [given] * n)
             self._retriever.apply(removed=[i for i in existing if i is not None], added=ids, keys=key_embs)
         return ids
 
-    def delete(self, key_or_keys: str | int | Sequence[str | int]) -> list[int]:
+    def _equal_keys(self, key_embs: Tensor) -> list[int | None]:
+        """The stored id each key embedding (n, dim) replaces in an upsert: the one record without key text whose
+        key embedding equals it, or None for a new key.
+
+        Raises:
+            DuplicateKeyError: two equal rows in the batch; or the equal stored key has a text, or several records
+                have it (replace one by id instead).
+        """
+        _, inverse, counts = torch.unique(key_embs + 0.0, dim=0, return_inverse=True, return_counts=True)
+        if bool((counts > 1).any()):
+            twice = torch.nonzero(counts[inverse] > 1).flatten().tolist()  # positions of repeated rows
+            raise DuplicateKeyError(f"expected unique key embeddings, got equal rows at positions {twice[:10]}")
+        first, count = self._retriever.key_matches(key_embs)  # (n,), (n,)
+        out: list[int | None] = []
+        for i, (id_, c) in enumerate(zip(first.tolist(), count.tolist())):
+            how = f"replace a record by id: delete({id_}) then add(...); nothing was written"
+            if c > 1:
+                raise DuplicateKeyError(
+                    f"expected one stored record per key embedding, got {c} records equal to the key at position "
+                    f"{i}; {how}"
+                )
+            text = self._store.key_of_id.get(id_) if c else None
+            if text is not None:
+                raise DuplicateKeyError(
+                    f"expected a key embedding without text, got one equal to the key {text!r} of record {id_} "
+                    f"(position {i}): upsert it by its text with key_embeddings=, or {how}"
+                )
+            out.append(id_ if c else None)
+        return out
+
+    def delete(
+        self, key_or_keys: str | int | Sequence[str | int], *, missing: Literal["raise", "ignore"] = "raise"
+    ) -> list[int]:
         """Delete records by key text or by id.
 
         Args:
             key_or_keys: a key (compared after normalisation, see :meth:`lookup`), an id, or a list of them (or an
                 integer tensor / array of ids).
+            missing: what a key or id that is not stored does: ``"raise"`` (nothing is deleted) or ``"ignore"``
+                (the stored ones are deleted).
 
         Returns:
             The deleted ids.
 
         Raises:
-            KeyNotFoundError: a key or id is not stored (then nothing is deleted).
+            KeyNotFoundError: a key or id is not stored and ``missing="raise"`` (then nothing is deleted).
             InvalidArgumentError: an item is neither str nor int.
+            UnknownOptionError: ``missing`` is neither ``"raise"`` nor ``"ignore"``.
         """
         self._check_open()
+        if missing not in ("raise", "ignore"):
+            raise UnknownOptionError(f"expected missing='raise' or 'ignore', got {missing!r}")
         items = delete_items(key_or_keys)
         with self._writing():
+            if missing == "ignore":
+                store = self._store
+                items = [i for i in items if (i in store.id_of_key if isinstance(i, str) else store.contains_id(i))]
             ids = self._store.resolve(items, "nothing was deleted")  # raises KeyNotFoundError
             if ids:
                 self._store.delete(ids)
@@ -709,7 +780,7 @@ class Database:
             if q is None:
                 id_ = self._store.id_of(key)
             else:
-                first, counts = self._retriever.exact_matches(q)  # (1,), (1,)
+                first, counts = self._retriever.key_matches(q)  # (1,), (1,)
                 id_, count = (int(first[0]) if int(counts[0]) == 1 else -1), int(counts[0])
             if id_ >= 0:
                 return self._values_of([id_])[id_]
@@ -736,10 +807,12 @@ class Database:
                 come back when k exist.
 
         Returns:
-            A list of :class:`Hit` for one query, a list of lists for a batch.
+            A list of :class:`Hit` for one query, a list of lists for a batch; empty lists when the database is
+            empty. Each hit carries its record's metadata, read in the same snapshot as the search.
 
         Raises:
-            EmptyDatabaseError, InvalidArgumentError, DimensionMismatchError, NonFiniteError.
+            InvalidArgumentError, DimensionMismatchError, NonFiniteError, MissingEncoderError (text queries and no
+            encoder for them).
         """
         self._check_open()
         k = check_k(k)
@@ -747,14 +820,16 @@ class Database:
             check_where(where)
         q, _, single = self._prepare_queries(queries)
         with self._reading():
-            self._check_not_empty()
+            if len(self._store) == 0:
+                return [] if single else [[] for _ in range(q.shape[0])]
             cand = self._retriever.candidates(q, k, where=where)
             scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, k)
             scores = scores.masked_fill(~cand.mask, -math.inf)  # (b, k)
             order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
             ids = cand.ids.gather(1, order).cpu()  # (b, k)
             values = self._values_of(ids[ids >= 0].tolist())
-            hits = make_hits(ids, scores.gather(1, order).cpu(), self._store.key_of_id, values)
+            metadata = self._store.metadata_texts(ids[ids >= 0].tolist())
+            hits = make_hits(ids, scores.gather(1, order).cpu(), self._store.key_of_id, values, metadata)
         return hits[0] if single else hits
 
     def query(
@@ -784,11 +859,12 @@ class Database:
             where: a metadata filter (as in :meth:`search`): only matching records are candidates.
 
         Returns:
-            An :class:`Answer`, unbatched for one query.
+            An :class:`Answer`, unbatched for one query; with the candidates' metadata (read in the same snapshot)
+            unless ``k="all"``.
 
         Raises:
-            EmptyDatabaseError, InvalidArgumentError, UnknownOptionError, DimensionMismatchError,
-            NonFiniteError.
+            EmptyDatabaseError (it has nothing to pool), InvalidArgumentError, UnknownOptionError,
+            DimensionMismatchError, NonFiniteError, MissingEncoderError (text queries and no encoder for them).
         """
         self._check_open()
         k = check_k(k, allow_all=True)
@@ -827,6 +903,7 @@ class Database:
                 key_of_id=self._store.key_of_id,
                 values_of=self._values_of,
                 device=out_device,
+                metadata_of=None if k == "all" else self._store.metadata_texts,  # in this snapshot
             )
         return answer.row(0) if single else answer
 
@@ -897,11 +974,18 @@ class Database:
         with self._reading():
             return self._store.values_present(list(texts))
 
-    def key_texts(self, ids: Tensor | Sequence[int]) -> list[str | None]:
-        """The key text of each id, in order: None where the record has no key text or is not stored."""
+    def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool = False) -> list[str | None]:
+        """The key text of each id, in order: None where the record has no key text or is not stored.
+
+        Args:
+            ids: record ids.
+            encoded_only: None also for key texts that came with their own embedding (``key_embeddings=``): the
+                texts whose key embedding is the key encoder's, which a trainer may re-encode.
+        """
         with self._reading():
-            key_of = self._store.key_of_id
-            return [key_of.get(int(i)) for i in torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()]
+            key_of, given = self._store.key_of_id, self._store.given_keys if encoded_only else ()
+            flat = torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()
+            return [None if i in given else key_of.get(int(i)) for i in flat]
 
     def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]:
         """id -> the value text (None for a value given as an embedding), for the stored ones among ``ids``."""
@@ -929,8 +1013,16 @@ class Database:
         with self._reading():
             return self._values_of(ids)
 
+    def metadata_of(self, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """id -> the record's metadata dict ({} when it has none), for the stored ones among ``ids``."""
+        with self._reading():
+            texts = self._store.metadata_texts(ids)
+            return {i: json.loads(texts[i]) if i in texts else {} for i in map(int, ids) if self._store.contains_id(i)}
+
     def _values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
-        return self._store.answer_values(ids, texts=self.value_encoder is not None)
+        # without a value encoder, only values given with their embeddings have text
+        texts = self.value_encoder is not None or bool(self._store.given_values)
+        return self._store.answer_values(ids, texts=texts)
 
     def _prepare_queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
         """Queries as (batch, dim) on their own device (text: the encoder's), texts, and whether single."""
@@ -943,7 +1035,10 @@ class Database:
             self._sync()
         encoder = self._encoders.for_queries
         if encoder is None:
-            raise InvalidArgumentError("expected query embeddings: this database has no encoder for text")
+            raise MissingEncoderError(
+                "this database has no encoder for query texts; pass query embeddings (batch, "
+                f"{self.dim}) or set db.query_encoder"
+            )
         q = encoder.encode(texts)  # (b, dim)
         check_finite(q, "query embeddings")
         return q, texts, isinstance(queries, str)

@@ -33,6 +33,7 @@ This module knows nothing of a shard's internals: it uses each shard's public :c
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -321,7 +322,13 @@ class ShardedDatabase:
     # ------------------------------------------------------------------ writing
 
     def add(
-        self, keys: KeysIn, values: KeysIn, metadata: Sequence[Mapping[str, Any] | None] | None = None
+        self,
+        keys: KeysIn,
+        values: KeysIn,
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        key_embeddings: Tensor | None = None,
+        value_embeddings: Tensor | None = None,
     ) -> list[int]:
         """Add records, each to its owner shard (see :meth:`kvsearch.Database.add`). Collective.
 
@@ -331,20 +338,38 @@ class ShardedDatabase:
         Raises:
             As :meth:`kvsearch.Database.add`, on every rank; a batch spanning shards is atomic per shard.
         """
-        return self._write(keys, values, metadata, upsert=False)
+        return self._write(keys, values, metadata, key_embeddings, value_embeddings, upsert=False)
 
     def upsert(
-        self, keys: KeysIn, values: KeysIn, metadata: Sequence[Mapping[str, Any] | None] | None = None
+        self,
+        keys: KeysIn,
+        values: KeysIn,
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        key_embeddings: Tensor | None = None,
+        value_embeddings: Tensor | None = None,
     ) -> list[int]:
-        """Add records, replacing those whose key text is stored (see :meth:`kvsearch.Database.upsert`). Collective."""
-        return self._write(keys, values, metadata, upsert=True)
+        """Add records, replacing those whose key text is stored (see :meth:`kvsearch.Database.upsert`). Collective.
 
-    def _write(self, keys, values, metadata, *, upsert: bool) -> list[int]:
+        Raises:
+            NotSupportedError: keys given as embeddings (no text): a key embedding does not name its shard, so an
+                equal stored key could not be found; replace such a record by id (``delete(id)`` then ``add``).
+        """
+        return self._write(keys, values, metadata, key_embeddings, value_embeddings, upsert=True)
+
+    def _write(self, keys, values, metadata, key_embeddings, value_embeddings, *, upsert: bool) -> list[int]:
         self._check_open()
 
         def prepare() -> list[tuple[int, Any, Any, Any, Any, Any]]:
-            key_texts, key_embs = record_side(keys, "keys", self.encoder, self.dim)
-            value_texts, value_embs = record_side(values, "values", self.value_encoder, self.value_dim)
+            key_texts, key_embs = record_side(keys, "keys", self.encoder, self.dim, key_embeddings)
+            value_texts, value_embs = record_side(
+                values, "values", self.value_encoder, self.value_dim, value_embeddings
+            )
+            if upsert and key_texts and key_texts[0] is None:
+                raise NotSupportedError(
+                    "upsert of keys given as embeddings (no text) is not supported across shards: replace such a "
+                    "record by id (delete(id) then add)"
+                )
             if len(value_texts) != len(key_texts):
                 raise errors.DimensionMismatchError(
                     f"expected one value per key ({len(key_texts)}), got {len(value_texts)} values"
@@ -396,9 +421,18 @@ class ShardedDatabase:
                     if not rows:
                         continue
                     part = [records[i] for i in rows]
-                    ks = [r[1] for r in part] if part[0][1] is not None else torch.stack([r[2] for r in part])
-                    vs = [r[3] for r in part] if part[0][3] is not None else torch.stack([r[4] for r in part])
-                    ids = (db.upsert if upsert else db.add)(ks, vs, [r[5] for r in part])
+                    key_embs = None if part[0][2] is None else torch.stack([r[2] for r in part])  # (r, dim)
+                    value_embs = None if part[0][4] is None else torch.stack([r[4] for r in part])  # (r, value_dim)
+                    texts = part[0][1] is not None, part[0][3] is not None  # keys, values as texts
+                    ks = [r[1] for r in part] if texts[0] else key_embs
+                    vs = [r[3] for r in part] if texts[1] else value_embs
+                    ids = (db.upsert if upsert else db.add)(
+                        ks,
+                        vs,
+                        [r[5] for r in part],
+                        key_embeddings=key_embs if texts[0] else None,  # texts that came with their embeddings
+                        value_embeddings=value_embs if texts[1] else None,
+                    )
                     done.update({(source, i): [id_] for i, id_ in zip(rows, ids)})
             return done
 
@@ -407,20 +441,31 @@ class ShardedDatabase:
             results.update(part)
         return [results[(self.rank, i)][0] for i in range(len(batches[self.rank]))]
 
-    def delete(self, key_or_keys: str | int | Sequence[str | int]) -> list[int]:
+    def delete(
+        self, key_or_keys: str | int | Sequence[str | int], *, missing: Literal["raise", "ignore"] = "raise"
+    ) -> list[int]:
         """Delete records by key text or global id, on their owner shards (see :meth:`kvsearch.Database.delete`).
 
-        Collective. A key or id that is not stored raises :class:`~kvsearch.KeyNotFoundError` on every rank and
-        nothing is deleted (checked on every shard first; the deletes themselves are atomic per shard).
+        Collective. With ``missing="raise"``, a key or id that is not stored raises
+        :class:`~kvsearch.KeyNotFoundError` on every rank and nothing is deleted (checked on every shard first; the
+        deletes themselves are atomic per shard); with ``missing="ignore"`` the stored ones are deleted.
         """
         self._check_open()
-        items = self._agree(lambda: delete_items(key_or_keys))
+
+        def items_of() -> list[str | int]:
+            if missing not in ("raise", "ignore"):
+                raise UnknownOptionError(f"expected missing='raise' or 'ignore', got {missing!r}")
+            return delete_items(key_or_keys)
+
+        items = self._agree(items_of)
         requests = self._comm.gather_objects(items)
 
         def owner(item: str | int) -> int:
             return shard_of_key(item, self.num_shards) if isinstance(item, str) else shard_of_id(item)
 
         def check() -> None:  # every named record is stored before any shard deletes anything
+            if missing == "ignore":
+                return
             for wanted in requests:
                 for item in wanted:
                     s = owner(item)
@@ -435,6 +480,8 @@ class ShardedDatabase:
             for source, wanted in enumerate(requests):
                 for s, db in self.shards.items():
                     rows = [i for i, item in enumerate(wanted) if owner(item) == s]
+                    if missing == "ignore":
+                        rows = [i for i in rows if _stored(db, wanted[i])]
                     if rows:
                         for i, id_ in zip(rows, db.delete([wanted[i] for i in rows])):
                             done[(source, i)] = id_
@@ -489,7 +536,7 @@ class ShardedDatabase:
         self._check_open()
         texts, q = self._agree(lambda: self._one_key(key))
         id_ = int(self._exact_ids(texts, q)[0])
-        _, values = self._texts([id_] if id_ >= 0 else [])
+        _, values, _ = self._texts([id_] if id_ >= 0 else [])
         if id_ >= 0:
             return values[id_]
         if default is _MISSING:
@@ -534,7 +581,7 @@ class ShardedDatabase:
                         hit = db.ids_of_keys(wanted)
                         hits = (hit >= 0).long()
                     elif len(db):
-                        hit, hits = db.retriever.exact_matches(wanted)
+                        hit, hits = db.retriever.key_matches(wanted)
                     else:
                         continue
                     ids, count = torch.where(hit >= 0, hit, ids), count + hits
@@ -570,10 +617,14 @@ class ShardedDatabase:
         self._check_open()
         return self._exact_ids(self._agree(lambda: _texts_list(texts)), torch.zeros(len(texts), self.dim))
 
-    def key_texts(self, ids: Tensor | Sequence[int]) -> list[str | None]:
-        """The key text of each global id, in order: None where it has none or is not stored. Collective."""
+    def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool = False) -> list[str | None]:
+        """The key text of each global id, in order: None where it has none or is not stored. Collective.
+
+        ``encoded_only``: None also for key texts that came with their own embedding (see
+        :meth:`kvsearch.Database.key_texts`).
+        """
         wanted = [int(i) for i in torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()]
-        keys, _ = self._texts(wanted)
+        keys, _, _ = self._texts(wanted, encoded_only=encoded_only)
         return [keys.get(i) for i in wanted]
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
@@ -742,31 +793,40 @@ class ShardedDatabase:
             parts.append(_best(q, ids, keys, values, t, take, self.score))
         return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
-    def _texts(self, ids: Sequence[int]) -> tuple[dict[int, str | None], dict[int, Any]]:
-        """Key texts and values (text, or a CPU tensor) of global ids, fetched from their owners. Collective."""
+    def _texts(
+        self, ids: Sequence[int], *, encoded_only: bool = False
+    ) -> tuple[dict[int, str | None], dict[int, Any], dict[int, str]]:
+        """Key texts, values (text, or a CPU tensor) and metadata (JSON) of global ids, from their owners.
+
+        Collective.
+        """
         wanted = self._comm.gather_objects(sorted({int(i) for i in ids if i >= 0}))
 
-        def local() -> tuple[dict[int, str | None], dict[int, Any]]:
+        def local() -> tuple[dict[int, str | None], dict[int, Any], dict[int, str]]:
             keys: dict[int, str | None] = {}
             values: dict[int, Any] = {}
+            metadata: dict[int, str] = {}
             everything = sorted({i for w in wanted for i in w})
             for s, db in self.shards.items():
                 own = [i for i in everything if shard_of_id(i) == s]
                 if own:
-                    keys.update(zip(own, db.key_texts(own)))
+                    keys.update(zip(own, db.key_texts(own, encoded_only=encoded_only)))
                     values.update(db.values_of(own))  # text, or the embedding for a value given as one
-            return keys, values
+                    metadata.update((i, json.dumps(m)) for i, m in db.metadata_of(own).items() if m)
+            return keys, values, metadata
 
         keys: dict[int, str | None] = {}
         values: dict[int, Any] = {}
-        for part_keys, part_values in self._comm.gather_objects(self._agree(local)):
+        metadata: dict[int, str] = {}
+        for part_keys, part_values, part_metadata in self._comm.gather_objects(self._agree(local)):
             keys.update(part_keys)
             values.update(part_values)
-        return keys, values
+            metadata.update(part_metadata)
+        return keys, values, metadata
 
     def value_texts(self, ids: Sequence[int]) -> dict[int, str | None]:
         """id -> the value text (None for a value given as an embedding), read from each id's owner. Collective."""
-        _, values = self._texts(list(ids))
+        _, values, _ = self._texts(list(ids))
         return {i: v if isinstance(v, str) else None for i, v in values.items()}
 
     def _queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
@@ -781,7 +841,10 @@ class ShardedDatabase:
             return q, None, single
         encoder = self.query_encoder or self.encoder
         if encoder is None:
-            raise InvalidArgumentError("expected query embeddings: this database has no encoder for text")
+            raise errors.MissingEncoderError(
+                f"this database has no encoder for query texts; pass query embeddings (batch, {self.dim}) or set "
+                "db.query_encoder"
+            )
         q = encoder.encode(texts)  # (b, dim)
         check_finite(q, "query embeddings")
         return q, texts, isinstance(queries, str)
@@ -791,16 +854,18 @@ class ShardedDatabase:
     ) -> list[Hit] | list[list[Hit]]:
         """The k nearest records to each of this rank's queries, over every shard (see :meth:`Database.search`).
 
-        Collective; a rank with no queries passes an empty list (or a (0, dim) tensor).
+        Collective; a rank with no queries passes an empty list (or a (0, dim) tensor). An empty database gives
+        empty lists.
         """
         self._check_open()
         q, _, single = self._agree(lambda: self._queries(queries))
-        self._check_not_empty()
+        if len(self) == 0:
+            return [] if single else [[] for _ in range(q.shape[0])]
         cand = self.candidates(q, k, where=where)
         scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, t)
         scores = scores.masked_fill(~cand.mask, -math.inf).cpu()  # (b, t): already ranked
-        keys, values = self._texts(cand.ids[cand.ids >= 0].tolist())
-        hits = make_hits(cand.ids.cpu(), scores, keys, values)
+        keys, values, metadata = self._texts(cand.ids[cand.ids >= 0].tolist())
+        hits = make_hits(cand.ids.cpu(), scores, keys, values, metadata)
         return hits[0] if single else hits
 
     def query(
@@ -838,10 +903,11 @@ class ShardedDatabase:
             q.to(self.device), cand.keys, cand.values, score=self.score if score is None else score,
             pooling=pooling, mask=cand.mask, match=cand.match, temperature=temp,
         )  # (b, value_dim), (b, t)  # fmt: skip
-        keys, values = self._texts(cand.ids[cand.ids >= 0].tolist())
+        keys, values, metadata = self._texts(cand.ids[cand.ids >= 0].tolist())
         answer = make_answer(
-            output, weights, cand.ids, k=int(k), key_of_id=keys, values_of=lambda ids: values, device=out_device
-        )
+            output, weights, cand.ids, k=int(k), key_of_id=keys, values_of=lambda ids: values, device=out_device,
+            metadata_of=lambda ids: metadata,
+        )  # fmt: skip
         return answer.row(0) if single else answer
 
 

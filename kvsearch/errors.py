@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "KVSearchError",
     "InvalidArgumentError",
+    "MissingEncoderError",
     "UnknownOptionError",
     "DimensionMismatchError",
     "NonFiniteError",
@@ -37,6 +38,10 @@ class KVSearchError(Exception):
 
 class InvalidArgumentError(KVSearchError, ValueError):
     """An argument has the wrong type or an out-of-range value (for example k < 1)."""
+
+
+class MissingEncoderError(InvalidArgumentError):
+    """Texts came for a side (keys, values or queries) that this database has no encoder for; pass embeddings."""
 
 
 class UnknownOptionError(KVSearchError, ValueError):

@@ -9,12 +9,14 @@ bools, ``None`` only JSON null. Order operators take a number or a string and ne
 missing field matches only ``$ne`` and ``$nin``.
 
 The filter becomes SQL over SQLite's JSON functions in which *every* user value — the field's JSON path and
-each operand — is a bound parameter; no user text is ever spliced into the SQL string. :func:`matches` is the
-same rule in plain Python (the tests compare the two).
+each operand — is a bound parameter; no user text is ever spliced into the SQL string. A ``$in`` / ``$nin`` list
+of any length is bound as one JSON array per type of value (read with ``json_each``), so it never meets SQLite's
+limit on bound parameters. :func:`matches` is the same rule in plain Python (the tests compare the two).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -27,9 +29,6 @@ __all__ = ["OPERATORS", "check_where", "where_sql", "matches"]
 OPERATORS = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin")
 _ORDER = {"$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}
 _FIELD = re.compile(r"^[^\x00-\x1f\"\\$.\[\]][^\x00-\x1f\"\\.\[\]]*$")
-#: The most values one ``$in`` / ``$nin`` list may hold (each is a bound parameter).
-MAX_IN = 1_000
-
 Scalar = str | int | float | bool | None
 
 
@@ -80,8 +79,6 @@ def check_where(where: object) -> dict[str, dict[str, Any]]:
             if op in ("$in", "$nin"):
                 if not isinstance(operand, (list, tuple, set, frozenset)):
                     raise InvalidArgumentError(f"expected a list for {at}, got {type(operand).__name__}")
-                if len(operand) > MAX_IN:
-                    raise InvalidArgumentError(f"expected at most {MAX_IN} values for {at}, got {len(operand)}")
                 for value in operand:
                     _check_scalar(value, at)
                 ops[op] = list(operand)
@@ -119,6 +116,22 @@ def _eq_sql(path: str, value: Scalar, params: list[Any]) -> str:
     return f"({cond} AND json_extract(metadata, ?) = ?)"
 
 
+def _in_sql(path: str, operand: list[Scalar], params: list[Any]) -> str:
+    """SQL for ``field in operand`` (typed), appending its bound parameters: one JSON array per kind of value."""
+    by_kind: dict[str, list[Any]] = {}
+    for value in operand:
+        by_kind.setdefault(_kind(value), []).append(int(value) if isinstance(value, bool) else value)
+    parts = []
+    for kind, values in by_kind.items():
+        params.append(path)
+        cond = f"json_type(metadata, ?) IN {_SQL_TYPES[kind]}"
+        if kind != "null":  # SQLite builds the subquery's list once, as an index
+            params += [path, json.dumps(values)]
+            cond += " AND json_extract(metadata, ?) IN (SELECT value FROM json_each(?))"
+        parts.append(f"({cond})")
+    return "(" + (" OR ".join(parts) or "0") + ")"
+
+
 def where_sql(where: Mapping[str, Any]) -> tuple[str, list[Any]]:
     """SQL for ``SELECT id FROM records WHERE <sql>`` and its bound parameters.
 
@@ -139,7 +152,7 @@ def where_sql(where: Mapping[str, Any]) -> tuple[str, list[Any]]:
             if op in ("$eq", "$ne"):
                 sql = _eq_sql(path, operand, params)
             elif op in ("$in", "$nin"):
-                sql = "(" + (" OR ".join(_eq_sql(path, v, params) for v in operand) or "0") + ")"
+                sql = _in_sql(path, operand, params)
             else:
                 params += [path, path, operand]
                 types = _SQL_TYPES[_kind(operand)]  # our own literals, as is _ORDER[op]

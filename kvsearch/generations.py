@@ -108,14 +108,14 @@ def _encode(encoder: Encoder, texts: list[str]) -> Tensor:
 
 
 def encode_keys(store: Store, encoder: Encoder | None) -> Tensor:
-    """Every stored key re-encoded from its text (keys stored as embeddings keep theirs). (m, dim), store's device.
+    """Every stored key re-encoded from its text (keys stored as, or with, embeddings keep theirs). (m, dim).
 
     Raises:
         NonFiniteError: the encoder produced NaN or Inf.
     """
     keys = store.keys.clone()  # (m, dim)
     ids = store.ids.tolist()
-    rows = [row for row, id_ in enumerate(ids) if id_ in store.key_of_id]
+    rows = [row for row, id_ in enumerate(ids) if id_ in store.key_of_id and id_ not in store.given_keys]
     if rows and encoder is not None:
         fresh = _encode(encoder, [store.key_of_id[ids[row]] for row in rows])  # (r, dim)
         check_finite(fresh, "key embeddings from the key encoder")
@@ -124,7 +124,7 @@ def encode_keys(store: Store, encoder: Encoder | None) -> Tensor:
 
 
 def encode_values(store: Store, encoder: Encoder | None) -> Tensor:
-    """Every stored value with a text re-encoded (values stored as embeddings keep theirs). (m, value_dim).
+    """Every stored value with a text re-encoded (values stored as, or with, embeddings keep theirs). (m, value_dim).
 
     Raises:
         NonFiniteError: the encoder produced NaN or Inf.
@@ -132,7 +132,7 @@ def encode_values(store: Store, encoder: Encoder | None) -> Tensor:
     values = store.values.clone()  # (m, value_dim)
     ids = store.ids.tolist()
     texts = store.value_texts(ids) if encoder is not None else {}
-    rows = [row for row, id_ in enumerate(ids) if texts.get(id_) is not None]
+    rows = [row for row, id_ in enumerate(ids) if texts.get(id_) is not None and id_ not in store.given_values]
     if rows:
         fresh = _encode(encoder, [texts[ids[row]] for row in rows])  # (r, value_dim)
         check_finite(fresh, "value embeddings from the value encoder")
@@ -143,15 +143,19 @@ def encode_values(store: Store, encoder: Encoder | None) -> Tensor:
 def key_mismatch(store: Store, encoder: Encoder | None, sample: int = 64) -> float:
     """The largest difference between stored key embeddings and the key encoder applied to their texts.
 
-    Checks up to ``sample`` keys with text, evenly spread over the ids. 0.0 when there is nothing to check.
+    Checks up to ``sample`` keys encoded from their text (not those given with their embeddings), evenly spread
+    over the ids. 0.0 when there is nothing to check.
     """
-    if encoder is None or not store.key_of_id:
+    encoded = store.key_of_id  # the keys with text, less those that came with their embedding
+    if store.given_keys:
+        encoded = {id_: key for id_, key in encoded.items() if id_ not in store.given_keys}
+    if encoder is None or not encoded:
         return 0.0
     m = len(store.ids)
     spread = torch.linspace(0, m - 1, min(4 * sample, m)).round().long().unique().tolist()  # rows, evenly spread
-    with_text = [row for row in spread if int(store.ids[row]) in store.key_of_id]
+    with_text = [row for row in spread if int(store.ids[row]) in encoded]
     if not with_text:  # the spread hit only keys stored as embeddings: look at every row once
-        with_text = [row for row, id_ in enumerate(store.ids.tolist()) if id_ in store.key_of_id]
+        with_text = [row for row, id_ in enumerate(store.ids.tolist()) if id_ in encoded]
     picked = with_text[:: max(1, len(with_text) // sample)][:sample]
     ids = store.ids
     fresh = _encode(encoder, [store.key_of_id[int(ids[row])] for row in picked])  # (s, dim)

@@ -27,6 +27,7 @@ from kvsearch.errors import (
     DuplicateKeyError,
     EmptyKeyError,
     InvalidArgumentError,
+    MissingEncoderError,
     NonFiniteError,
 )
 
@@ -121,8 +122,12 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
     return q, single
 
 
-def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> tuple[list[str | None], Tensor | None]:
-    """Check the keys or the values of a write: (texts, None) for text, ([None] * n, embeddings) for tensors.
+def record_side(
+    items: KeysIn, name: str, encoder: Encoder | None, dim: int, embeddings: Tensor | np.ndarray | None = None
+) -> tuple[list[str | None], Tensor | None]:
+    """Check the keys or the values of a write: (texts, None), ([None] * n, embeddings) or (texts, embeddings).
+
+    Texts alone are encoded later; tensors are embeddings without text; texts with ``embeddings`` keep both.
 
     Nothing is encoded here (that happens under the write lock, see :func:`encode_side`).
 
@@ -130,26 +135,28 @@ def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> 
         items: texts (a str is one record), or embeddings (n, dim) (or (n,) when dim is 1).
         name: ``"keys"`` or ``"values"`` — keys are normalised (:func:`normalize_key`) and checked for
             emptiness and duplicates after it; values are kept as given.
-        encoder: the encoder of this side (texts need one).
+        encoder: the encoder of this side (texts need one, unless their embeddings are given).
         dim: the embedding dimension of this side.
+        embeddings: the texts' own embeddings (n, dim), computed elsewhere: the encoder is then not used.
 
     Returns:
         The texts (or Nones) and the (n, dim) float32 embeddings (or None).
 
     Raises:
-        DimensionMismatchError, NonFiniteError, EmptyKeyError, DuplicateKeyError, InvalidArgumentError.
+        DimensionMismatchError, NonFiniteError, EmptyKeyError, DuplicateKeyError, InvalidArgumentError,
+        MissingEncoderError (texts without embeddings on a side with no encoder).
     """
     if isinstance(items, str):
         items = [items]
     if isinstance(items, np.ndarray) and items.dtype.kind in "fiu":
         items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
     if isinstance(items, Tensor):
-        embs = items.detach().float()
-        if embs.dim() == 1 and dim == 1:
-            embs = embs.unsqueeze(1)  # (n,) -> (n, 1): scalar values such as regression targets
-        if embs.dim() != 2 or embs.shape[1] != dim:
-            raise DimensionMismatchError(f"expected {name} of shape (n, {dim}), got {tuple(items.shape)}")
-        check_finite(embs, name)
+        if embeddings is not None:
+            raise InvalidArgumentError(
+                f"expected {name} as texts when {name[:-1]}_embeddings= is given, got {name} as a tensor "
+                f"(embeddings already): pass them as {name} alone"
+            )
+        embs = _embeddings(items, name, dim)  # (n, dim)
         return [None] * embs.shape[0], embs
     if not isinstance(items, Sequence):
         raise InvalidArgumentError(f"expected {name} as a list of str or a tensor, got {type(items).__name__}")
@@ -171,11 +178,40 @@ def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> 
             texts[i] = t = key
         if "\x00" in t:
             raise InvalidArgumentError(f"expected {name} without NUL characters, got one at position {i}")
+    if embeddings is not None:
+        embs = _embeddings(embeddings, f"{name[:-1]}_embeddings", dim)  # (n, dim)
+        if embs.shape[0] != len(texts):
+            raise DimensionMismatchError(
+                f"expected one row of {name[:-1]}_embeddings per {name[:-1]} ({len(texts)}), got {embs.shape[0]}"
+            )
+        return texts, embs
     if texts and encoder is None:
-        raise InvalidArgumentError(
-            f"expected {name} as embeddings (n, {dim}): this database has no encoder for {name} text"
+        raise MissingEncoderError(
+            f"expected {name} as embeddings (n, {dim}), or {name} texts with {name[:-1]}_embeddings=: "
+            f"this database has no encoder for {name} text"
         )
     return texts, None
+
+
+def _embeddings(items: Tensor | np.ndarray, name: str, dim: int) -> Tensor:
+    """Given embeddings as a detached float32 (n, dim) tensor: shape and finiteness checked.
+
+    Raises:
+        InvalidArgumentError: not a tensor or a numeric array.
+        DimensionMismatchError: not (n, dim) (or (n,) when dim is 1).
+        NonFiniteError: NaN or Inf.
+    """
+    if isinstance(items, np.ndarray) and items.dtype.kind in "fiu":
+        items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
+    if not isinstance(items, Tensor):
+        raise InvalidArgumentError(f"expected {name} as a tensor (n, {dim}), got {type(items).__name__}")
+    embs = items.detach().float()
+    if embs.dim() == 1 and dim == 1:
+        embs = embs.unsqueeze(1)  # (n,) -> (n, 1): scalar values such as regression targets
+    if embs.dim() != 2 or embs.shape[1] != dim:
+        raise DimensionMismatchError(f"expected {name} of shape (n, {dim}), got {tuple(items.shape)}")
+    check_finite(embs, name)
+    return embs  # (n, dim)
 
 
 def encode_side(

@@ -1,23 +1,38 @@
-"""What a search or a query returns: :class:`Hit`, :class:`Answer` and the lazily read keys of an answer.
+"""What a search or a query returns: :class:`Hit`, :class:`Answer` and the lazily read keys and metadata of an answer.
 
 These are plain result objects: they hold tensors, ids and texts, and know nothing of how they were computed
-(the index, the store, attention) — :class:`~kvsearch.Database` builds them.
+(the index, the store, attention) — :class:`~kvsearch.Database` builds them. Their reprs are short: shapes, not
+tensors.
 """
 
 from __future__ import annotations
 
+import json
+import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Hit", "Answer", "LazyKeys", "make_hits", "make_answer"]
+__all__ = ["Hit", "Answer", "LazyKeys", "LazyMetadata", "make_hits", "make_answer"]
+
+#: How many candidates (and queries of a batch) a repr shows.
+REPR_TOP = 3
+_short_repr = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_short_repr.maxstring, _short_repr.maxother, _short_repr.maxdict, _short_repr.maxlist = 60, 60, 6, 6
 
 
-@dataclass(frozen=True)
+def _short(x: object) -> str:
+    """A short repr: a tensor by its shape, long texts, lists and dicts cut."""
+    if isinstance(x, Tensor):
+        return f"tensor(shape={tuple(x.shape)})"
+    return _short_repr.repr(x)
+
+
+@dataclass(frozen=True, repr=False)
 class Hit:
     """One search result.
 
@@ -26,12 +41,18 @@ class Hit:
         key: the key text (None for a key given as an embedding).
         value: the value text, or the value embedding (CPU tensor) for a value given as an embedding.
         score: the score function of the database, recomputed in torch on the stored key.
+        metadata: the record's metadata dict ({} when it has none), read in the same snapshot as the search.
     """
 
     id: int
     key: str | None
     value: str | Tensor | None
     score: float
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False)  # compared, not hashed (a dict)
+
+    def __repr__(self) -> str:
+        meta = f", metadata={_short(self.metadata)}" if self.metadata else ""
+        return f"Hit(id={self.id}, key={_short(self.key)}, value={_short(self.value)}, score={self.score:.4g}{meta})"
 
 
 @dataclass
@@ -47,6 +68,9 @@ class Answer:
         value: the value of the highest-weight candidate (text, or a CPU tensor for embedding values);
             None where nothing was found.
         found: whether the query found anything (for ``pooling="exact"``: whether the key is stored).
+        metadata: the candidates' metadata dicts ({} for a record without, None where there is no candidate),
+            per query: a :class:`LazyMetadata` sequence read in the same snapshot as the query, parsed when read.
+            ``[]`` for ``k="all"``, whose candidates are every record (``db.get(id).metadata`` reads one).
     """
 
     output: Tensor
@@ -55,6 +79,9 @@ class Answer:
     keys: LazyKeys | list[str | None] | list[list[str | None]]
     value: str | Tensor | None | list[str | Tensor | None]
     found: bool | list[bool]
+    metadata: LazyMetadata | list[dict[str, Any] | None] | list[list[dict[str, Any] | None]] = field(
+        default_factory=list
+    )
 
     def row(self, i: int) -> Answer:
         """The answer of query ``i`` of a batched answer, unbatched (tensors (k,), one value, one found flag)."""
@@ -65,7 +92,33 @@ class Answer:
             keys=self.keys[i],
             value=self.value[i],
             found=self.found[i],
+            metadata=self.metadata[i] if len(self.metadata) else [],
         )
+
+    def __repr__(self) -> str:
+        shapes = f"output={tuple(self.output.shape)}, weights={tuple(self.weights.shape)}"
+        if self.weights.dim() == 1:
+            top = self._top(self.weights, self.ids, self.keys)
+            return f"Answer(value={_short(self.value)}, found={self.found}, top={top}, {shapes})"
+        b = self.weights.shape[0]
+        more = ", ..." if b > REPR_TOP else ""
+        values = ", ".join(_short(v) for v in self.value[:REPR_TOP]) + more
+        found = ", ".join(str(f) for f in self.found[:REPR_TOP]) + more
+        tops = ", ".join(self._top(self.weights[i], self.ids[i], self.keys[i]) for i in range(min(b, REPR_TOP)))
+        return f"Answer(batch={b}, value=[{values}], found=[{found}], top=[{tops}{more}], {shapes})"
+
+    @staticmethod
+    def _top(weights: Tensor, ids: Tensor, keys: Sequence[str | None]) -> str:
+        """The highest-weight candidates of one query: ``[(key text or id, weight), ...]``."""
+        weights = weights.detach().float().cpu()  # (k,)
+        order = torch.argsort(weights, descending=True, stable=True)[:REPR_TOP].tolist()
+        shown = []
+        for j in order:
+            if float(weights[j]) > 0:
+                key = keys[j]
+                shown.append(f"({_short(key if key is not None else int(ids[j]))}, {float(weights[j]):.3g})")
+        more = ", ..." if int((weights > 0).sum()) > len(shown) else ""
+        return "[" + ", ".join(shown) + more + "]"
 
     def plot(self, *, top: int | None = None, figsize: tuple[float, float] | None = None) -> Any:
         """Draw this answer's candidates and their attention weights (see :func:`kvsearch.plot.plot_answer`).
@@ -85,44 +138,46 @@ class Answer:
         return plot_answer(self, top=top, figsize=figsize)
 
 
-class LazyKeys(Sequence):
-    """The candidates' key texts of an :class:`Answer`, looked up when read rather than built per row.
+class _LazyRows(Sequence):
+    """Something per candidate of an :class:`Answer`, read when accessed rather than built per row.
 
-    Indexing a batch gives one query's row (itself lazy); indexing a row gives a key text (None where the
-    candidate is missing or has no text). Compares equal to the list it stands for.
+    Indexing a batch gives one query's row (itself lazy); indexing a row gives one candidate's item. Compares
+    equal to the list it stands for. Subclasses say what an id's item is (:meth:`_item`).
 
     Args:
         ids: (k,) or (batch, k) int64 CPU ids, -1 where there is no candidate.
-        key_of_id: id -> key text.
+        source: id -> what the item is read from.
     """
 
-    def __init__(self, ids: Tensor, key_of_id: Mapping[int, str]) -> None:
+    def __init__(self, ids: Tensor, source: Mapping[int, Any]) -> None:
         self._ids = ids
-        self._key_of_id = key_of_id
+        self._source = source
+
+    def _item(self, id_: int) -> Any:
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return int(self._ids.shape[0])
 
-    def __getitem__(self, index: int | slice) -> str | None | LazyKeys | list:
+    def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         row = self._ids[index]
         if row.dim() == 0:
-            return self._key_of_id.get(int(row))
-        return LazyKeys(row, self._key_of_id)
+            return self._item(int(row))
+        return type(self)(row, self._source)
 
     def __iter__(self) -> Iterator:
         if self._ids.dim() == 1:
-            get = self._key_of_id.get
-            return iter([get(i) for i in self._ids.tolist()])
-        return (LazyKeys(row, self._key_of_id) for row in self._ids)
+            return iter([self._item(i) for i in self._ids.tolist()])
+        return (type(self)(row, self._source) for row in self._ids)
 
     def tolist(self) -> list:
-        """The plain list (a list of lists for a batch) of key texts."""
-        return [x.tolist() if isinstance(x, LazyKeys) else x for x in self]
+        """The plain list (a list of lists for a batch) of items."""
+        return [x.tolist() if isinstance(x, _LazyRows) else x for x in self]
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, LazyKeys):
+        if isinstance(other, _LazyRows):
             other = other.tolist()
         return isinstance(other, list) and self.tolist() == other
 
@@ -132,8 +187,48 @@ class LazyKeys(Sequence):
         return repr(self.tolist())
 
 
+class LazyKeys(_LazyRows):
+    """The candidates' key texts of an :class:`Answer`, looked up when read (None: no candidate or no text).
+
+    Args:
+        ids: (k,) or (batch, k) int64 CPU ids, -1 where there is no candidate.
+        key_of_id: id -> key text.
+    """
+
+    def __init__(self, ids: Tensor, key_of_id: Mapping[int, str]) -> None:
+        super().__init__(ids, key_of_id)
+
+    def _item(self, id_: int) -> str | None:
+        return self._source.get(id_)
+
+
+class LazyMetadata(_LazyRows):
+    """The candidates' metadata dicts of an :class:`Answer`: {} for a record without, None for no candidate.
+
+    The stored JSON was read with the answer (in its snapshot); each dict is parsed when read, a fresh one on
+    every access.
+
+    Args:
+        ids: (k,) or (batch, k) int64 CPU ids, -1 where there is no candidate.
+        metadata_of_id: id -> the stored metadata JSON, for the candidates that have metadata.
+    """
+
+    def __init__(self, ids: Tensor, metadata_of_id: Mapping[int, str]) -> None:
+        super().__init__(ids, metadata_of_id)
+
+    def _item(self, id_: int) -> dict[str, Any] | None:
+        if id_ < 0:
+            return None
+        text = self._source.get(id_)
+        return json.loads(text) if text else {}
+
+
 def make_hits(
-    ids: Tensor, scores: Tensor, key_of_id: Mapping[int, str], values: Mapping[int, str | Tensor | None]
+    ids: Tensor,
+    scores: Tensor,
+    key_of_id: Mapping[int, str],
+    values: Mapping[int, str | Tensor | None],
+    metadata: Mapping[int, str] | None = None,
 ) -> list[list[Hit]]:
     """One list of :class:`Hit` per query, best first, from ranked ids and scores.
 
@@ -141,11 +236,21 @@ def make_hits(
         ids: (batch, k) int64 CPU ids, best first, -1 where there is no candidate (skipped).
         scores: (batch, k) float scores.
         key_of_id: id -> key text. values: id -> value (text or CPU tensor).
+        metadata: id -> the stored metadata JSON (ids without metadata absent).
     """
+    metadata = metadata or {}
     return [
-        [Hit(id=i, key=key_of_id.get(i), value=values.get(i), score=s) for i, s in zip(row, row_s) if i >= 0]
+        [
+            Hit(id=i, key=key_of_id.get(i), value=values.get(i), score=s, metadata=_parse(metadata.get(i)))
+            for i, s in zip(row, row_s)
+            if i >= 0
+        ]
         for row, row_s in zip(ids.tolist(), scores.tolist())
     ]
+
+
+def _parse(text: str | None) -> dict[str, Any]:
+    return json.loads(text) if text else {}
 
 
 def make_answer(
@@ -157,6 +262,7 @@ def make_answer(
     key_of_id: Mapping[int, str],
     values_of: Callable[[list[int]], Mapping[int, str | Tensor | None]],
     device: torch.device,
+    metadata_of: Callable[[list[int]], Mapping[int, str]] | None = None,
 ) -> Answer:
     """A batched :class:`Answer` from pooled attention over candidates.
 
@@ -165,6 +271,8 @@ def make_answer(
         k: pad to k candidates ("no candidate": weight 0, id -1) when fewer came; None for every record.
         key_of_id: id -> key text, read lazily. values_of: ids -> their values, for the best candidates.
         device: where the tensors of the answer go (the queries' device).
+        metadata_of: ids -> their stored metadata JSON, called once here with every candidate id (so that it
+            reads in the caller's snapshot); None: not read (``Answer.metadata`` is then ``[]``).
     """
     ids = ids if ids.dim() == 2 else ids.unsqueeze(0).expand(weights.shape[0], -1)  # (batch, t)
     if k is not None and weights.shape[1] < k:
@@ -174,11 +282,14 @@ def make_answer(
     best = ids.gather(1, weights.detach().argmax(-1, keepdim=True)).squeeze(1)  # (batch,)
     best = torch.where(found, best.to(found.device), -1).cpu()  # (batch,)
     values = values_of(best[best >= 0].tolist())
+    ids_cpu = ids.cpu()  # (batch, k)
+    metadata = None if metadata_of is None else metadata_of(ids_cpu.unique().tolist())
     return Answer(
         output=output.to(device),
         weights=weights.to(device),
         ids=ids.to(device),
-        keys=LazyKeys(ids.cpu(), key_of_id),  # texts looked up on access, not per row here
+        keys=LazyKeys(ids_cpu, key_of_id),  # texts looked up on access, not per row here
         value=[values.get(i) if i >= 0 else None for i in best.tolist()],
         found=found.cpu().tolist(),
+        metadata=[] if metadata is None else LazyMetadata(ids_cpu, metadata),  # parsed on access
     )

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kvsearch import folder as folders
 from kvsearch.attention import Candidates
-from kvsearch.checks import check_k
+from kvsearch.checks import CHUNK_ELEMENTS, check_k
 from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError, UnknownOptionError
 from kvsearch.index import CandidateIndex, load_index, make_index
 from kvsearch.limits import check_fits
@@ -35,8 +35,6 @@ __all__ = ["Retriever", "DB_SCORES", "metric_of", "check_db_score"]
 
 #: Score functions a database can use as its default (they decide the index metric).
 DB_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
-#: Rows of keys compared at once when looking for an exactly equal key embedding.
-EXACT_MATCH_ROWS = 65_536
 
 
 def check_db_score(score: object) -> str:
@@ -231,6 +229,41 @@ class Retriever:
         match = None if targets is None else (ids == targets.to(device).unsqueeze(1)) & (ids >= 0)  # (b, take)
         return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
 
+    def key_matches(self, queries: Tensor) -> tuple[Tensor, Tensor]:
+        """For each query embedding, the stored ids whose key embedding equals it (bit for bit, -0.0 == 0.0).
+
+        Rows are compared by an exact integer fingerprint first (one pass over the keys in chunks, no
+        (batch, m, dim) comparison), and every fingerprint hit is confirmed by comparing the rows themselves.
+
+        Args:
+            queries: (batch, dim).
+
+        Returns:
+            The first matching id (batch,) (-1 where none) and how many records match (batch,): int64 CPU.
+        """
+        keys = self.store.keys  # (m, dim)
+        q = queries.detach().to(self.store.device, torch.float32)  # (b, dim)
+        first = torch.full((q.shape[0],), -1, dtype=torch.long)  # (b,)
+        count = torch.zeros(q.shape[0], dtype=torch.long)  # (b,)
+        if keys is None or not len(keys) or not len(q):
+            return first, count
+        weights = _fingerprint_weights(q.shape[1], q.device)  # (dim,)
+        fq = _fingerprint(q, weights)  # (b,)
+        step = max(1, CHUNK_ELEMENTS // q.shape[1])  # rows per chunk: (c, dim) int64 bits at a time
+        for start in range(0, len(keys), step):
+            chunk = keys[start : start + step]  # (c, dim)
+            fk, order = torch.sort(_fingerprint(chunk, weights))  # (c,), (c,)
+            lo = torch.searchsorted(fk, fq, right=False)  # (b,)
+            hi = torch.searchsorted(fk, fq, right=True)  # (b,)
+            for i in torch.nonzero(hi > lo).flatten().tolist():  # fingerprint hits only: confirmed row by row
+                rows = order[int(lo[i]) : int(hi[i])]  # (h,) rows of this chunk, ascending fingerprints
+                same = rows[(chunk[rows] == q[i]).all(-1)].sort().values  # (s,) rows of equal keys, by id
+                if len(same):
+                    if first[i] < 0:
+                        first[i] = self.store.ids[start + int(same[0])]
+                    count[i] += len(same)
+        return first, count
+
     def exact_targets(self, queries: Tensor) -> Tensor:
         """For each query embedding, the id of the one record whose key embedding equals it, else -1.
 
@@ -243,27 +276,22 @@ class Retriever:
         Returns:
             (batch,) int64 CPU ids.
         """
-        first, count = self.exact_matches(queries)  # (batch,), (batch,)
+        first, count = self.key_matches(queries)  # (batch,), (batch,)
         return torch.where(count == 1, first, -1)  # (batch,)
 
-    def exact_matches(self, queries: Tensor) -> tuple[Tensor, Tensor]:
-        """For each query embedding, the first id whose key embedding equals it (-1 if none) and how many do.
 
-        Args:
-            queries: (batch, dim).
+def _fingerprint_weights(dim: int, device: torch.device) -> Tensor:
+    """Fixed odd 64-bit multipliers, one per coordinate (a seeded generator: the same in every process). (dim,)"""
+    generator = torch.Generator().manual_seed(0x6B7673)
+    weights = torch.randint(-(2**62), 2**62, (dim,), generator=generator, dtype=torch.long) * 2 + 1  # (dim,)
+    return weights.to(device)
 
-        Returns:
-            ids (batch,) and counts (batch,), int64 on the CPU.
-        """
-        keys = self.store.keys  # (m, dim)
-        q = queries.detach().to(self.store.device)  # (b, dim)
-        first = torch.full((q.shape[0],), -1, dtype=torch.long)  # (b,)
-        count = torch.zeros(q.shape[0], dtype=torch.long)  # (b,)
-        for start in range(0, len(keys), EXACT_MATCH_ROWS):
-            chunk = keys[start : start + EXACT_MATCH_ROWS]  # (c, dim)
-            eq = (chunk.unsqueeze(0) == q.unsqueeze(1)).all(-1)  # (b, c)
-            hit = eq.any(-1).cpu() & (first < 0)  # (b,)
-            row = eq.float().argmax(-1).cpu() + start  # (b,)
-            first = torch.where(hit, self.store.ids[row.clamp(max=len(self.store.ids) - 1)], first)
-            count += eq.sum(-1).cpu()
-        return first, count
+
+def _fingerprint(rows: Tensor, weights: Tensor) -> Tensor:
+    """An exact integer hash of each float32 row: equal rows get equal fingerprints. (n, dim) -> (n,) int64.
+
+    The float bits (``-0.0`` made ``0.0`` first) times fixed multipliers, summed with int64 wrap-around: integer
+    sums do not depend on the order of summation, so a row hashes the same alone or in any batch.
+    """
+    bits = (rows.float() + 0.0).contiguous().view(torch.int32).long()  # (n, dim)
+    return (bits * weights).sum(-1)  # (n,)

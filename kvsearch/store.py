@@ -66,7 +66,10 @@ CREATE TABLE IF NOT EXISTS records (
     key_emb BLOB NOT NULL,
     value_emb BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS given (id INTEGER PRIMARY KEY, side INTEGER NOT NULL);
 """
+#: Bits of ``given.side``: the record's key / value text came with its own embedding (never re-encoded).
+GIVEN_KEY, GIVEN_VALUE = 1, 2
 
 _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_CANTOPEN = 5, 6, 14
 #: SQLite errors of a file that cannot be reached, as opposed to one that is damaged.
@@ -178,6 +181,9 @@ class Store:
         # id_of_key: the normalised key text (normalize_key) -> id; key_of_id: id -> the key text as stored.
         self.id_of_key: dict[str, int] = {}
         self.key_of_id: dict[int, str] = {}
+        # Ids of records whose key / value text came with its embedding: re-encoding from the text skips them.
+        self.given_keys: set[int] = set()
+        self.given_values: set[int] = set()
 
     def _unwritable(self) -> str | None:
         """Why the store cannot be written (its folder, or the file itself), or None.
@@ -331,6 +337,7 @@ class Store:
                     rows = conn.execute("SELECT id, key FROM records WHERE key IS NOT NULL").fetchall()
                 if side is None:
                     rows = conn.execute("SELECT id, key, key_emb, value_emb FROM records ORDER BY id").fetchall()
+                given = conn.execute("SELECT id, side FROM given").fetchall()
             finally:
                 if own:
                     conn.execute("COMMIT")
@@ -351,6 +358,8 @@ class Store:
             self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
             self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
             self.id_of_key = _id_of_key(self.key_of_id, self.path)
+            self.given_keys = {i for i, bits in given if bits & GIVEN_KEY}
+            self.given_values = {i for i, bits in given if bits & GIVEN_VALUE}
             self.loaded_version = version
 
     # ------------------------------------------------------------------ embeddings side file
@@ -503,6 +512,7 @@ class Store:
         key_embs: Tensor,
         value_embs: Tensor,
         ids: Sequence[int | None] | None = None,
+        given: Sequence[int] | None = None,
     ) -> list[int]:
         """Insert or update records in one transaction.
 
@@ -511,6 +521,8 @@ class Store:
                 its stored metadata; ``{}`` clears it.
             key_embs: (n, dim) float32. value_embs: (n, value_dim) float32.
             ids: per record, the stored id it replaces in place, or None for a new record (all new if None).
+            given: per record, ``GIVEN_KEY | GIVEN_VALUE`` bits: which texts came with their own embedding
+                (kept as given: re-encoding the texts skips them). None: no text came with an embedding.
 
         Returns:
             The ids of the records, in order (new ids are fresh, never reused).
@@ -547,6 +559,10 @@ class Store:
                     "key_emb = ?, value_emb = ? WHERE id = ?",
                     (update(i, out[i]) for i in old),
                 )
+                flagged = [(out[i], int(given[i])) for i in range(n) if given is not None and given[i]]
+                if old:
+                    self._conn.executemany("DELETE FROM given WHERE id = ?", ((out[i],) for i in old))
+                self._conn.executemany("INSERT INTO given (id, side) VALUES (?, ?)", flagged)
                 self.bump_version()
             # Committed: now mirror it in memory (still under the lock, so readers never see half of it).
             dev_keys = key_embs.detach().to(self.device, torch.float32)  # (n, dim)
@@ -567,6 +583,13 @@ class Store:
                 self.values = add_values.clone() if self.values is None else torch.cat([self.values, add_values])
             for i in old:
                 self._forget_key(out[i])
+                self.given_keys.discard(out[i])
+                self.given_values.discard(out[i])
+            for id_, bits in flagged:
+                if bits & GIVEN_KEY:
+                    self.given_keys.add(id_)
+                if bits & GIVEN_VALUE:
+                    self.given_values.add(id_)
             for i, key in enumerate(keys):
                 if key is not None:
                     self.id_of_key[normalize_key(key)] = out[i]
@@ -687,6 +710,7 @@ class Store:
 
     def _delete_rows(self, ids: Iterable[int]) -> None:
         self._conn.executemany("DELETE FROM records WHERE id = ?", ((int(i),) for i in ids))
+        self._conn.executemany("DELETE FROM given WHERE id = ?", ((int(i),) for i in ids))
 
     def bump_version(self) -> None:
         """Record one more committed write: the version, inside the open transaction (every write calls it last).
@@ -708,6 +732,8 @@ class Store:
         self.values = self.values[keep_dev]
         for id_ in drop.tolist():
             self._forget_key(id_)
+            self.given_keys.discard(id_)
+            self.given_values.discard(id_)
 
     # ------------------------------------------------------------------ reading
 
@@ -778,6 +804,17 @@ class Store:
             chunk = wanted[start : start + 900]
             marks = ",".join("?" * len(chunk))
             out.update(self._conn.execute(f"SELECT id, value FROM records WHERE id IN ({marks})", chunk).fetchall())
+        return out
+
+    def metadata_texts(self, ids: Iterable[int]) -> dict[int, str]:
+        """id -> the record's metadata as stored (JSON text), for the ids among ``ids`` that have metadata."""
+        wanted = sorted({int(i) for i in ids if int(i) >= 0})
+        out: dict[int, str] = {}
+        for start in range(0, len(wanted), 900):  # SQLite's bound-parameter limit
+            chunk = wanted[start : start + 900]
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT id, metadata FROM records WHERE id IN ({marks}) AND metadata IS NOT NULL"
+            out.update(self._conn.execute(sql, chunk).fetchall())
         return out
 
     def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:

@@ -223,7 +223,7 @@ class _Run:
         if self.key_encoder is None:
             return stored  # (b, k, dim)
         uniq, inverse = torch.unique(ids.cpu(), return_inverse=True)  # (u,), (b, k)
-        texts = self.db.key_texts(uniq)  # u key texts, None for -1 and keys stored as embeddings
+        texts = self.db.key_texts(uniq, encoded_only=True)  # u texts, None for -1 and keys as / with embeddings
         rows = [r for r, text in enumerate(texts) if text is not None]
         table, _, _ = self.db.embeddings(uniq)  # (u, dim)
         table = table.clone()  # (u, dim)

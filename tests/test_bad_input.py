@@ -159,6 +159,49 @@ BAD_CALLS = {
     ),
     "encoder load dotdot": (lambda db: load_encoder(db.path, "../encoder"), InvalidArgumentError, "prefix"),
     "encoder prefix nul": (lambda db: load_encoder(db.path, "enc\x00"), InvalidArgumentError, "prefix"),
+    # texts with their own embeddings (key_embeddings= / value_embeddings=)
+    "key_embeddings dim": (
+        lambda db: db.add(["new"], ["v"], key_embeddings=q(1, DIM + 1)),
+        DimensionMismatchError,
+        f"key_embeddings of shape (n, {DIM})",
+    ),
+    "key_embeddings rows": (
+        lambda db: db.add(["n1", "n2"], ["v", "w"], key_embeddings=q(3, DIM)),
+        DimensionMismatchError,
+        "one row of key_embeddings per key (2)",
+    ),
+    "nan key_embeddings": (
+        lambda db: db.upsert(["Li"], ["v"], key_embeddings=q(1, DIM, fill=NAN)),
+        NonFiniteError,
+        "finite",
+    ),
+    "inf value_embeddings": (
+        lambda db: db.add(["new"], ["v"], value_embeddings=q(1, DIM, fill=INF)),
+        NonFiniteError,
+        "finite",
+    ),
+    "key_embeddings with tensor keys": (
+        lambda db: db.add(q(1, DIM), ["v"], key_embeddings=q(1, DIM)),
+        InvalidArgumentError,
+        "keys as texts when key_embeddings= is given",
+    ),
+    "key_embeddings not a tensor": (
+        lambda db: db.add(["new"], ["v"], key_embeddings=[[0.0] * DIM]),
+        InvalidArgumentError,
+        "key_embeddings as a tensor",
+    ),
+    # upsert of keys given as embeddings: never a second record with the same key
+    "upsert embedding equal to a text key": (
+        lambda db: db.upsert(db.embeddings(torch.tensor([3]))[0], q(1, DIM)),
+        DuplicateKeyError,
+        "delete(3) then add",
+    ),
+    "upsert equal embeddings in one batch": (
+        lambda db: db.upsert(q(1, DIM).repeat(2, 1), q(2, DIM)),
+        DuplicateKeyError,
+        "unique key embeddings",
+    ),
+    "delete unknown missing option": (lambda db: db.delete("Li", missing="skip"), UnknownOptionError, "ignore"),
 }
 
 
@@ -204,9 +247,10 @@ def test_injection_in_filter_value_matches_nothing(db):
 
 def test_query_on_empty_database(tmp_path):
     empty = kvsearch.Database(tmp_path / "empty", encoder=kvsearch.NgramEncoder(dim=DIM, num_buckets=64))
-    for call in (lambda: empty.search("x"), lambda: empty.query("x"), lambda: empty.query(q(DIM), k="all")):
+    for call in (lambda: empty.query("x"), lambda: empty.query(q(DIM), k="all")):
         with pytest.raises(EmptyDatabaseError, match="expected a database with records"):
             call()
+    assert empty.search("x") == [] and empty.search(["x", "y"]) == [[], []]  # nothing found, not an error
     assert len(empty) == 0
     empty.close()
 

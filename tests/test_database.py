@@ -317,9 +317,12 @@ def test_bad_query_inputs(names_db):
 def test_empty_database_query(tmp_path):
     db = Database(None, encoder=NgramEncoder())
     with pytest.raises(EmptyDatabaseError, match="empty"):
-        db.query("Li")
-    with pytest.raises(EmptyDatabaseError):
-        db.search("Li")
+        db.query("Li")  # a query pools something: nothing to pool is an error
+    assert db.search("Li") == []  # a search lists what it found: nothing
+    assert db.search(["Li", "Hu"], k=3) == [[], []]
+    assert db.search(torch.ones(3, db.dim), where={"lang": "en"}) == [[], [], []]
+    with pytest.raises(InvalidArgumentError, match="non-empty query"):
+        db.search("")  # still checked
 
 
 def test_bad_construction(tmp_path):
@@ -383,3 +386,114 @@ def test_cuda_device(rng):
     assert ans.output.is_cuda and db.store.keys.is_cuda
     ans.output.sum().backward()
     assert q.grad is not None
+
+
+# ---------------------------------------------------------------------- fitting other libraries (issue 14)
+
+
+class _NoCalls(NgramEncoder):
+    """An n-gram encoder that fails the test when it is asked to encode."""
+
+    def forward(self, texts):
+        raise AssertionError(f"the encoder was called with {texts!r}")
+
+
+def test_text_records_with_their_own_embeddings(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)  # (3, dim), (3, value_dim)
+    db = Database(None, dim=8, value_dim=8)  # no encoder at all
+    ids = db.add(["a", "b", "c"], ["A", "B", "C"], key_embeddings=keys, value_embeddings=values)
+    stored_keys, stored_values, _ = db.embeddings(torch.tensor(ids))
+    assert torch.equal(stored_keys, keys) and torch.equal(stored_values, values)
+    assert db.lookup("b") == "B" and "c" in db
+    hit = db.search(keys[2], k=1)[0]
+    assert (hit.key, hit.value) == ("c", "C")  # value texts are shown though there is no value encoder
+    with pytest.raises(kvsearch.MissingEncoderError, match="no encoder for query texts; pass query embeddings"):
+        db.search("a")
+    with pytest.raises(kvsearch.MissingEncoderError, match="key_embeddings="):
+        db.add(["d"], ["D"], value_embeddings=values[:1])  # key texts alone need an encoder
+    db.query_encoder = NgramEncoder(dim=8, num_buckets=64)
+    assert len(db.search("a", k=3)) == 3  # text queries once there is a query encoder
+    assert db.upsert(["b"], ["B2"], key_embeddings=keys[:1], value_embeddings=values[:1]) == [ids[1]]
+    assert db.lookup("b") == "B2" and torch.equal(db.embeddings(torch.tensor(ids[1:2]))[0], keys[:1])
+
+
+def test_given_key_embeddings_are_kept_by_reopen_and_refresh(tmp_path):
+    encoder = NgramEncoder(dim=16, num_buckets=256)
+    db = Database(tmp_path / "db", encoder=encoder)
+    db.add(["Li", "Hu"], ["Mu", "Rachel"])
+    doc = torch.randn(1, 16, generator=torch.Generator().manual_seed(1))  # (1, dim): not the encoder's "doc-1"
+    real = db.encoder.encode(["Lipton"])  # (1, dim)
+    db.encoder.forward = _NoCalls.forward.__get__(db.encoder)  # the encoder must not be asked
+    [i] = db.add(["doc-1"], ["Zachary"], key_embeddings=doc, value_embeddings=real)
+    del db.encoder.forward
+    db.close()
+    again = Database(tmp_path / "db", encoder=NgramEncoder(dim=16, num_buckets=256))  # no repair of "doc-1"
+    again.refresh()  # re-encodes the keys from their texts: not those that came with an embedding
+    assert torch.equal(again.embeddings(torch.tensor([i]))[0], doc)
+    pairs = [("Lee", "Li"), ("Hoo", "Hu")]
+    kvsearch.finetune(again, pairs, targets="key", train="query+keys", keep="last", epochs=1, verbose=False)
+    assert again.generation == 3 and again.key_texts([i], encoded_only=True) == [None]
+    assert torch.equal(again.embeddings(torch.tensor([i]))[0], doc)  # a new key encoder, the given key kept
+    assert again.search(doc[0], k=1)[0].key == "doc-1"
+    again.close()
+
+
+def test_upsert_of_embedding_keys_never_duplicates(rng):
+    db, ids, keys, _ = random_db(None, rng, n=4, dim=8, value_dim=2)
+    new_values = np.full((4, 2), 7.0, np.float32)
+    assert db.upsert(keys, new_values) == ids.tolist() and len(db) == 4  # the same 4 records, replaced in place
+    assert torch.equal(db.embeddings(torch.from_numpy(ids))[1].cpu(), torch.from_numpy(new_values))
+    fresh = rng.standard_normal((1, 8)).astype(np.float32)
+    both = db.upsert(np.concatenate([keys[:1], fresh]), np.zeros((2, 2), np.float32))
+    assert both[0] == ids[0] and both[1] not in ids and len(db) == 5
+    db.add(keys[:1], np.ones((1, 2), np.float32))  # add does not match keys: now two records have this key
+    with pytest.raises(DuplicateKeyError, match=rf"delete\({ids[0]}\) then add"):
+        db.upsert(keys[:1], np.ones((1, 2), np.float32))
+    assert len(db) == 6
+
+
+def test_hits_and_answers_carry_metadata_read_with_the_search(names_db):
+    db = names_db
+    db.upsert(["Li", "Lipton"], ["Mu", "Zachary"], [{"lang": "zh", "n": 1}, {"lang": "en"}])
+    hits = db.search("Li", k=3)
+    assert hits[0].metadata == {"lang": "zh", "n": 1} and hits[1].metadata == {"lang": "en"}
+    assert hits[2].metadata == {}  # a record without metadata
+    answer = db.query(["Li", "Lipton"], k=4)
+    by_id = dict(zip(answer.ids[0].tolist(), answer.metadata[0]))
+    assert by_id[db.store.id_of_key["Li"]] == {"lang": "zh", "n": 1}
+    one = db.query("Lipton", k=2)
+    assert one.metadata.tolist() == [{"lang": "en"}, {"lang": "zh", "n": 1}]
+    db.delete(["Li", "Lipton"])  # after the query: its metadata was read in the query's snapshot
+    assert answer.metadata.tolist()[0][: len(by_id)] == list(by_id.values())
+    assert one.metadata[0] == {"lang": "en"} and answer.row(1).metadata[0] == {"lang": "en"}
+    small = Database(None, encoder=NgramEncoder())
+    small.add(["x"], ["y"])
+    assert small.query("x", k=3).metadata.tolist() == [{}, None, None]  # None: no candidate
+
+
+def test_delete_missing_ignore(names_db):
+    db = names_db
+    li, hu = db.store.id_of_key["Li"], db.store.id_of_key["Hu"]
+    with pytest.raises(KeyNotFoundError, match="nobody"):
+        db.delete(["Li", "nobody"])  # the default: raise, and delete nothing
+    assert len(db) == 6
+    assert db.delete(["Li", "nobody", 10_000, hu, "Li"], missing="ignore") == [li, hu]
+    assert len(db) == 4 and "Li" not in db
+    assert db.delete(["nobody"], missing="ignore") == []
+
+
+def test_reprs_are_short(rng):
+    db, *_ = random_db(None, rng, n=20, dim=8, value_dim=256)
+    answer = db.query(torch.randn(8), k=4)
+    hits = db.search(torch.randn(8), k=2)
+    for text in (repr(answer), repr(hits[0]), repr(db.query(torch.randn(5, 8), k=4))):
+        assert len(text) < 400 and "tensor([" not in text and "(256,)" in text
+    assert repr(answer).startswith("Answer(value=tensor(shape=(256,)), found=True, top=[(")
+    assert "output=(256,), weights=(4,)" in repr(answer)
+    names = Database(None, encoder=NgramEncoder())
+    names.add(list(AUTHORS), list(AUTHORS.values()), [{"n": i} for i in range(6)])
+    shown = repr(names.query("Lipto", k=4, temperature=0.1))
+    assert shown.startswith("Answer(value='Zachary', found=True, top=[('Lipton', ") and "output=(256,)" in shown
+    assert repr(names.search("Li", k=1)[0]).startswith("Hit(id=3, key='Li', value='Mu', score=")
+    assert repr(names.search("Li", k=1)[0]).endswith("metadata={'n': 2})")

@@ -517,3 +517,24 @@ def test_an_embedding_stored_on_two_shards_is_ambiguous_like_in_one_database(tmp
             assert answer.found == [False, True]
             assert db.exact_targets(keys[[0, 2]]).tolist()[0] == -1
             assert keys[0] not in db and keys[2] in db
+
+
+def test_sharded_database_takes_the_same_write_and_read_options(tmp_path):
+    """One process holding every shard: the options Database.add / upsert / delete / search gained (issue 14)."""
+    gen = torch.Generator().manual_seed(0)
+    embs = torch.randn(4, 16, generator=gen)  # (4, dim)
+    with ShardedDatabase(tmp_path / "s", num_shards=2, dim=16, value_dim=16) as sdb:
+        assert sdb.search(embs[0], k=2) == [] and sdb.search(embs[:2], k=2) == [[], []]
+        keys = ["a", "b", "c", "d"]
+        ids = sdb.add(
+            keys, ["A", "B", "C", "D"], [{"n": i} for i in range(4)], key_embeddings=embs, value_embeddings=embs
+        )
+        hit = sdb.search(embs[2], k=1)[0]
+        assert (hit.id, hit.key, hit.value, hit.metadata) == (ids[2], "c", "C", {"n": 2})
+        assert sdb.query(embs[:2], k=2).metadata[0][0] == {"n": 0}
+        assert sdb.upsert(["a"], ["A2"], key_embeddings=embs[:1], value_embeddings=embs[:1]) == ids[:1]
+        with pytest.raises(kvsearch.NotSupportedError, match=r"delete\(id\) then add"):
+            sdb.upsert(embs[:1], embs[:1])
+        with pytest.raises(kvsearch.KeyNotFoundError):
+            sdb.delete(["a", "nobody"])
+        assert sorted(sdb.delete(["a", "nobody", ids[1]], missing="ignore")) == sorted(ids[:2]) and len(sdb) == 2

@@ -125,3 +125,16 @@ def test_filter_after_deletes_and_reopen(tmp_path):
         assert len(row) == 20
         assert all(h.id in live and db.get(h.id).metadata["i"] == 1 for h in row)  # deleted ids never return
     db.close()
+
+
+@pytest.mark.parametrize("n", [3, 1_001, 40_000])  # past the old cap of 1,000, and past SQLite's 32,766 parameters
+def test_in_and_nin_take_any_number_of_values(meta_db, n):
+    db, metas = meta_db
+    stored = [1, "a", True, None, 0.5]  # values the records hold, among many that none holds (10, 11, ...)
+    many = list(range(10, 10 + n)) + stored
+    for op, field in (("$in", "n"), ("$nin", "tag")):
+        sql_ids = set(db.store.ids_where({field: {op: many}}).tolist())
+        reference = {i for i, m in metas.items() if matches(m, {field: {op: stored}})}
+        assert sql_ids == reference and sql_ids
+    hits = db.search(torch.ones(DIM), k=5, where={"n": {"$in": many}})
+    assert len(hits) == 5 and all(matches(metas[h.id], {"n": {"$in": stored}}) for h in hits)

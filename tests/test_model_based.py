@@ -285,8 +285,9 @@ class Model(RuleBasedStateMachine):
 
     def check_search(self, query: str, k: int) -> None:
         if not self.model:
+            assert self.db.search(query, k=k) == []  # an empty database: nothing found
             with pytest.raises(EmptyDatabaseError):
-                self.db.search(query, k=k)
+                self.db.query(query, k=k)  # nothing to pool
             return
         hits = self.db.search(query, k=k)
         got = [h.key for h in hits]

@@ -1,0 +1,277 @@
+"""LangChain: a kvsearch database as a ``langchain_core`` vector store, and so as a retriever.
+
+    store = KVSearchVectorStore(embeddings)                        # a new database in memory; path= for a folder
+    store.add_documents([Document(page_content="...", metadata={...})], ids=["doc-1"])
+    store.similarity_search("question", k=4, filter={"lang": "en"})
+    KVSearchVectorStore(database=db).as_retriever(search_kwargs={"k": 2}).invoke("Lipto")   # an open database
+
+A document is one record: its id is the key text, its page content the value text, its metadata the record's
+metadata; LangChain filters are kvsearch ``where=`` filters. Embeddings come from the LangChain ``Embeddings``
+(``embed_documents`` for the records, passed as ``key_embeddings=``; ``embed_query`` for queries, searched as
+tensors) or, when ``embedding`` is None, from the database's own encoders (a fine-tuned one included). Adding a
+document whose id is stored replaces it (an upsert); deleting ids that are not stored is not an error.
+
+It owns the mapping between documents and records, and nothing else: search, storage and encoders are the
+:class:`~kvsearch.Database`'s. It needs the ``langchain`` extra (``pip install 'kvsearch[langchain]'``); without
+it, importing this module raises :class:`~kvsearch.MissingDependencyError` (an ImportError) that says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvsearch.database import Database
+from kvsearch.errors import InvalidArgumentError, KeyNotFoundError, MissingDependencyError, MissingEncoderError
+from kvsearch.folder import is_database
+from kvsearch.results import Hit
+
+try:
+    from langchain_core.documents import Document
+    from langchain_core.embeddings import Embeddings
+    from langchain_core.vectorstores import VectorStore
+except ImportError as exc:  # the optional extra is missing
+    raise MissingDependencyError(
+        f"kvsearch.integrations.langchain needs langchain-core ({exc}): pip install 'kvsearch[langchain]'"
+    ) from exc
+
+__all__ = ["KVSearchVectorStore"]
+
+#: How a database's score becomes a LangChain relevance in [0, 1] (higher is more relevant).
+_RELEVANCE: dict[str, Callable[[float], float]] = {
+    "cosine": lambda s: min(1.0, max(0.0, (1.0 + s) / 2.0)),  # float32 rounding may pass 1 by an ulp
+    "dot": lambda s: 1.0 / (1.0 + math.exp(-s)),
+    "scaled_dot": lambda s: 1.0 / (1.0 + math.exp(-s)),
+    "gaussian": lambda s: math.exp(s),  # s = -1/2 |q - k|^2 <= 0
+}
+
+
+class KVSearchVectorStore(VectorStore):
+    """A LangChain ``VectorStore`` over a kvsearch database: documents' ids as keys, their page content as values.
+
+    Args:
+        embedding: a LangChain ``Embeddings`` that embeds documents and queries; None to use the database's own
+            encoders (the key encoder for documents, the query-side one or the key encoder for queries).
+        path: the folder of a database (created, or reopened with what it was created with); None in memory.
+            With ``embedding`` given, a new database is created at the first add, with the embeddings' dim.
+        database: an open :class:`~kvsearch.Database` to serve instead (not closed by :meth:`close`).
+        **database_options: passed to :class:`~kvsearch.Database` (``index="HNSW32"``, ``score=...``,
+            ``encoder=...`` ...).
+
+    Raises:
+        InvalidArgumentError: both ``database`` and ``path`` / options, or an ``embedding`` that is not a LangChain
+            ``Embeddings``.
+        MissingEncoderError: no ``embedding`` and a database with no key encoder to embed documents with.
+    """
+
+    def __init__(
+        self,
+        embedding: Embeddings | None = None,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        database: Database | None = None,
+        **database_options: Any,
+    ) -> None:
+        if embedding is not None and not isinstance(embedding, Embeddings):
+            raise InvalidArgumentError(f"expected a LangChain Embeddings or None, got {type(embedding).__name__}")
+        if database is not None and (path is not None or database_options):
+            raise InvalidArgumentError("expected either database= or path= and database options, got both")
+        if database is not None and not isinstance(database, Database):
+            raise InvalidArgumentError(f"expected a kvsearch Database as database=, got {type(database).__name__}")
+        self._embedding = embedding
+        self._path = path
+        self._options = database_options
+        self._owned = database is None  # a database this store opened, and closes
+        self._db = database
+        known_dim = "dim" in database_options or "encoder" in database_options
+        if self._db is None and (embedding is None or known_dim or (path is not None and is_database(path))):
+            self._db = Database(path, **database_options)
+        if embedding is None and self._db.encoder is None:
+            raise MissingEncoderError(
+                "expected a LangChain embedding=, or a database with a key encoder to embed documents with; "
+                "this database has none"
+            )
+
+    # ------------------------------------------------------------------ the database
+
+    @property
+    def database(self) -> Database | None:
+        """The kvsearch database (None until the first add, for a new one sized by the LangChain embeddings)."""
+        return self._db
+
+    @property
+    def embeddings(self) -> Embeddings | None:
+        """The LangChain embeddings (None when the database's own encoders are used)."""
+        return self._embedding
+
+    def close(self) -> None:
+        """Close the database if this store opened it (one passed as ``database=`` stays open)."""
+        if self._db is not None and self._owned:
+            self._db.close()
+
+    def _database_of_dim(self, dim: int) -> Database:
+        if self._db is None:  # a new database, sized by the first embeddings
+            options = dict(self._options)
+            if "value_encoder" not in options:
+                options.setdefault("value_dim", dim)
+            self._db = Database(self._path, dim=dim, **options)
+        return self._db
+
+    def _embed_documents(self, texts: list[str]) -> Tensor:
+        """The documents' embeddings (n, dim), float32."""
+        if self._embedding is not None:
+            return torch.tensor(self._embedding.embed_documents(texts), dtype=torch.float32).reshape(len(texts), -1)
+        return self._db.encoder.encode(texts).detach().float()  # (n, dim)
+
+    # ------------------------------------------------------------------ writing
+
+    def add_texts(
+        self,
+        texts: Iterable[str],
+        metadatas: list[dict[str, Any]] | None = None,
+        *,
+        ids: list[str | None] | None = None,
+        **kwargs: Any,
+    ) -> list[str]:
+        """Add texts as documents; a stored id is replaced (an upsert). An id that is None or "" gets a uuid4.
+
+        Args:
+            texts: the page contents.
+            metadatas: one JSON-serialisable dict per text (or None).
+            ids: one id per text; within one call, the last of repeated ids wins.
+
+        Returns:
+            The ids, in order.
+
+        Raises:
+            InvalidArgumentError: lengths that differ, or an unknown keyword argument.
+            KVSearchError: what the database refuses (non-finite embeddings, bad metadata...); nothing is written.
+        """
+        _no_extra(kwargs, "add_texts")
+        texts = list(texts)
+        n = len(texts)
+        for name, given in (("metadatas", metadatas), ("ids", ids)):
+            if given is not None and len(given) != n:
+                raise InvalidArgumentError(f"expected one of {name} per text ({n}), got {len(given)}")
+        ids = [str(i) if i else str(uuid.uuid4()) for i in (ids or [None] * n)]
+        if n == 0:
+            return []
+        last = list({id_: i for i, id_ in enumerate(ids)}.values())  # one row per id: its last occurrence
+        kept_texts = [texts[i] for i in last]
+        embs = self._embed_documents(kept_texts)  # (m, dim)
+        db = self._database_of_dim(embs.shape[1])
+        values = None  # the value encoder embeds the page content; else the documents' embeddings are the values
+        if db.value_encoder is None:
+            if db.value_dim != embs.shape[1]:
+                raise MissingEncoderError(
+                    f"expected a database with a value encoder, or value_dim {embs.shape[1]} (the documents' "
+                    f"embeddings), got value_dim {db.value_dim} and no value encoder"
+                )
+            values = embs
+        metadata = None if metadatas is None else [metadatas[i] for i in last]
+        db.upsert([ids[i] for i in last], kept_texts, metadata, key_embeddings=embs, value_embeddings=values)
+        return ids
+
+    def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        """Delete documents by id; ids that are not stored are skipped. None deletes nothing (as LangChain's
+        in-memory store).
+
+        Returns:
+            True once the stored ones among ``ids`` are deleted; False for ``ids=None``.
+        """
+        _no_extra(kwargs, "delete")
+        if ids is None:
+            return False
+        if self._db is not None and ids:
+            self._db.delete([str(i) for i in ids], missing="ignore")
+        return True
+
+    # ------------------------------------------------------------------ reading
+
+    def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        """The stored documents among ``ids``, in that order (missing ids skipped, repeated ids once)."""
+        if self._db is None:
+            return []
+        wanted = list(dict.fromkeys(str(i) for i in ids))
+        documents = []
+        for id_ in self._db.ids_of_keys(wanted).tolist():
+            try:
+                record = self._db.get(id_) if id_ >= 0 else None
+            except KeyNotFoundError:  # deleted since its id was read
+                record = None
+            if record is not None:
+                content = record.value if record.value is not None else ""
+                documents.append(Document(id=record.key, page_content=content, metadata=record.metadata))
+        return documents
+
+    def similarity_search(
+        self, query: str, k: int = 4, filter: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> list[Document]:
+        """The k documents most similar to a query text, best first; ``filter`` is a kvsearch ``where=`` filter."""
+        return [doc for doc, _ in self.similarity_search_with_score(query, k, filter, **kwargs)]
+
+    def similarity_search_with_score(
+        self, query: str, k: int = 4, filter: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> list[tuple[Document, float]]:
+        """As :meth:`similarity_search`, with each document's score (the database's score: higher is closer)."""
+        _no_extra(kwargs, "similarity_search")
+        if self._db is None:
+            return []
+        if self._embedding is not None:
+            return self.similarity_search_by_vector_with_score(self._embedding.embed_query(query), k, filter)
+        return [(_document(h), h.score) for h in self._db.search(query, k=k, where=filter)]
+
+    def similarity_search_by_vector(
+        self, embedding: list[float], k: int = 4, filter: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> list[Document]:
+        """The k documents most similar to a query embedding, best first."""
+        _no_extra(kwargs, "similarity_search_by_vector")
+        return [doc for doc, _ in self.similarity_search_by_vector_with_score(embedding, k, filter)]
+
+    def similarity_search_by_vector_with_score(
+        self, embedding: list[float], k: int = 4, filter: Mapping[str, Any] | None = None
+    ) -> list[tuple[Document, float]]:
+        """As :meth:`similarity_search_by_vector`, with each document's score."""
+        if self._db is None:
+            return []
+        q = torch.tensor(embedding, dtype=torch.float32)  # (dim,)
+        return [(_document(h), h.score) for h in self._db.search(q, k=k, where=filter)]
+
+    def _select_relevance_score_fn(self) -> Callable[[float], float]:
+        """The database's score mapped to a relevance in [0, 1] (see ``similarity_search_with_relevance_scores``)."""
+        score = self._db.score if self._db is not None else self._options.get("score", "cosine")
+        return _RELEVANCE[score]
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_texts(
+        cls,
+        texts: list[str],
+        embedding: Embeddings | None,
+        metadatas: list[dict[str, Any]] | None = None,
+        *,
+        ids: list[str] | None = None,
+        **kwargs: Any,
+    ) -> KVSearchVectorStore:
+        """A new store (``path=``, ``database=`` or database options in ``kwargs``) holding these texts."""
+        store = cls(embedding, **kwargs)
+        store.add_texts(texts, metadatas, ids=ids)
+        return store
+
+
+def _document(hit: Hit) -> Document:
+    """A search hit as a LangChain document: the key text as its id (the record id when it has none)."""
+    content = hit.value if isinstance(hit.value, str) else ""
+    return Document(id=hit.key if hit.key is not None else str(hit.id), page_content=content, metadata=hit.metadata)
+
+
+def _no_extra(kwargs: Mapping[str, Any], where: str) -> None:
+    if kwargs:
+        raise InvalidArgumentError(f"expected no other keyword arguments to {where}, got {sorted(kwargs)}")
