@@ -237,7 +237,8 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
     (a zero vector scores 0), ``gaussian`` -||q - k||^2 / 2, computed as
     -(|q|^2 - 2 q.k + |k|^2) / 2 clamped to <= 0 (memory O(n m), like ``torch.cdist``'s
     matmul path; in float32 it loses precision when the norms are large). A callable is
-    called as is.
+    called as is, with these very shapes (not flattened to 2-D): it must handle leading dims,
+    e.g. with ``keys.transpose(-2, -1)`` rather than ``keys.T``, and return (..., n, m).
 
     Args:
         queries: (..., n, dim).
@@ -328,6 +329,8 @@ def pool(
         return positive / torch.where(total > 0, total, 1)  # (..., m); a zero row stays zero, no 0/0
     if pooling == "hard":
         soft = _masked_softmax(scores / temperature, keep)  # (..., m)
+        if shape[-1] == 0:
+            return soft  # (..., 0): no candidate, no weight (and no maximum to take)
         filled = scores.masked_fill(~keep, -math.inf)  # (..., m)
         best = keep & (filled == filled.amax(-1, keepdim=True))  # (..., m) every kept maximum
         onehot = _first_true(best).to(scores.dtype)  # (..., m)
@@ -371,7 +374,9 @@ def attend(
         keys: the keys.
         values: the values.
         score: a name from ``SCORES`` (not "additive") or a callable (queries, keys) -> scores,
-            such as an ``AdditiveScore``.
+            such as an ``AdditiveScore``. It is called with queries (..., n, dim) and keys
+            (..., m, dim) and returns (..., n, m): (n, dim) with (m, dim) for shared keys,
+            (b, 1, dim) with (b, k, dim) for gathered candidates, (b, n, dim) with (b, m, dim) batched.
         pooling: a name from ``POOLINGS``.
         valid_lens: integer lengths; keys at positions >= the length are dropped. Shape (n,)
             for shared keys, (b,) for gathered candidates, (b,) or (b, n) when batched.
@@ -542,7 +547,8 @@ class KVAttention(nn.Module):
             db: an object with ``dim`` and ``candidates(queries, k)``.
             k: candidates per query, or "all" to attend over every record.
             score: a name from ``SCORES`` ("additive" creates an ``AdditiveScore(db.dim, db.dim,
-                hidden=64)`` submodule) or a callable (queries, keys) -> scores.
+                hidden=64)`` submodule) or a callable (queries, keys) -> scores, called as ``attend`` calls it:
+                (batch, 1, dim) with (batch, k, dim) for an int k, (batch, dim) with (m, dim) for "all".
             pooling: a name from ``POOLINGS``.
             temperature: see ``pool``.
             dropout: attention dropout, applied in training mode only.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from numbers import Real
 from typing import Literal
 
@@ -33,6 +34,7 @@ __all__ = [
     "check_batch",
     "check_int",
     "check_path",
+    "check_unicode",
 ]
 
 #: The largest ``k`` a search accepts. FAISS allocates ``batch x k`` results up front, so an unbounded
@@ -44,6 +46,8 @@ MAX_BATCH = 1_000_000
 COSINE_EPS = 1e-12
 #: Score elements (batch x chunk) a chunked scan computes at once: 2^22 float32 = 16 MiB per buffer.
 CHUNK_ELEMENTS = 1 << 22
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_k(k: object, *, allow_all: bool = False) -> int | Literal["all"]:
@@ -156,3 +160,26 @@ def check_path(path: object) -> None:
     text = os.fspath(path)
     if not isinstance(text, str) or "\x00" in text or not text.strip():
         raise InvalidArgumentError(f"expected a non-empty folder path without NUL characters, got {text!r}")
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse a str that is not valid Unicode: one holding a lone surrogate (U+D800 to U+DFFF).
+
+    Python strs may hold them (``os.fsdecode`` makes them of undecodable bytes, ``"\\ud800"`` writes one), but
+    they cannot be encoded as UTF-8, so SQLite, JSON files and terminals would refuse them later.
+
+    Args:
+        text: the text to check.
+        what: what the text is, for the message (e.g. ``"keys at position 3"``).
+
+    Raises:
+        InvalidArgumentError: ``text`` holds a surrogate code point.
+    """
+    if text.isascii():
+        return
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise InvalidArgumentError(
+            f"expected {what} as valid Unicode text (encodable as UTF-8), got a lone surrogate "
+            f"U+{ord(found.group()):04X} at character {found.start()}"
+        )

@@ -29,7 +29,15 @@ from torch import Tensor
 from kvsearch import folder as folders
 from kvsearch import generations
 from kvsearch.attention import POOLINGS, Candidates, ScoreFn, check_score, compute_scores
-from kvsearch.checks import check_batch, check_device, check_finite, check_k, check_path, check_temperature
+from kvsearch.checks import (
+    check_batch,
+    check_device,
+    check_finite,
+    check_k,
+    check_path,
+    check_temperature,
+    check_unicode,
+)
 from kvsearch.config import check_reopen, new_config
 from kvsearch.encoder_set import EncoderSet
 from kvsearch.encoders import Encoder
@@ -53,9 +61,12 @@ from kvsearch.inputs import (
     check_metadata,
     delete_items,
     encode_side,
+    id_tensor,
+    query_batch,
     query_tensor,
     query_texts,
     record_side,
+    text_list,
 )
 from kvsearch.limits import check_fits, index_bytes
 from kvsearch.locking import DEFAULT_LOCK_TIMEOUT
@@ -558,7 +569,7 @@ class Database:
         """The record with this id.
 
         Raises:
-            KeyNotFoundError: no record has this id.
+            KeyNotFoundError: no record has this id (an id outside int64 never has one).
             InvalidArgumentError: ``id`` is not an int.
         """
         if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
@@ -589,6 +600,8 @@ class Database:
                 raise InvalidArgumentError(f"expected one key embedding (dim,), got shape {tuple(q.shape)}")
         elif not isinstance(key, str):
             raise InvalidArgumentError(f"expected a key text or a key embedding, got {type(key).__name__}")
+        else:
+            check_unicode(key, "the key to look up")
         with self._reading():
             id_ = self._store.id_of_key.get(key, -1) if q is None else int(self._retriever.exact_targets(q)[0])
             if id_ >= 0:
@@ -650,7 +663,9 @@ class Database:
                 gradient (to fine-tune, use :class:`~kvsearch.KVAttention` or :func:`~kvsearch.finetune`).
             k: candidates per query, or ``"all"`` for every record.
             score: a score name or a callable ``(queries, keys) -> scores``; default the database's. The
-                index picks candidates with the database's metric; this only rescores them.
+                index picks candidates with the database's metric; this only rescores them. A callable gets
+                queries (batch, 1, dim) and each query's candidates (batch, k, dim) and returns (batch, 1, k);
+                with ``k="all"``, queries (batch, dim) and every key (m, dim), returning (batch, m).
             pooling: ``softmax``, ``normalize``, ``nonnegative``, ``hard``, ``exact`` or ``average``.
                 ``exact`` is a database lookup: one-hot on the record whose key equals the query (text
                 equality, or equal embedding), else "not found" (zero output, value None, found False).
@@ -727,9 +742,13 @@ class Database:
             (batch, t, value_dim), mask (batch, t), t = min(k, records); for ``k="all"`` (m,)-shaped ones.
 
         Raises:
-            InvalidArgumentError, DimensionMismatchError, MemoryLimitError.
+            InvalidArgumentError, DimensionMismatchError, NonFiniteError, MemoryLimitError.
+            EmptyDatabaseError: the database holds no records (as :meth:`query`).
         """
+        self._check_open()
+        queries, targets = query_batch(queries, self.dim, targets)
         with self._reading():
+            self._check_not_empty()
             return self._retriever.candidates(queries, k, targets=targets, where=where)
 
     # ------------------------------------------------------------------ reads by id (for training and tools)
@@ -740,36 +759,60 @@ class Database:
             return self._store.ids.clone()
 
     def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
-        """The id of each key text: (n,) int64 on the CPU, -1 where the key is not stored."""
+        """The id of each key text: (n,) int64 on the CPU, -1 where the key is not stored.
+
+        Raises:
+            InvalidArgumentError: not a list of str, or text that is not valid Unicode.
+        """
+        texts = text_list(texts, "key texts")
         with self._reading():
             id_of_key = self._store.id_of_key
             return torch.tensor([id_of_key.get(t, -1) for t in texts], dtype=torch.long)
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
-        """Whether some stored record has each value text: (n,) bool on the CPU."""
+        """Whether some stored record has each value text: (n,) bool on the CPU.
+
+        Raises:
+            InvalidArgumentError: not a list of str, or text that is not valid Unicode.
+        """
+        texts = text_list(texts, "value texts")
         with self._reading():
-            return self._store.values_present(list(texts))
+            return self._store.values_present(texts)
 
     def key_texts(self, ids: Tensor | Sequence[int]) -> list[str | None]:
-        """The key text of each id, in order: None where the record has no key text or is not stored."""
+        """The key text of each id, in order: None where the record has no key text or is not stored.
+
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers (see :func:`kvsearch.inputs.id_tensor`).
+        """
+        ids = id_tensor(ids).reshape(-1).tolist()
         with self._reading():
             key_of = self._store.key_of_id
-            return [key_of.get(int(i)) for i in torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()]
+            return [key_of.get(i) for i in ids]
 
     def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]:
-        """id -> the value text (None for a value given as an embedding), for the stored ones among ``ids``."""
-        with self._reading():
-            return self._store.value_texts(torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist())
+        """id -> the value text (None for a value given as an embedding), for the stored ones among ``ids``.
 
-    def embeddings(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers.
+        """
+        ids = id_tensor(ids).reshape(-1).tolist()
+        with self._reading():
+            return self._store.value_texts(ids)
+
+    def embeddings(self, ids: Tensor | Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """Key and value embeddings gathered by id (any shape, -1 allowed), on :attr:`device`.
 
         Returns:
             keys (*ids.shape, dim), values (*ids.shape, value_dim) — zeros where an id is -1 or not stored —
             and the mask (*ids.shape) of the stored ones.
+
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers.
         """
+        ids = id_tensor(ids)
         with self._reading():
-            return self._store.gather(torch.as_tensor(ids, dtype=torch.long))
+            return self._store.gather(ids)
 
     # ------------------------------------------------------------------ helpers
 
@@ -778,7 +821,12 @@ class Database:
             raise EmptyDatabaseError("expected a database with records to search, got an empty one")
 
     def values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
-        """id -> the value as answers show it: its text, or its embedding (CPU tensor) when it has no text."""
+        """id -> the value as answers show it: its text, or its embedding (CPU tensor) when it has no text.
+
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers.
+        """
+        ids = id_tensor(ids).reshape(-1).tolist()
         with self._reading():
             return self._values_of(ids)
 

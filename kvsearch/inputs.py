@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.checks import check_batch, check_finite
+from kvsearch.checks import check_batch, check_finite, check_unicode
 from kvsearch.encoders import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
@@ -31,10 +31,13 @@ __all__ = [
     "KeysIn",
     "query_texts",
     "query_tensor",
+    "query_batch",
     "record_side",
     "encode_side",
     "check_metadata",
     "delete_items",
+    "text_list",
+    "id_tensor",
 ]
 
 Queries = str | Sequence[str] | Tensor | np.ndarray
@@ -58,6 +61,7 @@ def query_texts(queries: Queries) -> list[str] | None:
             raise InvalidArgumentError(f"expected query texts, got {type(t).__name__} at position {i}")
         if not t.strip():
             raise InvalidArgumentError(f"expected non-empty query texts, got {t!r} at position {i}")
+        check_unicode(t, f"queries at position {i}")
     return texts
 
 
@@ -92,6 +96,46 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
     q = q.float() if q.dtype != torch.float32 else q  # (b, dim)
     check_finite(q, "queries")
     return q, single
+
+
+def query_batch(queries: object, dim: int, targets: object = None) -> tuple[Tensor, Tensor | None]:
+    """A batch of query embeddings for candidate gathering, as given (its graph kept), and its target ids.
+
+    Unlike :func:`query_tensor` an empty batch (0, dim) is allowed: it has no candidates.
+
+    Args:
+        queries: a floating-point tensor (batch, dim).
+        dim: the database's key dimension.
+        targets: None, or an integer tensor (batch,) of ids (-1 for none).
+
+    Returns:
+        The queries and the targets (int64, or None).
+
+    Raises:
+        InvalidArgumentError: not a floating-point tensor, targets that are not an integer tensor, too many queries.
+        DimensionMismatchError: queries not (batch, dim), targets not (batch,).
+        NonFiniteError: NaN or Inf in the queries.
+    """
+    if not isinstance(queries, Tensor) or not queries.is_floating_point():
+        got = f"a {queries.dtype} tensor" if isinstance(queries, Tensor) else type(queries).__name__
+        raise InvalidArgumentError(f"expected queries as a floating-point tensor (batch, {dim}), got {got}")
+    if queries.dim() != 2 or queries.shape[1] != dim:
+        raise DimensionMismatchError(f"expected queries of shape (batch, {dim}), got {tuple(queries.shape)}")
+    check_batch(queries.shape[0], "queries")
+    check_finite(queries, "queries")
+    if targets is None:
+        return queries, None
+    if (
+        not isinstance(targets, Tensor)
+        or targets.dtype == torch.bool
+        or targets.is_floating_point()
+        or targets.is_complex()
+    ):
+        got = f"a {targets.dtype} tensor" if isinstance(targets, Tensor) else type(targets).__name__
+        raise InvalidArgumentError(f"expected targets as an integer tensor of ids (batch,), got {got}")
+    if tuple(targets.shape) != (queries.shape[0],):
+        raise DimensionMismatchError(f"expected targets of shape ({queries.shape[0]},), got {tuple(targets.shape)}")
+    return queries, targets.long()
 
 
 def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> tuple[list[str | None], Tensor | None]:
@@ -138,6 +182,7 @@ def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> 
             seen[t] = i
         if "\x00" in t:
             raise InvalidArgumentError(f"expected {name} without NUL characters, got one at position {i}")
+        check_unicode(t, f"{name} at position {i}")
     if texts and encoder is None:
         raise InvalidArgumentError(
             f"expected {name} as embeddings (n, {dim}): this database has no encoder for {name} text"
@@ -185,8 +230,8 @@ def check_metadata(metadata: object, n: int) -> list[dict[str, Any] | None]:
         for key, value in m.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise NonFiniteError(f"expected finite numbers in metadata, got {key}={value} at position {i}")
-        try:
-            json.dumps(m, allow_nan=False)
+        try:  # UTF-8 as stored: a lone surrogate in a string (a UnicodeEncodeError, a ValueError) is refused
+            json.dumps(m, allow_nan=False, ensure_ascii=False).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"expected JSON-serialisable metadata at position {i}: {exc}") from None
         out.append(dict(m))
@@ -196,21 +241,84 @@ def check_metadata(metadata: object, n: int) -> list[dict[str, Any] | None]:
 def delete_items(key_or_keys: object) -> list[str | int]:
     """What a delete names: key texts and int ids, from one item, a list, or an integer tensor / array.
 
+    An int id may be any size: one outside int64 is simply not stored (the delete then raises
+    :class:`~kvsearch.KeyNotFoundError`, as for any id that is not stored).
+
     Raises:
-        InvalidArgumentError: an array of non-integers, or an item that is neither str nor int.
+        InvalidArgumentError: an array of non-integers, an item that is neither str nor int, text that is not
+            valid Unicode, or something that is neither an item nor a list / tuple of them (a dict, a set, a
+            generator, bytes, None, a float).
     """
     if isinstance(key_or_keys, (Tensor, np.ndarray)):  # ids as an integer tensor or array
         array = key_or_keys.detach().cpu().numpy() if isinstance(key_or_keys, Tensor) else key_or_keys
         if array.dtype.kind not in "iu":
             raise InvalidArgumentError(f"expected integer ids, got an array of {array.dtype}")
         return [int(i) for i in array.reshape(-1).tolist()]
-    items = [key_or_keys] if isinstance(key_or_keys, (str, int, np.integer)) else list(key_or_keys)
+    if isinstance(key_or_keys, (str, int, np.integer)):
+        items: Sequence[object] = [key_or_keys]
+    elif isinstance(key_or_keys, Sequence) and not isinstance(key_or_keys, (bytes, bytearray)):
+        items = key_or_keys
+    else:
+        raise InvalidArgumentError(
+            f"expected a key text, an int id, a list of them or an integer tensor, got {type(key_or_keys).__name__}"
+        )
     out: list[str | int] = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, str):
+            check_unicode(item, f"keys to delete at position {i}")
             out.append(item)
         elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
             out.append(int(item))
         else:
-            raise InvalidArgumentError(f"expected key texts or int ids, got {type(item).__name__}")
+            raise InvalidArgumentError(f"expected key texts or int ids, got {type(item).__name__} at position {i}")
     return out
+
+
+def text_list(texts: object, name: str) -> list[str]:
+    """Texts to look up (keys, values): a list or tuple of valid Unicode strs, possibly empty.
+
+    Raises:
+        InvalidArgumentError: a single str (a list is expected), not a list or tuple, a non-str item, or text that
+            is not valid Unicode.
+    """
+    if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
+        raise InvalidArgumentError(f"expected {name} as a list of str, got {type(texts).__name__}")
+    out = list(texts)
+    for i, t in enumerate(out):
+        if not isinstance(t, str):
+            raise InvalidArgumentError(f"expected {name} as str, got {type(t).__name__} at position {i}")
+        check_unicode(t, f"{name} at position {i}")
+    return out
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def id_tensor(ids: object) -> Tensor:
+    """Ids to read by: an int64 CPU tensor, from an integer tensor or array (any shape) or a list / tuple of ints.
+
+    An int outside int64 cannot be a stored id: it becomes -1 (no record), so reads by it find nothing, as for
+    any id that is not stored.
+
+    Raises:
+        InvalidArgumentError: floats, bools, complex numbers or anything else that is not an integer id.
+    """
+    if isinstance(ids, Tensor):
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise InvalidArgumentError(f"expected integer ids, got a tensor of {ids.dtype}")
+        return ids.detach().to("cpu", torch.long)
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"expected integer ids, got an array of {ids.dtype}")
+        wide = np.asarray(ids, dtype=np.int64)  # a uint64 above int64 wraps around: made -1 below
+        if ids.dtype.kind == "u":
+            wide = np.where(ids > _INT64[1], -1, wide)
+        return torch.from_numpy(np.ascontiguousarray(wide))
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
+        raise InvalidArgumentError(f"expected ids as a list of int or an integer tensor, got {type(ids).__name__}")
+    out: list[int] = []
+    for i, item in enumerate(ids):
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+            raise InvalidArgumentError(f"expected int ids, got {type(item).__name__} at position {i}")
+        out.append(int(item) if _INT64[0] <= int(item) <= _INT64[1] else -1)
+    return torch.tensor(out, dtype=torch.long)
