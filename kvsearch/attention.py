@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.checks import COSINE_EPS, check_finite, check_temperature
+from kvsearch.checks import COSINE_EPS, check_dim, check_finite, check_k, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 
 __all__ = [
@@ -493,6 +493,7 @@ class AdditiveScore(nn.Module):
         for name, size in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden", hidden)):
             if isinstance(size, bool) or not isinstance(size, Integral) or size < 1:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {size!r}")
+            check_dim(size, name)  # at most MAX_DIM: a weight matrix torch can allocate
         self.query_dim, self.key_dim, self.hidden = int(query_dim), int(key_dim), int(hidden)
         self.w_q = nn.Linear(self.query_dim, self.hidden, bias=False)
         self.w_k = nn.Linear(self.key_dim, self.hidden, bias=False)
@@ -510,7 +511,10 @@ class AdditiveScore(nn.Module):
 
         Raises:
             DimensionMismatchError: a dim differs from the one this module was built for.
+            InvalidArgumentError: queries or keys are not floating-point tensors.
         """
+        _check_float_tensor(queries, "queries")
+        _check_float_tensor(keys, "keys")
         for name, x, rows, dim in (
             ("queries", queries, "n", self.query_dim),
             ("keys", keys, "m", self.key_dim),
@@ -564,6 +568,7 @@ class KVAttention(nn.Module):
             (isinstance(k, str) and k == "all") or (isinstance(k, Integral) and not isinstance(k, bool) and k >= 1)
         ):
             raise InvalidArgumentError(f"k must be a positive integer or 'all', got {k!r}")
+        k = check_k(k, allow_all=True)  # at most MAX_K, as every search
         if isinstance(score, str) and score == "additive":
             score_fn: str | ScoreFn = AdditiveScore(db.dim, db.dim, hidden=64)
         else:
@@ -658,7 +663,10 @@ class GaussianKernel(nn.Module):
 
         Raises:
             DimensionMismatchError: the dims differ.
+            InvalidArgumentError: queries or keys are not floating-point tensors.
         """
+        _check_float_tensor(queries, "queries")
+        _check_float_tensor(keys, "keys")
         if queries.shape[-1] != keys.shape[-1]:
             raise DimensionMismatchError(f"expected keys of dim {queries.shape[-1]}, got {keys.shape[-1]}")
         diff = queries.unsqueeze(-2) - keys.unsqueeze(-3)  # (..., n, m, dim)

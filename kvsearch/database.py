@@ -35,6 +35,7 @@ from kvsearch.checks import (
     check_finite,
     check_k,
     check_path,
+    check_seconds,
     check_temperature,
     check_unicode,
 )
@@ -61,6 +62,7 @@ from kvsearch.inputs import (
     check_metadata,
     delete_items,
     encode_side,
+    generation_args,
     id_tensor,
     query_batch,
     query_tensor,
@@ -124,8 +126,10 @@ class Database:
     ) -> None:
         self.device = check_device(device)
         check_path(path)
-        if isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float)) or not lock_timeout >= 0:
-            raise InvalidArgumentError(f"expected lock_timeout as a number of seconds >= 0, got {lock_timeout!r}")
+        lock_timeout = check_seconds(lock_timeout, "lock_timeout")
+        if search_params is not None and not isinstance(search_params, Mapping):
+            got = type(search_params).__name__
+            raise InvalidArgumentError(f"expected search_params as a dict such as {{'nprobe': 16}}, got {got}")
         self.path = None if path is None else Path(path)
         self._closed = False
         if self.path is not None and self.path.exists() and not self.path.is_dir():
@@ -289,11 +293,22 @@ class Database:
 
     @property
     def value_encoder(self) -> Encoder | None:
-        """The value encoder (often the key encoder itself), or None when values are given as embeddings."""
+        """The value encoder (often the key encoder itself), or None when values are given as embeddings.
+
+        Raises:
+            InvalidArgumentError: (on assignment) not an Encoder or None.
+            DimensionMismatchError: (on assignment) its dim differs from the database's ``value_dim``.
+        """
         return self._encoders.value
 
     @value_encoder.setter
     def value_encoder(self, encoder: Encoder | None) -> None:
+        if encoder is not None and not isinstance(encoder, Encoder):
+            raise InvalidArgumentError(
+                f"expected a kvsearch Encoder or None as value_encoder, got {type(encoder).__name__}"
+            )
+        if encoder is not None and encoder.dim != self.value_dim:
+            raise DimensionMismatchError(f"expected a value encoder of dim {self.value_dim}, got dim {encoder.dim}")
         self._encoders.value = encoder
 
     @property
@@ -416,7 +431,9 @@ class Database:
         Raises:
             NonFiniteError: an encoder's weights are not finite (nothing is written).
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
+            DatabaseClosedError: the database was closed (as :meth:`save`).
         """
+        self._check_open()
         if self._encoders.changed():
             self.commit_generation()
 
@@ -455,7 +472,9 @@ class Database:
         Raises:
             NonFiniteError: weights or embeddings are not finite (nothing is written).
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
+            InvalidArgumentError, DimensionMismatchError: ``values``, ``summary`` or ``reencode`` of the wrong kind.
         """
+        values, summary, reencode = generation_args(values, summary, reencode, self.value_dim)
         with self._writing():
             config = generations.commit(
                 self._store, self._files, self._encoders, self._config, force=reencode, values=values, summary=summary

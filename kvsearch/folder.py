@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from kvsearch.checks import check_path
 from kvsearch.encoders import ENCODER_KINDS, Encoder, SentenceEncoder
 from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, InvalidArgumentError, UnknownOptionError
 from kvsearch.locking import LOCK_FILE
@@ -89,6 +90,7 @@ GENERATIONS_DIR = "generations"
 _SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")  # what SQLite writes beside the store
 _STAGING = (".encoders.", ".staging")  # prefix, suffix of the staging folders of an encoder save
 _MODEL_DIR = "{prefix}_model"  # the model folder of a saved sentence encoder
+_MAX_PREFIX_BYTES = 200  # room for the suffixes and the temporary names in a 255-byte file name
 
 
 # --------------------------------------------------------------------------- the folder and its files
@@ -256,6 +258,10 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def _check_prefix(prefix: object) -> str:
+    if isinstance(prefix, str) and len(prefix.encode("utf-8", "surrogatepass")) > _MAX_PREFIX_BYTES:
+        raise InvalidArgumentError(
+            f"prefix must be a file name stem of at most {_MAX_PREFIX_BYTES} bytes, got {prefix[:40]!r}..."
+        )
     if not isinstance(prefix, str) or not prefix or prefix in (".", "..") or any(s in prefix for s in "/\\\x00"):
         raise InvalidArgumentError(
             f"prefix must be a non-empty file name without a path separator or NUL, got {prefix!r}"
@@ -369,6 +375,9 @@ def load_encoder(folder: str | os.PathLike[str], prefix: str, device: str | torc
         InvalidArgumentError: ``prefix`` is empty or holds a path separator or NUL.
     """
     prefix = _check_prefix(prefix)
+    if folder is None:
+        raise InvalidArgumentError("expected the folder an encoder was saved in, got None")
+    check_path(folder)
     folder = Path(folder)
     json_path = folder / f"{prefix}.json"
     data = _read_config(json_path)

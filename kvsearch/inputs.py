@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.checks import check_batch, check_finite, check_unicode
+from kvsearch.checks import check_batch, check_finite, check_real_tensor, check_unicode
 from kvsearch.encoders import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
@@ -38,6 +38,7 @@ __all__ = [
     "delete_items",
     "text_list",
     "id_tensor",
+    "generation_args",
 ]
 
 Queries = str | Sequence[str] | Tensor | np.ndarray
@@ -84,6 +85,7 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
         queries = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
     if not isinstance(queries, Tensor):
         raise InvalidArgumentError(f"expected a query text, a list of texts or a tensor, got {type(queries).__name__}")
+    check_real_tensor(queries, "queries")
     single = queries.dim() == 1
     q = queries.unsqueeze(0) if single else queries  # (b, dim)
     if q.dim() != 2 or q.shape[1] != dim:
@@ -160,6 +162,7 @@ def record_side(items: KeysIn, name: str, encoder: Encoder | None, dim: int) -> 
     if isinstance(items, np.ndarray) and items.dtype.kind in "fiu":
         items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
     if isinstance(items, Tensor):
+        check_real_tensor(items, name)
         embs = items.detach().float()
         if embs.dim() == 1 and dim == 1:
             embs = embs.unsqueeze(1)  # (n,) -> (n, 1): scalar values such as regression targets
@@ -322,3 +325,54 @@ def id_tensor(ids: object) -> Tensor:
             raise InvalidArgumentError(f"expected int ids, got {type(item).__name__} at position {i}")
         out.append(int(item) if _INT64[0] <= int(item) <= _INT64[1] else -1)
     return torch.tensor(out, dtype=torch.long)
+
+
+def generation_args(
+    values: object, summary: object, reencode: object, value_dim: int
+) -> tuple[tuple[Tensor, Tensor] | None, dict[str, Any] | None, set[str] | None]:
+    """The options of a new generation (``Database.commit_generation``), checked.
+
+    Args:
+        values: None, or (ids (n,) integer tensor, value embeddings (n, value_dim) float tensor).
+        summary: None, or a JSON-serialisable dict with str keys.
+        reencode: None, or a set (list, tuple) among ``"keys"`` and ``"values"``.
+        value_dim: the database's value dimension.
+
+    Returns:
+        The three, normalised (the ids int64, the summary a dict, reencode a set).
+
+    Raises:
+        InvalidArgumentError: anything of another kind.
+        DimensionMismatchError: ids and embeddings that do not line up, or embeddings not of ``value_dim``.
+        NonFiniteError: NaN or Inf in the embeddings.
+    """
+    if values is not None:
+        if not isinstance(values, (tuple, list)) or len(values) != 2:
+            raise InvalidArgumentError(f"expected values as (ids, embeddings), got {type(values).__name__}")
+        ids, embs = id_tensor(values[0]), values[1]
+        if not isinstance(embs, Tensor) or not embs.is_floating_point():
+            got = f"a tensor of {embs.dtype}" if isinstance(embs, Tensor) else type(embs).__name__
+            raise InvalidArgumentError(f"expected value embeddings as a float tensor, got {got}")
+        if ids.dim() != 1 or embs.shape != (len(ids), value_dim):
+            raise DimensionMismatchError(
+                f"expected ids (n,) and value embeddings (n, {value_dim}), "
+                f"got {tuple(ids.shape)} and {tuple(embs.shape)}"
+            )
+        check_finite(embs, "value embeddings")
+        values = (ids, embs)
+    if summary is not None:
+        if not isinstance(summary, Mapping) or not all(isinstance(key, str) for key in summary):
+            raise InvalidArgumentError(f"expected summary as a dict with str keys, got {type(summary).__name__}")
+        try:  # stored as JSON, in UTF-8
+            json.dumps(summary, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"expected a JSON-serialisable summary: {exc}") from None
+        summary = dict(summary)
+    if reencode is not None:
+        parts = {"keys", "values"}
+        if not isinstance(reencode, (set, frozenset, list, tuple)) or not all(
+            isinstance(p, str) and p in parts for p in reencode
+        ):
+            raise InvalidArgumentError(f'expected reencode as a set among {{"keys", "values"}}, got {reencode!r}')
+        reencode = set(reencode)
+    return values, summary, reencode
