@@ -832,7 +832,12 @@ def test_diverged_encoder_weights_are_refused_typed_and_change_nothing(tmp_path)
 
 # ----------------------------------------------------------------------------- hypothesis
 
-ANY_TEXT = st.text(alphabet=st.characters(blacklist_categories=()), max_size=12)  # surrogates included
+#: Any code point, lone surrogates included (and drawn often: they are 2,048 of 1.1 million), NUL and combining marks.
+ANY_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=())
+    | st.sampled_from(["\ud800", "\udfff", "\x00", "\u0301", "\U0001f600"]),
+    max_size=12,
+)
 
 
 def test_any_text_is_stored_found_or_refused_typed():
@@ -848,7 +853,7 @@ def test_any_text_is_stored_found_or_refused_typed():
             db.upsert([key], [value])
         except KVSearchError as exc:
             assert state(db) == before
-            assert not bad or isinstance(exc, InvalidArgumentError)
+            assert not bad or isinstance(exc, (InvalidArgumentError, kvsearch.EmptyKeyError))  # "" comes first
         else:
             assert not bad and db.lookup(key) == value
             if key not in KEYS:
