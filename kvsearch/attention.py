@@ -597,6 +597,8 @@ class KVAttention(nn.Module):
             InvalidArgumentError: queries are not a floating-point tensor.
             DimensionMismatchError: queries are not (batch, db.dim), or the candidates do not line up.
             NonFiniteError: queries hold NaN or Inf.
+            EmptyDatabaseError: (raised by a Database's ``candidates``) the database holds no records; an empty
+                batch (0, dim) is answered with an empty output (0, value_dim).
         """
         _check_float_tensor(queries, "queries")
         if queries.dim() != 2 or queries.shape[-1] != self.db.dim:

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_K",
     "MAX_BATCH",
     "MAX_DIM",
+    "MAX_NAME_BYTES",
     "COSINE_EPS",
     "CHUNK_ELEMENTS",
     "check_k",

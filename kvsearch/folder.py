@@ -372,7 +372,8 @@ def load_encoder(folder: str | os.PathLike[str], prefix: str, device: str | torc
     Raises:
         CorruptDatabaseError: the json or the weights it names are missing, garbled, or do not fit the config.
         UnknownOptionError: the json's kind is not a known encoder kind.
-        InvalidArgumentError: ``prefix`` is empty or holds a path separator or NUL.
+        InvalidArgumentError: ``prefix`` is empty, longer than 200 bytes or holds a path separator or NUL; ``folder``
+            is not a path (see :func:`kvsearch.checks.check_path`).
     """
     prefix = _check_prefix(prefix)
     if folder is None:

@@ -77,7 +77,7 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
         queries (batch, dim) float32, and True for a single (dim,) query.
 
     Raises:
-        InvalidArgumentError: not a tensor or array, an empty batch, too many queries.
+        InvalidArgumentError: not a tensor or array, a complex or bool tensor, an empty batch, too many queries.
         DimensionMismatchError: the wrong shape.
         NonFiniteError: NaN or Inf.
     """
