@@ -9,8 +9,9 @@ rank has a GPU of its own — the database itself talks over a gloo group of its
 The first run builds a sharded database of six records in ``--path`` (4 shards: rank r opens the shards s with
 ``s % 2 == r``); later runs reopen it. Every rank then asks its own questions *collectively* — every rank calls
 ``search`` and ``query`` together, each with its own texts (rank 1 with an empty batch for the exact lookups) —
-prints its answers, and checks them against a single-process :class:`kvsearch.Database` holding the same
-records: the same keys in the same order, the same weights. The exit status is 1 on any rank's mismatch.
+checks its answers against a single-process :class:`kvsearch.Database` holding the same
+records: the same keys in the same order, the same weights. Rank 0 prints every rank's answers, in rank order;
+the exit status is 1 on any rank's mismatch.
 """
 
 from __future__ import annotations
@@ -77,21 +78,26 @@ def ask(sdb: ShardedDatabase, rank: int, k: int) -> int:
     ref_exact = reference.query(lookups, k=k, pooling="exact") if lookups else None
 
     mismatches = 0
+    lines: list[str] = []  # printed by rank 0, every rank's in rank order (ranks writing at once interleave)
     for b, text in enumerate(texts):
         keys = [h.key for h in hits[b]]
         weights = answer.weights[b].tolist()  # (k,)
         shown = ", ".join(f"{key}={w:.3f}" for key, w in zip(answer.keys[b], weights))
-        print(f"rank {rank} search {text!r}: {keys}", flush=True)
-        print(f"rank {rank} query {text!r}: answer {answer.value[b]!r} ({shown})", flush=True)
+        lines.append(f"rank {rank} search {text!r}: {keys}")
+        lines.append(f"rank {rank} query {text!r}: answer {answer.value[b]!r} ({shown})")
         same = keys == [h.key for h in ref_hits[b]] and answer.keys[b] == ref_answer.keys[b]
         same = same and answer.value[b] == ref_answer.value[b]
         same = same and torch.allclose(answer.weights[b].cpu(), ref_answer.weights[b].cpu(), atol=1e-5)
         mismatches += not same
     for b, text in enumerate(lookups):
-        print(f"rank {rank} exact {text!r}: {exact.value[b]!r} (found={exact.found[b]})", flush=True)
+        lines.append(f"rank {rank} exact {text!r}: {exact.value[b]!r} (found={exact.found[b]})")
         mismatches += (exact.value[b], exact.found[b]) != (ref_exact.value[b], ref_exact.found[b])
     if not lookups:
-        print(f"rank {rank} exact: no lookups (an empty batch, {tuple(exact.output.shape)} output)", flush=True)
+        lines.append(f"rank {rank} exact: no lookups (an empty batch, {tuple(exact.output.shape)} output)")
+    every: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, lines)
+    if rank == 0:
+        print("\n".join(line for part in every for line in part or []), flush=True)
     if mismatches:
         print(f"rank {rank}: {mismatches} answers differ from the single-process database", file=sys.stderr)
     reference.close()

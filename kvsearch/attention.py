@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.checks import COSINE_EPS, all_finite, check_finite, check_temperature
+from kvsearch.checks import COSINE_EPS, all_finite, check_dim, check_finite, check_k, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 
 __all__ = [
@@ -314,7 +314,8 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
     -||q - k||^2 / 2: the direct difference for a query with keys of its own (n = 1), else
     -(|q'|^2 - 2 q'.k' + |k'|^2) / 2 clamped to <= 0 on q' = q - r, k' = k - r with r the keys'
     mean — accurate however far the points are from the origin, with memory O(n m) plus one
-    centred copy of each side. A callable is called as is.
+    centred copy of each side. A callable is called as is, with these very shapes (not flattened to 2-D): it must handle
+    leading dims, e.g. with ``keys.transpose(-2, -1)`` rather than ``keys.T``, and return (..., n, m).
 
     Args:
         queries: (..., n, dim).
@@ -406,6 +407,8 @@ def pool(
         return positive / torch.where(total > 0, total, 1)  # (..., m); a zero row stays zero, no 0/0
     if pooling == "hard":
         soft = _masked_softmax(scores, keep, temperature)  # (..., m)
+        if shape[-1] == 0:
+            return soft  # (..., 0): no candidate, no weight (and no maximum to take)
         filled = scores.masked_fill(~keep, -math.inf)  # (..., m)
         best = keep & (filled == filled.amax(-1, keepdim=True))  # (..., m) every kept maximum
         onehot = _first_true(best).to(scores.dtype)  # (..., m)
@@ -449,7 +452,9 @@ def attend(
         keys: the keys.
         values: the values.
         score: a name from ``SCORES`` (not "additive") or a callable (queries, keys) -> scores,
-            such as an ``AdditiveScore``.
+            such as an ``AdditiveScore``. It is called with queries (..., n, dim) and keys
+            (..., m, dim) and returns (..., n, m): (n, dim) with (m, dim) for shared keys,
+            (b, 1, dim) with (b, k, dim) for gathered candidates, (b, n, dim) with (b, m, dim) batched.
         pooling: a name from ``POOLINGS``.
         valid_lens: integer lengths; keys at positions >= the length are dropped. Shape (n,)
             for shared keys, (b,) for gathered candidates, (b,) or (b, n) when batched.
@@ -580,6 +585,7 @@ class AdditiveScore(nn.Module):
         for name, size in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden", hidden)):
             if isinstance(size, bool) or not isinstance(size, Integral) or size < 1:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {size!r}")
+            check_dim(size, name)  # at most MAX_DIM: a weight matrix torch can allocate
         self.query_dim, self.key_dim, self.hidden = int(query_dim), int(key_dim), int(hidden)
         self.w_q = nn.Linear(self.query_dim, self.hidden, bias=False)
         self.w_k = nn.Linear(self.key_dim, self.hidden, bias=False)
@@ -597,7 +603,10 @@ class AdditiveScore(nn.Module):
 
         Raises:
             DimensionMismatchError: a dim differs from the one this module was built for.
+            InvalidArgumentError: queries or keys are not floating-point tensors.
         """
+        _check_float_tensor(queries, "queries")
+        _check_float_tensor(keys, "keys")
         for name, x, rows, dim in (
             ("queries", queries, "n", self.query_dim),
             ("keys", keys, "m", self.key_dim),
@@ -637,7 +646,8 @@ class KVAttention(nn.Module):
             db: an object with ``dim`` and ``candidates(queries, k)``.
             k: candidates per query, or "all" to attend over every record.
             score: a name from ``SCORES`` ("additive" creates an ``AdditiveScore(db.dim, db.dim,
-                hidden=64)`` submodule) or a callable (queries, keys) -> scores.
+                hidden=64)`` submodule) or a callable (queries, keys) -> scores, called as ``attend`` calls it:
+                (batch, 1, dim) with (batch, k, dim) for an int k, (batch, dim) with (m, dim) for "all".
             pooling: a name from ``POOLINGS``.
             temperature: see ``pool``.
             dropout: attention dropout, applied in training mode only.
@@ -653,6 +663,7 @@ class KVAttention(nn.Module):
             (isinstance(k, str) and k == "all") or (isinstance(k, Integral) and not isinstance(k, bool) and k >= 1)
         ):
             raise InvalidArgumentError(f"k must be a positive integer or 'all', got {k!r}")
+        k = check_k(k, allow_all=True)  # at most MAX_K, as every search
         if isinstance(score, str) and score == "additive":
             score_fn: str | ScoreFn = AdditiveScore(db.dim, db.dim, hidden=64)
         else:
@@ -681,6 +692,8 @@ class KVAttention(nn.Module):
             InvalidArgumentError: queries are not a floating-point tensor.
             DimensionMismatchError: queries are not (batch, db.dim), or the candidates do not line up.
             NonFiniteError: queries hold NaN or Inf.
+            EmptyDatabaseError: (raised by a Database's ``candidates``) the database holds no records; an empty
+                batch (0, dim) is answered with an empty output (0, value_dim).
         """
         _check_float_tensor(queries, "queries")
         if queries.dim() != 2 or queries.shape[-1] != self.db.dim:
@@ -751,7 +764,10 @@ class GaussianKernel(nn.Module):
 
         Raises:
             DimensionMismatchError: the dims differ.
+            InvalidArgumentError: queries or keys are not floating-point tensors.
         """
+        _check_float_tensor(queries, "queries")
+        _check_float_tensor(keys, "keys")
         if queries.shape[-1] != keys.shape[-1]:
             raise DimensionMismatchError(f"expected keys of dim {queries.shape[-1]}, got {keys.shape[-1]}")
         diff = queries.unsqueeze(-2) - keys.unsqueeze(-3)  # (..., n, m, dim)

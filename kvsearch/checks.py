@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import threading
 from numbers import Real
 from typing import Literal
 
@@ -23,6 +25,8 @@ from kvsearch.errors import InvalidArgumentError, NonFiniteError
 __all__ = [
     "MAX_K",
     "MAX_BATCH",
+    "MAX_DIM",
+    "MAX_NAME_BYTES",
     "COSINE_EPS",
     "CHUNK_ELEMENTS",
     "check_k",
@@ -32,7 +36,11 @@ __all__ = [
     "check_temperature",
     "check_batch",
     "check_int",
+    "check_dim",
+    "check_seconds",
+    "check_real_tensor",
     "check_path",
+    "check_unicode",
 ]
 
 #: The largest ``k`` a search accepts. FAISS allocates ``batch x k`` results up front, so an unbounded
@@ -40,10 +48,18 @@ __all__ = [
 MAX_K = 65_536
 #: The most records one add / upsert call, or queries one search / query call, may carry.
 MAX_BATCH = 1_000_000
+#: The largest embedding dimension (keys, values, encoders, indexes, score modules). FAISS takes a C int and
+#: crashes on a dim past it; 65,536 is far past any embedding model's (384-4,096).
+MAX_DIM = 65_536
 #: The floor on a norm before dividing by it (as ``F.normalize``): a zero vector has cosine 0 with everything.
 COSINE_EPS = 1e-12
 #: Score elements (batch x chunk) a chunked scan computes at once: 2^22 float32 = 16 MiB per buffer.
 CHUNK_ELEMENTS = 1 << 22
+
+#: The longest file or folder name most file systems take (NAME_MAX on Linux, macOS and Windows).
+MAX_NAME_BYTES = 255
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_k(k: object, *, allow_all: bool = False) -> int | Literal["all"]:
@@ -96,7 +112,7 @@ def check_device(device: object) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:  # torch.device(2**70): ValueError
         got = f"{device!r} ({exc})"
         raise InvalidArgumentError(f"expected a torch device such as 'cpu' or 'cuda:0', got {got}") from None
     if dev.type not in ("cpu", "cuda"):
@@ -132,19 +148,59 @@ def check_batch(n: int, name: str) -> None:
         raise InvalidArgumentError(f"expected at most {MAX_BATCH:,} {name} per call (MAX_BATCH), got {n:,}")
 
 
-def check_int(value: object, name: str, low: int = 1) -> int:
-    """``value`` as an int if it is an integer >= ``low`` (not a bool).
+def check_int(value: object, name: str, low: int = 1, high: int | None = None) -> int:
+    """``value`` as an int if it is an integer >= ``low`` (and <= ``high`` when given), not a bool.
 
     Raises:
         InvalidArgumentError: anything else.
     """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise InvalidArgumentError(f"expected {name} as an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise InvalidArgumentError(f"expected {name} as an integer in [{low}, {high:,}], got {value!r}")
     return int(value)
 
 
+def check_dim(value: object, name: str = "dim") -> int:
+    """``value`` as an int if it is an embedding dimension: an integer in [1, :data:`MAX_DIM`] (not a bool).
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_DIM:
+        raise InvalidArgumentError(f"expected {name} as an integer in [1, {MAX_DIM:,}] (MAX_DIM), got {value!r}")
+    return int(value)
+
+
+def check_seconds(value: object, name: str) -> float:
+    """``value`` as a float if it is a number of seconds a thread may wait: in [0, ``threading.TIMEOUT_MAX``].
+
+    Raises:
+        InvalidArgumentError: anything else (a bool, NaN, inf, a negative number, a str).
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, Real)
+        or not 0 <= value <= threading.TIMEOUT_MAX  # NaN fails both comparisons
+    ):
+        top = f"{threading.TIMEOUT_MAX:.3g}"
+        raise InvalidArgumentError(f"expected {name} as a number of seconds in [0, {top}], got {value!r}")
+    return float(value)
+
+
+def check_real_tensor(x: Tensor, name: str) -> None:
+    """Refuse a tensor whose numbers are not real: complex (the imaginary part would be dropped) or bool.
+
+    Raises:
+        InvalidArgumentError: ``x`` is complex or bool.
+    """
+    if x.is_complex() or x.dtype == torch.bool:
+        raise InvalidArgumentError(f"expected {name} as a float (or integer) tensor, got a tensor of {x.dtype}")
+
+
 def check_path(path: object) -> None:
-    """A database path: None, str or PathLike, non-empty and without NUL (which the OS would cut or refuse).
+    """A database path: None, str or PathLike, non-empty, without NUL (which the OS would cut or refuse), that the
+    file system can encode, with no name longer than :data:`MAX_NAME_BYTES` (the OS would raise ENAMETOOLONG).
 
     Raises:
         InvalidArgumentError: anything else.
@@ -156,3 +212,36 @@ def check_path(path: object) -> None:
     text = os.fspath(path)
     if not isinstance(text, str) or "\x00" in text or not text.strip():
         raise InvalidArgumentError(f"expected a non-empty folder path without NUL characters, got {text!r}")
+    try:
+        raw = os.fsencode(text)  # surrogate-escaped bytes are fine, a lone surrogate of another range is not
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(f"expected a path the file system can encode, got {text[:80]!r}: {exc}") from None
+    longest = max(len(name) for name in raw.split(os.sep.encode()))
+    if longest > MAX_NAME_BYTES:
+        raise InvalidArgumentError(
+            f"expected a path whose names are at most {MAX_NAME_BYTES} bytes (NAME_MAX), got a name of "
+            f"{longest:,} bytes in {text[:80]!r}..."
+        )
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse a str that is not valid Unicode: one holding a lone surrogate (U+D800 to U+DFFF).
+
+    Python strs may hold them (``os.fsdecode`` makes them of undecodable bytes, ``"\\ud800"`` writes one), but
+    they cannot be encoded as UTF-8, so SQLite, JSON files and terminals would refuse them later.
+
+    Args:
+        text: the text to check.
+        what: what the text is, for the message (e.g. ``"keys at position 3"``).
+
+    Raises:
+        InvalidArgumentError: ``text`` holds a surrogate code point.
+    """
+    if text.isascii():
+        return
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise InvalidArgumentError(
+            f"expected {what} as valid Unicode text (encodable as UTF-8), got a lone surrogate "
+            f"U+{ord(found.group()):04X} at character {found.start()}"
+        )

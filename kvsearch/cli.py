@@ -298,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_paths(args)
         # a model's loading bar and messages never show (our own bars: build and finetune without --quiet)
         quiet = args.command == "demo" or _loads_a_sentence_model(args)
         with _quiet_model_loading() if quiet else contextlib.nullcontext(), _one_line_warnings():
@@ -312,6 +313,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{PROG} {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuse a folder or file argument that is no path before any is looked at (an empty one would be the working
+    folder; a name past 255 bytes makes the OS raise ENAMETOOLONG).
+
+    Raises:
+        InvalidArgumentError: an empty path, one with NUL, a name longer than the file system takes.
+    """
+    from kvsearch.checks import check_path
+
+    for name in ("db", "source", "pairs", "eval"):
+        given = getattr(args, name, None)
+        if given is not None:
+            check_path(given)
 
 
 def _loads_a_sentence_model(args: argparse.Namespace) -> bool:

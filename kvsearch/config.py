@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvsearch.checks import check_dim
 from kvsearch.encoders import Encoder
 from kvsearch.errors import ConfigMismatchError, DimensionMismatchError, InvalidArgumentError
 from kvsearch.retrieval import check_db_score
@@ -56,9 +57,7 @@ def new_config(
     value_dim = value_encoder.dim if value_encoder is not None else value_dim
     if value_dim is None:
         raise InvalidArgumentError("expected a value_encoder, an encoder or an explicit value_dim, got none")
-    for name, d in (("dim", dim), ("value_dim", value_dim)):
-        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-            raise InvalidArgumentError(f"expected a positive integer {name}, got {d!r}")
+    dim, value_dim = check_dim(dim, "dim"), check_dim(value_dim, "value_dim")
     config = {
         "format": FORMAT,
         "dim": dim,

@@ -30,7 +30,16 @@ from torch import Tensor
 from kvsearch import fileio, generations
 from kvsearch import folder as folders
 from kvsearch.attention import POOLINGS, Candidates, ScoreFn, check_score, compute_scores
-from kvsearch.checks import check_batch, check_device, check_finite, check_k, check_path, check_temperature
+from kvsearch.checks import (
+    check_batch,
+    check_device,
+    check_finite,
+    check_k,
+    check_path,
+    check_seconds,
+    check_temperature,
+    check_unicode,
+)
 from kvsearch.config import check_reopen, new_config
 from kvsearch.encoder_set import EncoderSet
 from kvsearch.encoders import Encoder
@@ -59,9 +68,13 @@ from kvsearch.inputs import (
     check_metadata,
     delete_items,
     encode_side,
+    generation_args,
+    id_tensor,
+    query_batch,
     query_tensor,
     query_texts,
     record_side,
+    text_list,
 )
 from kvsearch.limits import check_fits, index_bytes
 from kvsearch.locking import DEFAULT_LOCK_TIMEOUT
@@ -126,8 +139,10 @@ class Database:
     ) -> None:
         self.device = check_device(device)
         check_path(path)
-        if isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float)) or not lock_timeout >= 0:
-            raise InvalidArgumentError(f"expected lock_timeout as a number of seconds >= 0, got {lock_timeout!r}")
+        lock_timeout = check_seconds(lock_timeout, "lock_timeout")
+        if search_params is not None and not isinstance(search_params, Mapping):
+            got = type(search_params).__name__
+            raise InvalidArgumentError(f"expected search_params as a dict such as {{'nprobe': 16}}, got {got}")
         if not isinstance(read_only, bool):
             raise InvalidArgumentError(f"expected read_only as a bool, got {read_only!r}")
         self.path = None if path is None else Path(path)
@@ -365,11 +380,22 @@ class Database:
 
     @property
     def value_encoder(self) -> Encoder | None:
-        """The value encoder (often the key encoder itself), or None when values are given as embeddings."""
+        """The value encoder (often the key encoder itself), or None when values are given as embeddings.
+
+        Raises:
+            InvalidArgumentError: (on assignment) not an Encoder or None.
+            DimensionMismatchError: (on assignment) its dim differs from the database's ``value_dim``.
+        """
         return self._encoders.value
 
     @value_encoder.setter
     def value_encoder(self, encoder: Encoder | None) -> None:
+        if encoder is not None and not isinstance(encoder, Encoder):
+            raise InvalidArgumentError(
+                f"expected a kvsearch Encoder or None as value_encoder, got {type(encoder).__name__}"
+            )
+        if encoder is not None and encoder.dim != self.value_dim:
+            raise DimensionMismatchError(f"expected a value encoder of dim {self.value_dim}, got dim {encoder.dim}")
         self._encoders.value = encoder
 
     @property
@@ -574,7 +600,9 @@ class Database:
         Raises:
             NonFiniteError: an encoder's weights are not finite (nothing is written).
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
+            DatabaseClosedError: the database was closed (as :meth:`save`).
         """
+        self._check_open()
         if self._encoders.changed():
             self.commit_generation()
 
@@ -613,7 +641,9 @@ class Database:
         Raises:
             NonFiniteError: weights or embeddings are not finite (nothing is written).
             DatabaseLockedError: another writer held the write lock for longer than ``lock_timeout``.
+            InvalidArgumentError, DimensionMismatchError: ``values``, ``summary`` or ``reencode`` of the wrong kind.
         """
+        values, summary, reencode = generation_args(values, summary, reencode, self.value_dim)
         with self._writing():
             self._refuse_in_atomic("a new generation")
             config = generations.commit(
@@ -740,7 +770,7 @@ class Database:
         """The record with this id.
 
         Raises:
-            KeyNotFoundError: no record has this id.
+            KeyNotFoundError: no record has this id (an id outside int64 never has one).
             InvalidArgumentError: ``id`` is not an int.
         """
         if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
@@ -775,6 +805,8 @@ class Database:
                 raise InvalidArgumentError(f"expected one key embedding (dim,), got shape {tuple(q.shape)}")
         elif not isinstance(key, str):
             raise InvalidArgumentError(f"expected a key text or a key embedding, got {type(key).__name__}")
+        else:
+            check_unicode(key, "the key to look up")
         count = 0
         with self._reading():
             if q is None:
@@ -850,7 +882,9 @@ class Database:
                 gradient (to fine-tune, use :class:`~kvsearch.KVAttention` or :func:`~kvsearch.finetune`).
             k: candidates per query, or ``"all"`` for every record.
             score: a score name or a callable ``(queries, keys) -> scores``; default the database's. The
-                index picks candidates with the database's metric; this only rescores them.
+                index picks candidates with the database's metric; this only rescores them. A callable gets
+                queries (batch, 1, dim) and each query's candidates (batch, k, dim) and returns (batch, 1, k);
+                with ``k="all"``, queries (batch, dim) and every key (m, dim), returning (batch, m).
             pooling: ``softmax``, ``normalize``, ``nonnegative``, ``hard``, ``exact`` or ``average``.
                 ``exact`` is a database lookup: one-hot on the record whose key equals the query (text
                 equality after normalisation, or equal embedding), else "not found" (zero output, value None,
@@ -930,9 +964,13 @@ class Database:
             (batch, t, value_dim), mask (batch, t), t = min(k, records); for ``k="all"`` (m,)-shaped ones.
 
         Raises:
-            InvalidArgumentError, DimensionMismatchError, MemoryLimitError.
+            InvalidArgumentError, DimensionMismatchError, NonFiniteError, MemoryLimitError.
+            EmptyDatabaseError: the database holds no records (as :meth:`query`).
         """
+        self._check_open()
+        queries, targets = query_batch(queries, self.dim, targets)
         with self._reading():
+            self._check_not_empty()
             return self._retriever.candidates(queries, k, targets=targets, where=where)
 
     def exact_targets(self, queries: Tensor) -> Tensor:
@@ -965,14 +1003,24 @@ class Database:
 
     def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
         """The id of each key text (compared after normalisation, see :meth:`lookup`): (n,) int64 on the CPU, -1
-        where the key is not stored."""
+        where the key is not stored.
+
+        Raises:
+            InvalidArgumentError: not a list of str, or text that is not valid Unicode.
+        """
+        texts = text_list(texts, "key texts")
         with self._reading():
             return torch.tensor([self._store.id_of(t) for t in texts], dtype=torch.long)
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
-        """Whether some stored record has each value text: (n,) bool on the CPU."""
+        """Whether some stored record has each value text: (n,) bool on the CPU.
+
+        Raises:
+            InvalidArgumentError: not a list of str, or text that is not valid Unicode.
+        """
+        texts = text_list(texts, "value texts")
         with self._reading():
-            return self._store.values_present(list(texts))
+            return self._store.values_present(texts)
 
     def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool = False) -> list[str | None]:
         """The key text of each id, in order: None where the record has no key text or is not stored.
@@ -981,26 +1029,38 @@ class Database:
             ids: record ids.
             encoded_only: None also for key texts that came with their own embedding (``key_embeddings=``): the
                 texts whose key embedding is the key encoder's, which a trainer may re-encode.
+
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers (see :func:`kvsearch.inputs.id_tensor`).
         """
+        flat = id_tensor(ids).reshape(-1).tolist()
         with self._reading():
             key_of, given = self._store.key_of_id, self._store.given_keys if encoded_only else ()
-            flat = torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()
-            return [None if i in given else key_of.get(int(i)) for i in flat]
+            return [None if i in given else key_of.get(i) for i in flat]
 
     def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]:
-        """id -> the value text (None for a value given as an embedding), for the stored ones among ``ids``."""
-        with self._reading():
-            return self._store.value_texts(torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist())
+        """id -> the value text (None for a value given as an embedding), for the stored ones among ``ids``.
 
-    def embeddings(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers.
+        """
+        ids = id_tensor(ids).reshape(-1).tolist()
+        with self._reading():
+            return self._store.value_texts(ids)
+
+    def embeddings(self, ids: Tensor | Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """Key and value embeddings gathered by id (any shape, -1 allowed), on :attr:`device`.
 
         Returns:
             keys (*ids.shape, dim), values (*ids.shape, value_dim) — zeros where an id is -1 or not stored —
             and the mask (*ids.shape) of the stored ones.
+
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers.
         """
+        ids = id_tensor(ids)
         with self._reading():
-            return self._store.gather(torch.as_tensor(ids, dtype=torch.long))
+            return self._store.gather(ids)
 
     # ------------------------------------------------------------------ helpers
 
@@ -1009,7 +1069,12 @@ class Database:
             raise EmptyDatabaseError("expected a database with records to search, got an empty one")
 
     def values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
-        """id -> the value as answers show it: its text, or its embedding (CPU tensor) when it has no text."""
+        """id -> the value as answers show it: its text, or its embedding (CPU tensor) when it has no text.
+
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers.
+        """
+        ids = id_tensor(ids).reshape(-1).tolist()
         with self._reading():
             return self._values_of(ids)
 

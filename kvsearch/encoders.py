@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.checks import check_device
+from kvsearch.checks import check_device, check_dim, check_unicode
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
+from kvsearch.limits import check_fits
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -67,6 +68,7 @@ def _check_texts(texts: object) -> list[str]:
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidArgumentError(f"texts[{i}] must be a str, got {type(text).__name__}: {text!r:.60}")
+        check_unicode(text, f"texts[{i}]")
     return list(texts)
 
 
@@ -255,8 +257,9 @@ class NgramEncoder(Encoder):
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
-        self.dim = _check_positive_int("dim", dim)
+        self.dim = check_dim(_check_positive_int("dim", dim))
         self.num_buckets = _check_positive_int("num_buckets", num_buckets)
+        check_fits(self.num_buckets * self.dim * 4, f"an n-gram table of {self.num_buckets:,} x {self.dim:,}")
         if (
             not isinstance(ngram_range, (tuple, list))
             or len(ngram_range) != 2
@@ -267,8 +270,8 @@ class NgramEncoder(Encoder):
                 f"ngram_range must be (min_n, max_n) with 1 <= min_n <= max_n, got {ngram_range!r}"
             )
         self.ngram_range = (int(ngram_range[0]), int(ngram_range[1]))
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise InvalidArgumentError(f"seed must be an int >= 0, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise InvalidArgumentError(f"seed must be an int in [0, 2**63), got {seed!r}")
         self.seed = seed
         if not isinstance(lowercase, bool) or not isinstance(sparse, bool):
             raise InvalidArgumentError(f"lowercase and sparse must be bool, got {lowercase!r} and {sparse!r}")

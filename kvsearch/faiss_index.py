@@ -102,9 +102,18 @@ def default_search_params(index: faiss.Index) -> dict[str, int]:
     return {}
 
 
+#: The longest index_factory string accepted (real ones are a few dozen characters).
+MAX_SPEC = 256
+
+
 def _parse_spec(dim: int, spec: str, metric: Metric) -> faiss.Index:
     if not isinstance(spec, str) or not spec.strip():
         raise UnknownOptionError(f"expected an index_factory string such as 'Flat' or 'HNSW32', got {spec!r}")
+    if len(spec) > MAX_SPEC or not spec.isascii() or not spec.isprintable():  # FAISS's parser crashes on long ones
+        shown = spec if len(spec) <= 80 else f"{spec[:80]}... ({len(spec):,} characters)"
+        raise UnknownOptionError(
+            f"expected an index_factory string of at most {MAX_SPEC} printable ASCII characters, got {shown!r}"
+        )
     if "IDMap" in spec:
         raise UnknownOptionError(f"index spec {spec!r}: leave out IDMap, kvsearch maps ids itself")
     try:

@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvsearch.checks import check_unicode
 from kvsearch.errors import InvalidArgumentError, NonFiniteError, UnknownOptionError
 
 __all__ = ["OPERATORS", "check_where", "where_sql", "matches"]
@@ -35,6 +36,8 @@ Scalar = str | int | float | bool | None
 def _check_scalar(value: object, where: str) -> None:
     if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
         raise InvalidArgumentError(f"expected an integer within 64 bits in the filter at {where}, got {value}")
+    if isinstance(value, str):
+        check_unicode(value, f"the filter value at {where}")
     if value is None or isinstance(value, (str, bool, int)):
         return
     if isinstance(value, float):
@@ -69,6 +72,7 @@ def check_where(where: object) -> dict[str, dict[str, Any]]:
                 f"expected a metadata field name (non-empty; no '.', '$' first, quotes, brackets, backslashes "
                 f"or control characters), got {field!r}"
             )
+        check_unicode(field, "a metadata field name")
         ops = dict(cond) if isinstance(cond, Mapping) else {"$eq": cond}
         if not ops:
             raise InvalidArgumentError(f"expected at least one operator for field {field!r}, got an empty dict")

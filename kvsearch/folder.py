@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from kvsearch import fileio
+from kvsearch.checks import check_path
 from kvsearch.encoders import ENCODER_KINDS, Encoder, SentenceEncoder
 from kvsearch.errors import (
     CorruptDatabaseError,
@@ -97,6 +98,7 @@ GENERATIONS_DIR = "generations"
 _SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")  # what SQLite writes beside the store
 _STAGING = (".encoders.", ".staging")  # prefix, suffix of the staging folders of an encoder save
 _MODEL_DIR = "{prefix}_model"  # the model folder of a saved sentence encoder
+_MAX_PREFIX_BYTES = 200  # room for the suffixes and the temporary names in a 255-byte file name
 
 
 # --------------------------------------------------------------------------- the folder and its files
@@ -287,6 +289,10 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def _check_prefix(prefix: object) -> str:
+    if isinstance(prefix, str) and len(prefix.encode("utf-8", "surrogatepass")) > _MAX_PREFIX_BYTES:
+        raise InvalidArgumentError(
+            f"prefix must be a file name stem of at most {_MAX_PREFIX_BYTES} bytes, got {prefix[:40]!r}..."
+        )
     if not isinstance(prefix, str) or not prefix or prefix in (".", "..") or any(s in prefix for s in "/\\\x00"):
         raise InvalidArgumentError(
             f"prefix must be a non-empty file name without a path separator or NUL, got {prefix!r}"
@@ -396,9 +402,13 @@ def load_encoder(folder: str | os.PathLike[str], prefix: str, device: str | torc
     Raises:
         CorruptDatabaseError: the json or the weights it names are missing, garbled, or do not fit the config.
         UnknownOptionError: the json's kind is not a known encoder kind.
-        InvalidArgumentError: ``prefix`` is empty or holds a path separator or NUL.
+        InvalidArgumentError: ``prefix`` is empty, longer than 200 bytes or holds a path separator or NUL; ``folder``
+            is not a path (see :func:`kvsearch.checks.check_path`).
     """
     prefix = _check_prefix(prefix)
+    if folder is None:
+        raise InvalidArgumentError("expected the folder an encoder was saved in, got None")
+    check_path(folder)
     folder = Path(folder)
     json_path = folder / f"{prefix}.json"
     data = _read_config(json_path)

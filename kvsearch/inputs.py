@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.checks import check_batch, check_finite
+from kvsearch.checks import check_batch, check_finite, check_real_tensor, check_unicode
 from kvsearch.encoders import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
@@ -37,10 +37,14 @@ __all__ = [
     "normalize_key",
     "query_texts",
     "query_tensor",
+    "query_batch",
     "record_side",
     "encode_side",
     "check_metadata",
     "delete_items",
+    "text_list",
+    "id_tensor",
+    "generation_args",
 ]
 
 Queries = str | Sequence[str] | Tensor | np.ndarray
@@ -82,6 +86,7 @@ def query_texts(queries: Queries) -> list[str] | None:
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise InvalidArgumentError(f"expected query texts, got {type(t).__name__} at position {i}")
+        check_unicode(t, f"queries at position {i}")
         text = normalize_key(t)
         if not text:
             raise InvalidArgumentError(f"expected non-empty query texts, got {t!r} at position {i}")
@@ -100,7 +105,7 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
         queries (batch, dim) float32, and True for a single (dim,) query.
 
     Raises:
-        InvalidArgumentError: not a tensor or array, an empty batch, too many queries.
+        InvalidArgumentError: not a tensor or array, a complex or bool tensor, an empty batch, too many queries.
         DimensionMismatchError: the wrong shape.
         NonFiniteError: NaN or Inf.
     """
@@ -108,6 +113,7 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
         queries = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
     if not isinstance(queries, Tensor):
         raise InvalidArgumentError(f"expected a query text, a list of texts or a tensor, got {type(queries).__name__}")
+    check_real_tensor(queries, "queries")
     single = queries.dim() == 1
     q = queries.unsqueeze(0) if single else queries  # (b, dim)
     if q.dim() != 2 or q.shape[1] != dim:
@@ -120,6 +126,46 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
     q = q.float() if q.dtype != torch.float32 else q  # (b, dim)
     check_finite(q, "queries")
     return q, single
+
+
+def query_batch(queries: object, dim: int, targets: object = None) -> tuple[Tensor, Tensor | None]:
+    """A batch of query embeddings for candidate gathering, as given (its graph kept), and its target ids.
+
+    Unlike :func:`query_tensor` an empty batch (0, dim) is allowed: it has no candidates.
+
+    Args:
+        queries: a floating-point tensor (batch, dim).
+        dim: the database's key dimension.
+        targets: None, or an integer tensor (batch,) of ids (-1 for none).
+
+    Returns:
+        The queries and the targets (int64, or None).
+
+    Raises:
+        InvalidArgumentError: not a floating-point tensor, targets that are not an integer tensor, too many queries.
+        DimensionMismatchError: queries not (batch, dim), targets not (batch,).
+        NonFiniteError: NaN or Inf in the queries.
+    """
+    if not isinstance(queries, Tensor) or not queries.is_floating_point():
+        got = f"a {queries.dtype} tensor" if isinstance(queries, Tensor) else type(queries).__name__
+        raise InvalidArgumentError(f"expected queries as a floating-point tensor (batch, {dim}), got {got}")
+    if queries.dim() != 2 or queries.shape[1] != dim:
+        raise DimensionMismatchError(f"expected queries of shape (batch, {dim}), got {tuple(queries.shape)}")
+    check_batch(queries.shape[0], "queries")
+    check_finite(queries, "queries")
+    if targets is None:
+        return queries, None
+    if (
+        not isinstance(targets, Tensor)
+        or targets.dtype == torch.bool
+        or targets.is_floating_point()
+        or targets.is_complex()
+    ):
+        got = f"a {targets.dtype} tensor" if isinstance(targets, Tensor) else type(targets).__name__
+        raise InvalidArgumentError(f"expected targets as an integer tensor of ids (batch,), got {got}")
+    if tuple(targets.shape) != (queries.shape[0],):
+        raise DimensionMismatchError(f"expected targets of shape ({queries.shape[0]},), got {tuple(targets.shape)}")
+    return queries, targets.long()
 
 
 def record_side(
@@ -165,6 +211,7 @@ def record_side(
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise InvalidArgumentError(f"expected {name} as str, got {type(t).__name__} at position {i}")
+        check_unicode(t, f"{name} at position {i}")
         if name == "keys":
             key = normalize_key(t)
             if not key:
@@ -205,6 +252,7 @@ def _embeddings(items: Tensor | np.ndarray, name: str, dim: int) -> Tensor:
         items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
     if not isinstance(items, Tensor):
         raise InvalidArgumentError(f"expected {name} as a tensor (n, {dim}), got {type(items).__name__}")
+    check_real_tensor(items, name)
     embs = items.detach().float()
     if embs.dim() == 1 and dim == 1:
         embs = embs.unsqueeze(1)  # (n,) -> (n, 1): scalar values such as regression targets
@@ -254,8 +302,8 @@ def check_metadata(metadata: object, n: int) -> list[dict[str, Any] | None]:
         for key, value in m.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise NonFiniteError(f"expected finite numbers in metadata, got {key}={value} at position {i}")
-        try:
-            json.dumps(m, allow_nan=False)
+        try:  # UTF-8 as stored: a lone surrogate in a string (a UnicodeEncodeError, a ValueError) is refused
+            json.dumps(m, allow_nan=False, ensure_ascii=False).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"expected JSON-serialisable metadata at position {i}: {exc}") from None
         out.append(dict(m))
@@ -266,21 +314,135 @@ def delete_items(key_or_keys: object) -> list[str | int]:
     """What a delete names: key texts (normalised, :func:`normalize_key`) and int ids, from one item, a list,
     or an integer tensor / array.
 
+    An int id may be any size: one outside int64 is simply not stored (the delete then raises
+    :class:`~kvsearch.KeyNotFoundError`, as for any id that is not stored).
+
     Raises:
-        InvalidArgumentError: an array of non-integers, or an item that is neither str nor int.
+        InvalidArgumentError: an array of non-integers, an item that is neither str nor int, text that is not
+            valid Unicode, or something that is neither an item nor a list / tuple of them (a dict, a set, a
+            generator, bytes, None, a float).
     """
     if isinstance(key_or_keys, (Tensor, np.ndarray)):  # ids as an integer tensor or array
         array = key_or_keys.detach().cpu().numpy() if isinstance(key_or_keys, Tensor) else key_or_keys
         if array.dtype.kind not in "iu":
             raise InvalidArgumentError(f"expected integer ids, got an array of {array.dtype}")
         return [int(i) for i in array.reshape(-1).tolist()]
-    items = [key_or_keys] if isinstance(key_or_keys, (str, int, np.integer)) else list(key_or_keys)
+    if isinstance(key_or_keys, (str, int, np.integer)):
+        items: Sequence[object] = [key_or_keys]
+    elif isinstance(key_or_keys, Sequence) and not isinstance(key_or_keys, (bytes, bytearray)):
+        items = key_or_keys
+    else:
+        raise InvalidArgumentError(
+            f"expected a key text, an int id, a list of them or an integer tensor, got {type(key_or_keys).__name__}"
+        )
     out: list[str | int] = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, str):
+            check_unicode(item, f"keys to delete at position {i}")
             out.append(normalize_key(item))
         elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
             out.append(int(item))
         else:
-            raise InvalidArgumentError(f"expected key texts or int ids, got {type(item).__name__}")
+            raise InvalidArgumentError(f"expected key texts or int ids, got {type(item).__name__} at position {i}")
     return out
+
+
+def text_list(texts: object, name: str) -> list[str]:
+    """Texts to look up (keys, values): a list or tuple of valid Unicode strs, possibly empty.
+
+    Raises:
+        InvalidArgumentError: a single str (a list is expected), not a list or tuple, a non-str item, or text that
+            is not valid Unicode.
+    """
+    if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
+        raise InvalidArgumentError(f"expected {name} as a list of str, got {type(texts).__name__}")
+    out = list(texts)
+    for i, t in enumerate(out):
+        if not isinstance(t, str):
+            raise InvalidArgumentError(f"expected {name} as str, got {type(t).__name__} at position {i}")
+        check_unicode(t, f"{name} at position {i}")
+    return out
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def id_tensor(ids: object) -> Tensor:
+    """Ids to read by: an int64 CPU tensor, from an integer tensor or array (any shape) or a list / tuple of ints.
+
+    An int outside int64 cannot be a stored id: it becomes -1 (no record), so reads by it find nothing, as for
+    any id that is not stored.
+
+    Raises:
+        InvalidArgumentError: floats, bools, complex numbers or anything else that is not an integer id.
+    """
+    if isinstance(ids, Tensor):
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise InvalidArgumentError(f"expected integer ids, got a tensor of {ids.dtype}")
+        return ids.detach().to("cpu", torch.long)
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"expected integer ids, got an array of {ids.dtype}")
+        wide = np.asarray(ids, dtype=np.int64)  # a uint64 above int64 wraps around: made -1 below
+        if ids.dtype.kind == "u":
+            wide = np.where(ids > _INT64[1], -1, wide)
+        return torch.from_numpy(np.ascontiguousarray(wide))
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
+        raise InvalidArgumentError(f"expected ids as a list of int or an integer tensor, got {type(ids).__name__}")
+    out: list[int] = []
+    for i, item in enumerate(ids):
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+            raise InvalidArgumentError(f"expected int ids, got {type(item).__name__} at position {i}")
+        out.append(int(item) if _INT64[0] <= int(item) <= _INT64[1] else -1)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def generation_args(
+    values: object, summary: object, reencode: object, value_dim: int
+) -> tuple[tuple[Tensor, Tensor] | None, dict[str, Any] | None, set[str] | None]:
+    """The options of a new generation (``Database.commit_generation``), checked.
+
+    Args:
+        values: None, or (ids (n,) integer tensor, value embeddings (n, value_dim) float tensor).
+        summary: None, or a JSON-serialisable dict with str keys.
+        reencode: None, or a set (list, tuple) among ``"keys"`` and ``"values"``.
+        value_dim: the database's value dimension.
+
+    Returns:
+        The three, normalised (the ids int64, the summary a dict, reencode a set).
+
+    Raises:
+        InvalidArgumentError: anything of another kind.
+        DimensionMismatchError: ids and embeddings that do not line up, or embeddings not of ``value_dim``.
+        NonFiniteError: NaN or Inf in the embeddings.
+    """
+    if values is not None:
+        if not isinstance(values, (tuple, list)) or len(values) != 2:
+            raise InvalidArgumentError(f"expected values as (ids, embeddings), got {type(values).__name__}")
+        ids, embs = id_tensor(values[0]), values[1]
+        if not isinstance(embs, Tensor) or not embs.is_floating_point():
+            got = f"a tensor of {embs.dtype}" if isinstance(embs, Tensor) else type(embs).__name__
+            raise InvalidArgumentError(f"expected value embeddings as a float tensor, got {got}")
+        if ids.dim() != 1 or embs.shape != (len(ids), value_dim):
+            raise DimensionMismatchError(
+                f"expected ids (n,) and value embeddings (n, {value_dim}), "
+                f"got {tuple(ids.shape)} and {tuple(embs.shape)}"
+            )
+        check_finite(embs, "value embeddings")
+        values = (ids, embs)
+    if summary is not None:
+        if not isinstance(summary, Mapping) or not all(isinstance(key, str) for key in summary):
+            raise InvalidArgumentError(f"expected summary as a dict with str keys, got {type(summary).__name__}")
+        try:  # stored as JSON, in UTF-8
+            json.dumps(summary, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"expected a JSON-serialisable summary: {exc}") from None
+        summary = dict(summary)
+    if reencode is not None:
+        parts = {"keys", "values"}
+        if not isinstance(reencode, (set, frozenset, list, tuple)) or not all(
+            isinstance(p, str) and p in parts for p in reencode
+        ):
+            raise InvalidArgumentError(f'expected reencode as a set among {{"keys", "values"}}, got {reencode!r}')
+        reencode = set(reencode)
+    return values, summary, reencode

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from kvsearch.attention import Candidates, ScoreFn, compute_scores
-from kvsearch.checks import all_finite, check_int, check_k
+from kvsearch.checks import all_finite, check_int, check_k, check_real_tensor, check_unicode
+from kvsearch.encoders import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
     InvalidArgumentError,
@@ -136,6 +137,8 @@ def check_pairs(pairs: object, name: str, db: Database) -> None:
     """
     if is_tensor_pairs(pairs):
         queries, values = pairs
+        check_real_tensor(queries, f"{name} queries")
+        check_real_tensor(values, f"{name} values")
         if queries.dim() != 2 or queries.shape[1] != db.dim:
             raise DimensionMismatchError(f"expected {name} queries of shape (n, {db.dim}), got {tuple(queries.shape)}")
         if values.dim() != 2 or values.shape != (queries.shape[0], db.value_dim):
@@ -155,6 +158,10 @@ def check_pairs(pairs: object, name: str, db: Database) -> None:
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
             raise InvalidArgumentError(f"expected {name}[{i}] as (query text, target text), got {pair!r:.80}")
+        if not pair[0].strip():
+            raise InvalidArgumentError(f"expected a non-empty query text in {name}[{i}], got {pair[0]!r}")
+        check_unicode(pair[0], f"the query of {name}[{i}]")
+        check_unicode(pair[1], f"the target of {name}[{i}]")
     if db.encoder is None and db.query_encoder is None:
         raise InvalidArgumentError(f"expected {name} as tensors: this database has no encoder for query text")
 
@@ -337,6 +344,10 @@ def evaluate(
         source: Any = db if retriever is None else retriever
         if not callable(getattr(source, "candidates", None)):
             raise InvalidArgumentError(f"expected a retriever with candidates(queries, k), got {type(source).__name__}")
+        if query_encoder is not None and not isinstance(query_encoder, Encoder):
+            raise InvalidArgumentError(
+                f"expected a kvsearch Encoder or None as query_encoder, got {type(query_encoder).__name__}"
+            )
         return check_k(k), check_int(batch_size, "batch_size"), source
 
     k, batch_size, source = team.agree(check)

@@ -279,7 +279,10 @@ def make_answer(
         weights = F.pad(weights, (0, k - weights.shape[1]))  # (batch, k) zeros
         ids = F.pad(ids, (0, k - ids.shape[1]), value=-1)  # (batch, k)
     found = weights.detach().sum(-1) > 0  # (batch,)
-    best = ids.gather(1, weights.detach().argmax(-1, keepdim=True)).squeeze(1)  # (batch,)
+    if weights.shape[1] == 0:  # no candidate at all (k="all" with a filter that matched nothing): not found
+        best = torch.full((weights.shape[0],), -1, dtype=torch.long)  # (batch,)
+    else:
+        best = ids.gather(1, weights.detach().argmax(-1, keepdim=True)).squeeze(1)  # (batch,)
     best = torch.where(found, best.to(found.device), -1).cpu()  # (batch,)
     values = values_of(best[best >= 0].tolist())
     ids_cpu = ids.cpu()  # (batch, k)

@@ -738,7 +738,9 @@ class Store:
     # ------------------------------------------------------------------ reading
 
     def contains_id(self, id_: int) -> bool:
-        """Whether a record with this id is stored."""
+        """Whether a record with this id is stored (never one outside int64, which SQLite cannot hold)."""
+        if not 0 <= int(id_) < 2**63:
+            return False
         pos = int(torch.searchsorted(self.ids, torch.tensor(int(id_))))
         return pos < len(self.ids) and int(self.ids[pos]) == int(id_)
 
@@ -767,9 +769,13 @@ class Store:
         """
         rows = self.rows_of(ids).to(self.device)  # (*shape)
         mask = rows >= 0
+        if len(self.keys) == 0:  # nothing stored: every id is missing (no row 0 to clamp to)
+            shape = rows.shape
+            zeros = self.keys.new_zeros
+            return zeros(*shape, self.keys.shape[-1]), zeros(*shape, self.values.shape[-1]), mask
         flat = rows.clamp(min=0).reshape(-1)  # (n,) index_select: far cheaper than fancy indexing for small n
-        keys = self.keys.index_select(0, flat).reshape(*rows.shape, -1)  # (*shape, dim)
-        values = self.values.index_select(0, flat).reshape(*rows.shape, -1)  # (*shape, value_dim)
+        keys = self.keys.index_select(0, flat).reshape(*rows.shape, self.keys.shape[-1])  # (*shape, dim)
+        values = self.values.index_select(0, flat).reshape(*rows.shape, self.values.shape[-1])  # (*shape, value_dim)
         if not bool(mask.all()):
             keys = keys * mask.unsqueeze(-1)  # (*shape, dim) zeros where missing
             values = values * mask.unsqueeze(-1)  # (*shape, value_dim)
@@ -777,7 +783,7 @@ class Store:
 
     def fetch(self, ids: Iterable[int]) -> dict[int, Record]:
         """Whole records (text, metadata, embeddings) for ids, in one query."""
-        wanted = sorted({int(i) for i in ids if int(i) >= 0})
+        wanted = sorted({int(i) for i in ids if 0 <= int(i) < 2**63})  # SQLite holds int64 ids only
         out: dict[int, Record] = {}
         for start in range(0, len(wanted), 900):  # SQLite's bound-parameter limit
             chunk = wanted[start : start + 900]
@@ -798,7 +804,7 @@ class Store:
 
     def value_texts(self, ids: Iterable[int]) -> dict[int, str | None]:
         """Value text for ids (None for embedding-only values), in one query."""
-        wanted = sorted({int(i) for i in ids if int(i) >= 0})
+        wanted = sorted({int(i) for i in ids if 0 <= int(i) < 2**63})  # SQLite holds int64 ids only
         out: dict[int, str | None] = {}
         for start in range(0, len(wanted), 900):
             chunk = wanted[start : start + 900]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS
+from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_dim, check_finite, check_real_tensor
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 
 __all__ = [
@@ -82,16 +82,19 @@ class KeySource(Protocol):
 
 
 def check_queries(queries: object, dim: int) -> Tensor:
-    """``queries`` if it is a (batch, dim) tensor.
+    """``queries`` if it is a (batch, dim) tensor of real, finite numbers.
 
     Raises:
-        InvalidArgumentError: not a torch tensor.
+        InvalidArgumentError: not a torch tensor, or a complex or bool one.
         DimensionMismatchError: not of shape (batch, dim).
+        NonFiniteError: NaN or Inf.
     """
     if not isinstance(queries, Tensor):
         raise InvalidArgumentError(f"expected queries as a torch.Tensor (batch, {dim}), got {type(queries).__name__}")
     if queries.dim() != 2 or queries.shape[1] != dim:
         raise DimensionMismatchError(f"expected queries of shape (batch, {dim}), got {tuple(queries.shape)}")
+    check_real_tensor(queries, "queries")
+    check_finite(queries, "queries")
     return queries
 
 
@@ -145,6 +148,7 @@ def check_index_args(dim: object, metric: object, normalize: object) -> None:
     """
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
         raise InvalidArgumentError(f"expected a positive integer dim, got {dim!r}")
+    check_dim(dim)  # FAISS takes a C int: a dim past MAX_DIM is refused, not handed on
     if metric not in ("ip", "l2"):
         raise UnknownOptionError(f"expected metric 'ip' or 'l2', got {metric!r}")
     if normalize and metric != "ip":

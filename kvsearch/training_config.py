@@ -29,6 +29,7 @@ from kvsearch.metrics import METRICS, TARGET_KINDS, MetricName, TargetKind, high
 __all__ = [
     "TrainMode",
     "TRAIN_MODES",
+    "MAX_EPOCHS",
     "KeepName",
     "KEEPS",
     "OPTIMIZERS",
@@ -49,6 +50,8 @@ KEEPS: tuple[str, ...] = get_args(KeepName)
 OptimizerSpec = str | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 #: The optimizers named by a string.
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
+#: The most epochs one run may ask for: a bound, so that a hostile ``epochs=2**70`` is refused, not a run forever.
+MAX_EPOCHS = 100_000
 # ----------------------------------------------------------------------------- the options
 
 
@@ -65,7 +68,7 @@ class FinetuneConfig:
             the answer's value text, encoded with the value encoder); None follows the loss (see
             :attr:`target_kind`). Ignored for tensor pairs (values).
         k: candidates per query (the index's top k), in [1, MAX_K].
-        epochs: passes over the training pairs.
+        epochs: passes over the training pairs, at most :data:`MAX_EPOCHS`.
         refresh_every: with ``train="query+keys"``, re-encode the keys and rebuild the index every this many
             steps (and after each epoch, and at the end).
         train: ``"query"``: a query-side copy of the encoder learns (``db.query_encoder``; the stored keys
@@ -124,10 +127,10 @@ class FinetuneConfig:
         if self.loss == "retrieval" and self.targets == "value":
             raise InvalidArgumentError('the retrieval loss needs targets="key" (which record is right), got "value"')
         self._set("k", check_k(self.k))
-        self._set("epochs", check_int(self.epochs, "epochs"))
+        self._set("epochs", check_int(self.epochs, "epochs", high=MAX_EPOCHS))
         self._set("refresh_every", check_int(self.refresh_every, "refresh_every"))
         self._set("batch_size", check_int(self.batch_size, "batch_size"))
-        self._set("seed", check_int(self.seed, "seed", low=0))
+        self._set("seed", check_int(self.seed, "seed", low=0, high=2**63 - 1))  # torch seeds are 64-bit
         self._set("temperature", check_temperature(self.temperature))
         if self.lr is not None:
             lr = self.lr
