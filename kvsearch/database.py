@@ -986,11 +986,11 @@ class Database:
             (batch,) int64 ids on the CPU.
 
         Raises:
+            InvalidArgumentError: not a floating-point tensor.
             DimensionMismatchError: queries are not (batch, dim).
+            NonFiniteError: NaN or Inf in the queries.
         """
-        if not isinstance(queries, Tensor) or queries.dim() != 2 or queries.shape[1] != self.dim:
-            got = tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__
-            raise DimensionMismatchError(f"expected queries (batch, {self.dim}), got {got}")
+        queries, _ = query_batch(queries, self.dim)  # (batch, dim) floating point, finite
         with self._reading():
             return self._retriever.exact_targets(queries)
 
@@ -1078,11 +1078,16 @@ class Database:
         with self._reading():
             return self._values_of(ids)
 
-    def metadata_of(self, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
-        """id -> the record's metadata dict ({} when it has none), for the stored ones among ``ids``."""
+    def metadata_of(self, ids: Tensor | Sequence[int]) -> dict[int, dict[str, Any]]:
+        """id -> the record's metadata dict ({} when it has none), for the stored ones among ``ids``.
+
+        Raises:
+            InvalidArgumentError: ``ids`` are not integers (see :func:`kvsearch.inputs.id_tensor`).
+        """
+        wanted = [i for i in id_tensor(ids).reshape(-1).tolist() if i >= 0]
         with self._reading():
-            texts = self._store.metadata_texts(ids)
-            return {i: json.loads(texts[i]) if i in texts else {} for i in map(int, ids) if self._store.contains_id(i)}
+            texts = self._store.metadata_texts(wanted)
+            return {i: json.loads(texts[i]) if i in texts else {} for i in wanted if self._store.contains_id(i)}
 
     def _values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
         # without a value encoder, only values given with their embeddings have text

@@ -330,7 +330,20 @@ def database_slots() -> list[Slot]:
                 writes=True,
             ),
         ]
+        for side in ("key_embeddings", "value_embeddings"):
+            out.append(
+                slot(
+                    f"Database.{method}.{side}",
+                    lambda db, v, m=method, s=side: getattr(db, m)(["n1", "n2"], ["v1", "v2"], **{s: v}),
+                    texts_db,
+                    "None, int tensor",  # integer embeddings are converted, as keys and values given as tensors
+                    writes=True,
+                )
+            )
     out += [
+        slot("Database.delete.missing", lambda db, v: db.delete("Li", missing=v), texts_db, writes=True),
+        slot("Database.exact_targets.queries", lambda db, v: db.exact_targets(v), texts_db),
+        slot("Database.metadata_of.ids", lambda db, v: db.metadata_of(v), texts_db, ids_ok),
         slot(
             "Database.delete.key_or_keys",
             lambda db, v: db.delete(v),
@@ -387,6 +400,7 @@ def database_slots() -> list[Slot]:
         ("lock_timeout", "float, zero"),
         ("encoder", "None"),
         ("value_encoder", "None"),
+        ("read_only", ""),
     ]:
         out.append(
             slot(
@@ -721,7 +735,13 @@ def test_hostile_arguments_raise_only_kvsearch_errors(case, monkeypatch, tmp_pat
 
 # ----------------------------------------------------------------------------- hostile states
 
+
 #: One valid call of every public Database method and property (the baseline the slots vary one argument of).
+def _add_atomically(db: kvsearch.Database) -> None:
+    with db.atomic():
+        db.add(["in-a-block"], ["v"])
+
+
 VALID_CALLS: dict[str, Callable[[kvsearch.Database], object]] = {
     "add": lambda db: db.add(["new"], ["v"], [{"n": 9}]),
     "upsert": lambda db: db.upsert(["Li"], ["Mu!"]),
@@ -746,6 +766,10 @@ VALID_CALLS: dict[str, Callable[[kvsearch.Database], object]] = {
     "embeddings": lambda db: db.embeddings(db.ids()),
     "values_of": lambda db: db.values_of(db.ids().tolist()),
     "encoders_info": lambda db: db.encoders_info(),
+    "atomic": lambda db: _add_atomically(db),
+    "read_only": lambda db: db.read_only,
+    "exact_targets": lambda db: db.exact_targets(q2()),
+    "metadata_of": lambda db: db.metadata_of(db.ids()),
     "generation": lambda db: db.generation,
     "previous_generation": lambda db: db.previous_generation,
     "index": lambda db: db.index,
@@ -761,7 +785,7 @@ VALID_CALLS: dict[str, Callable[[kvsearch.Database], object]] = {
 }
 #: What must refuse a closed database (the others are attributes, repr and close, which answer).
 NEEDS_OPEN = set(VALID_CALLS) - {"index", "retriever", "store", "encoder", "value_encoder", "query_encoder"}
-NEEDS_OPEN -= {"__repr__", "close"}
+NEEDS_OPEN -= {"__repr__", "close", "read_only"}
 
 
 @pytest.mark.parametrize("name", list(VALID_CALLS))
@@ -787,8 +811,8 @@ def test_a_closed_database_refuses_every_call_typed(tmp_path):
 
 def test_an_empty_database_answers_typed(tmp_path):
     empty = kvsearch.Database(tmp_path / "empty", encoder=kvsearch.NgramEncoder(dim=DIM, num_buckets=64))
+    assert empty.search("Li") == [] and empty.search(["Li", "Hu"]) == [[], []]  # a search engine: no hits
     for call in (
-        lambda: empty.search("Li"),
         lambda: empty.query("Li", k="all", where={"n": 1}),
         lambda: empty.candidates(q2(), 3),
         lambda: KVAttention(empty, k=3)(q2()),
@@ -1046,7 +1070,7 @@ def test_the_sweep_covers_the_public_api():
     covered = {case.name.split(".")[1] for case in SLOTS if case.name.startswith("Database.")} | set(VALID_CALLS)
     assert methods <= covered, methods - covered
     constructor = {"path", "encoder", "value_encoder", "dim", "value_dim", "index", "score", "device"}
-    constructor |= {"search_params", "lock_timeout"}
+    constructor |= {"search_params", "lock_timeout", "read_only"}
     assert {f"Database.__init__.{option}" for option in constructor} <= {case.name for case in SLOTS}
 
 
