@@ -24,9 +24,10 @@ raised on every rank, so nobody hangs; a dead or silent peer raises :class:`~kvs
 within ``timeout`` seconds.
 
 Fine-tuning (:func:`kvsearch.finetune` on a sharded database, every rank with its own pairs) loops with the ranks
-(:attr:`ShardedDatabase.team`, :mod:`kvsearch.team`) in a :class:`ShardedDraft`, and the kept encoders become every
-shard's generation at once (:meth:`ShardedDatabase.switch_generation`). Not supported across shards yet (a typed
-:class:`~kvsearch.errors.NotSupportedError`): ``k="all"`` attention and ``train_values=True``.
+(:attr:`ShardedDatabase.team`, :mod:`kvsearch.team`) in a :class:`~kvsearch.sharded_generations.ShardedDraft`, and
+the kept encoders become every shard's generation at once (:meth:`ShardedDatabase.switch_generation`). Not
+supported across shards yet (a typed :class:`~kvsearch.errors.NotSupportedError`): ``k="all"`` attention and
+``train_values=True``.
 
 This module knows nothing of a shard's internals: it uses each shard's public :class:`~kvsearch.Database` methods.
 """
@@ -61,9 +62,11 @@ from kvsearch.errors import (
 from kvsearch.filters import check_where
 from kvsearch.inputs import KeysIn, Queries, check_metadata, delete_items, query_tensor, query_texts, record_side
 from kvsearch.results import Answer, Hit, make_answer, make_hits
+from kvsearch.sharded_generations import ShardedDraft, ShardTeam, one_generation
 from kvsearch.sharding import ID_SHIFT, ShardLayout, is_sharded, shard_dir, shard_of_id, shard_of_key, shards_of_rank
 from kvsearch.store import Record
 from kvsearch.team import Team
+from kvsearch.topk import merge_candidates
 
 __all__ = ["ShardedDatabase"]
 
@@ -231,9 +234,14 @@ class ShardedDatabase:
             db.query_encoder = encoder
 
     @property
+    def comm(self) -> Comm:
+        """The collectives of this database's ranks (see :class:`~kvsearch.collectives.Comm`)."""
+        return self._comm
+
+    @property
     def team(self) -> Team:
         """The ranks serving this database, as a fine-tuning run loops with them (see :mod:`kvsearch.team`)."""
-        return _ShardTeam(self._comm)
+        return ShardTeam(self._comm)
 
     @property
     def generation(self) -> int:
@@ -289,7 +297,7 @@ class ShardedDatabase:
                 db.rollback_encoders()
             raise
         after = {db.generation for db in self.shards.values()}
-        new = self._agree(lambda: _one_generation(self._comm.gather_objects(sorted(after)), before))
+        new = self._agree(lambda: one_generation(self._comm.gather_objects(sorted(after)), before))
         if self.rank == 0:
             replace(ShardLayout.read(self.path), generation=new).write(self.path)
         self._comm.barrier()
@@ -709,9 +717,9 @@ class ShardedDatabase:
             NotSupportedError: ``k="all"``.
             InvalidArgumentError, DimensionMismatchError: bad arguments (on every rank).
         """
-        return self._candidates(self.shards, queries, k, targets=targets, where=where)
+        return self.candidates_from(self.shards, queries, k, targets=targets, where=where)
 
-    def _candidates(
+    def candidates_from(
         self,
         sources: Mapping[int, Any],
         queries: Tensor,
@@ -720,7 +728,8 @@ class ShardedDatabase:
         targets: Tensor | None = None,
         where: Mapping[str, Any] | None = None,
     ) -> Candidates:
-        """:meth:`candidates`, each shard's part picked by ``sources[shard].candidates`` (the shard, or a draft)."""
+        """:meth:`candidates`, each shard's part picked by ``sources[shard].candidates`` — the shard, or a draft
+        generation of it (:class:`~kvsearch.sharded_generations.ShardedDraft`). Collective."""
         self._check_open()
 
         def check() -> int:
@@ -752,7 +761,7 @@ class ShardedDatabase:
         ids = got_ids.permute(1, 0, 2).reshape(mine, width)  # (b, W take)
         keys = got_keys.permute(1, 0, 2, 3).reshape(mine, width, self.dim)  # (b, W take, dim)
         values = got_values.permute(1, 0, 2, 3).reshape(mine, width, self.value_dim)  # (b, W take, value_dim)
-        ids, keys, values = _best(q, ids, keys, values, t, take, self.score)  # (b, take) ...
+        ids, keys, values = merge_candidates(q, ids, keys, values, t, take, self.score)  # (b, take) ...
         mask = ids >= 0  # (b, take)
         match = None if targets is None else (ids == t.unsqueeze(1)) & mask  # (b, take)
         device = self.device
@@ -790,7 +799,7 @@ class ShardedDatabase:
             else:
                 ids = torch.full((n, 0), -1, dtype=torch.long)
                 keys, values = torch.zeros(n, 0, self.dim), torch.zeros(n, 0, self.value_dim)
-            parts.append(_best(q, ids, keys, values, t, take, self.score))
+            parts.append(merge_candidates(q, ids, keys, values, t, take, self.score))
         return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
     def _texts(
@@ -920,128 +929,6 @@ def _stored(db: Database, item: str | int) -> bool:
     except KeyNotFoundError:
         return False
     return True
-
-
-def _best(
-    q: Tensor, ids: Tensor, keys: Tensor, values: Tensor, targets: Tensor, take: int, score: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The best ``take`` of each query's candidates by score (desc), then id (asc); a target is always kept (in the
-    last place when it ranks lower).
-
-    Args:
-        q: (b, dim). ids: (b, c) -1 where empty. keys: (b, c, dim). values: (b, c, value_dim). targets: (b,).
-
-    Returns:
-        ids (b, take), keys (b, take, dim), values (b, take, value_dim), padded with -1 / zeros.
-    """
-    b, c = ids.shape
-    if c < take:  # pad to at least take columns
-        ids = torch.cat([ids, torch.full((b, take - c), -1, dtype=torch.long)], 1)
-        keys = torch.cat([keys, torch.zeros(b, take - c, keys.shape[-1])], 1)
-        values = torch.cat([values, torch.zeros(b, take - c, values.shape[-1])], 1)
-    if b == 0:
-        return ids[:, :take], keys[:, :take], values[:, :take]
-    with torch.no_grad():
-        scores = compute_scores(q.unsqueeze(1), keys, score).squeeze(1)  # (b, c')
-        scores = scores.masked_fill(ids < 0, -math.inf)
-        by_id = torch.argsort(torch.where(ids < 0, torch.iinfo(torch.long).max, ids), dim=1, stable=True)  # (b, c')
-        order = by_id.gather(1, torch.argsort(scores.gather(1, by_id), dim=1, descending=True, stable=True))
-        # a target below the top take replaces the worst kept candidate, as a single database does
-        is_target = (ids == targets.unsqueeze(1)) & (ids >= 0)  # (b, c')
-        late = is_target.gather(1, order)[:, take:].any(1)  # (b,)
-        where_target = is_target.float().argmax(1)  # (b,)
-        order = order[:, :take].clone()  # (b, take)
-        order[late, -1] = where_target[late]
-    return (
-        ids.gather(1, order),
-        keys.gather(1, order.unsqueeze(-1).expand(-1, -1, keys.shape[-1])),
-        values.gather(1, order.unsqueeze(-1).expand(-1, -1, values.shape[-1])),
-    )
-
-
-class ShardedDraft:
-    """A fine-tuning run's draft generation on every shard of a sharded database (see :class:`kvsearch.generations.
-    Draft`): nothing on disk changes until :meth:`commit`, which switches every shard together. Collective.
-
-    Made by :meth:`ShardedDatabase.begin_generation`. The shards of a rank share one encoder object, which the run
-    trains (with its gradients averaged over the ranks: :mod:`kvsearch.team`), so every shard's draft sees it.
-    """
-
-    def __init__(self, sdb: ShardedDatabase, drafts: dict[int, Any]) -> None:
-        self.sdb = sdb
-        self.drafts = drafts
-        self.generation: int | None = None
-
-    @property
-    def state(self) -> str:
-        """``"open"``, ``"committed"`` or ``"discarded"``."""
-        return next(iter(self.drafts.values())).state
-
-    def refresh(self) -> None:
-        """Re-encode every shard's keys with the training key encoder into its working index, then a barrier."""
-        self.sdb._agree(lambda: [draft.refresh() for draft in self.drafts.values()])
-        self.sdb._comm.barrier()
-
-    def candidates(
-        self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None = None, where: Any = None
-    ) -> Candidates:
-        """As :meth:`ShardedDatabase.candidates`, over the drafts' working keys once :meth:`refresh` ran."""
-        return self.sdb._candidates(self.drafts, queries, k, targets=targets, where=where)
-
-    def commit(self, *, values: tuple[Tensor, Tensor] | None = None, summary: Mapping[str, Any] | None = None) -> int:
-        """Record the encoders as they are now as every shard's new generation (:meth:`ShardedDatabase.
-        switch_generation`).
-
-        Raises:
-            NotSupportedError: trained values (not supported across shards yet).
-            NonFiniteError: weights or embeddings are not finite: no shard changed and the draft is discarded.
-        """
-        try:
-            if values is not None:
-                raise NotSupportedError("train_values=True is not supported across shards yet")
-            self.generation = self.sdb.switch_generation(lambda s, db: self.drafts[s].commit(summary=summary))
-        except BaseException:
-            self.discard()
-            raise
-        return self.generation
-
-    def discard(self) -> None:
-        """Put the encoders back as they were at the start on every shard. Harmless after commit."""
-        for draft in self.drafts.values():
-            draft.discard()
-
-    def __enter__(self) -> ShardedDraft:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.discard()
-
-
-class _ShardTeam:
-    """The ranks of a sharded database as a :class:`~kvsearch.team.Team`."""
-
-    def __init__(self, comm: Comm) -> None:
-        self._comm = comm
-        self.rank, self.world = comm.rank, comm.world
-
-    def max(self, value: int) -> int:
-        return self._comm.all_max(value)
-
-    def sum(self, values: Tensor) -> Tensor:
-        return self._comm.all_reduce(values)
-
-    def agree(self, fn: Callable[[], T]) -> T:
-        return self._comm.agree(fn)
-
-
-def _one_generation(per_rank: list[list[int]], before: int) -> int:
-    """The generation every shard moved to, or InconsistentDatabaseError."""
-    seen = {g for gens in per_rank for g in gens}
-    if len(seen) != 1 or next(iter(seen)) <= before:
-        raise errors.InconsistentDatabaseError(
-            f"expected every shard at one new generation after {before}, got {sorted(seen)}"
-        )
-    return next(iter(seen))
 
 
 def _texts_list(texts: Sequence[str]) -> list[str]:

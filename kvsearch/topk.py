@@ -16,11 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvsearch.attention import compute_scores
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_dim, check_finite, check_real_tensor
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 
 __all__ = [
     "Metric",
+    "merge_candidates",
     "SearchResult",
     "KeySource",
     "EXACT_FILTER_MAX",
@@ -303,3 +305,43 @@ def exact_search(
     scores[:, :take] = vals.masked_fill(missing, math.nan)
     found[:, :take] = ids.to(device)[pos.clamp(min=0)].masked_fill(missing, -1)
     return SearchResult(scores, found)
+
+
+def merge_candidates(
+    q: Tensor, ids: Tensor, keys: Tensor, values: Tensor, targets: Tensor, take: int, score: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The best ``take`` of each query's candidates by score (desc), then id (asc); a target is always kept (in the
+    last place when it ranks lower, as a single database's :meth:`~kvsearch.retrieval.Retriever.candidates` does).
+
+    Merges candidates found in several places (a sharded database's shards and ranks).
+
+    Args:
+        q: (b, dim). ids: (b, c) -1 where empty. keys: (b, c, dim). values: (b, c, value_dim). targets: (b,)
+            (-1 for none). take: how many to keep. score: the score name that ranks them.
+
+    Returns:
+        ids (b, take), keys (b, take, dim), values (b, take, value_dim), padded with -1 / zeros.
+    """
+    b, c = ids.shape
+    if c < take:  # pad to at least take columns
+        ids = torch.cat([ids, torch.full((b, take - c), -1, dtype=torch.long)], 1)
+        keys = torch.cat([keys, torch.zeros(b, take - c, keys.shape[-1])], 1)
+        values = torch.cat([values, torch.zeros(b, take - c, values.shape[-1])], 1)
+    if b == 0:
+        return ids[:, :take], keys[:, :take], values[:, :take]
+    with torch.no_grad():
+        scores = compute_scores(q.unsqueeze(1), keys, score).squeeze(1)  # (b, c')
+        scores = scores.masked_fill(ids < 0, -math.inf)
+        by_id = torch.argsort(torch.where(ids < 0, torch.iinfo(torch.long).max, ids), dim=1, stable=True)  # (b, c')
+        order = by_id.gather(1, torch.argsort(scores.gather(1, by_id), dim=1, descending=True, stable=True))
+        # a target below the top take replaces the worst kept candidate, as a single database does
+        is_target = (ids == targets.unsqueeze(1)) & (ids >= 0)  # (b, c')
+        late = is_target.gather(1, order)[:, take:].any(1)  # (b,)
+        where_target = is_target.float().argmax(1)  # (b,)
+        order = order[:, :take].clone()  # (b, take)
+        order[late, -1] = where_target[late]
+    return (
+        ids.gather(1, order),
+        keys.gather(1, order.unsqueeze(-1).expand(-1, -1, keys.shape[-1])),
+        values.gather(1, order.unsqueeze(-1).expand(-1, -1, values.shape[-1])),
+    )

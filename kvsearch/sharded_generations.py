@@ -1,0 +1,110 @@
+"""Generations and training loops across the shards of a sharded database.
+
+:class:`ShardedDraft` is a fine-tuning run's draft generation on every shard (made by
+:meth:`~kvsearch.distributed.ShardedDatabase.begin_generation`); :class:`ShardTeam` is the database's ranks as the
+:class:`~kvsearch.team.Team` a training loop works with; :func:`one_generation` checks a switch's outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from torch import Tensor
+
+from kvsearch import errors
+from kvsearch.attention import Candidates
+from kvsearch.collectives import Comm
+from kvsearch.errors import NotSupportedError
+
+if TYPE_CHECKING:
+    from kvsearch.distributed import ShardedDatabase
+
+__all__ = ["ShardTeam", "ShardedDraft", "one_generation"]
+
+T = TypeVar("T")
+
+
+class ShardedDraft:
+    """A fine-tuning run's draft generation on every shard of a sharded database (see :class:`kvsearch.generations.
+    Draft`): nothing on disk changes until :meth:`commit`, which switches every shard together. Collective.
+
+    Made by :meth:`ShardedDatabase.begin_generation`. The shards of a rank share one encoder object, which the run
+    trains (with its gradients averaged over the ranks: :mod:`kvsearch.team`), so every shard's draft sees it.
+    """
+
+    def __init__(self, sdb: ShardedDatabase, drafts: dict[int, Any]) -> None:
+        self.sdb = sdb
+        self.drafts = drafts
+        self.generation: int | None = None
+
+    @property
+    def state(self) -> str:
+        """``"open"``, ``"committed"`` or ``"discarded"``."""
+        return next(iter(self.drafts.values())).state
+
+    def refresh(self) -> None:
+        """Re-encode every shard's keys with the training key encoder into its working index, then a barrier."""
+        self.sdb.comm.agree(lambda: [draft.refresh() for draft in self.drafts.values()])
+        self.sdb.comm.barrier()
+
+    def candidates(
+        self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None = None, where: Any = None
+    ) -> Candidates:
+        """As :meth:`ShardedDatabase.candidates`, over the drafts' working keys once :meth:`refresh` ran."""
+        return self.sdb.candidates_from(self.drafts, queries, k, targets=targets, where=where)
+
+    def commit(self, *, values: tuple[Tensor, Tensor] | None = None, summary: Mapping[str, Any] | None = None) -> int:
+        """Record the encoders as they are now as every shard's new generation (:meth:`ShardedDatabase.
+        switch_generation`).
+
+        Raises:
+            NotSupportedError: trained values (not supported across shards yet).
+            NonFiniteError: weights or embeddings are not finite: no shard changed and the draft is discarded.
+        """
+        try:
+            if values is not None:
+                raise NotSupportedError("train_values=True is not supported across shards yet")
+            self.generation = self.sdb.switch_generation(lambda s, db: self.drafts[s].commit(summary=summary))
+        except BaseException:
+            self.discard()
+            raise
+        return self.generation
+
+    def discard(self) -> None:
+        """Put the encoders back as they were at the start on every shard. Harmless after commit."""
+        for draft in self.drafts.values():
+            draft.discard()
+
+    def __enter__(self) -> ShardedDraft:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
+class ShardTeam:
+    """The ranks of a sharded database as a :class:`~kvsearch.team.Team`."""
+
+    def __init__(self, comm: Comm) -> None:
+        self._comm = comm
+        self.rank, self.world = comm.rank, comm.world
+
+    def max(self, value: int) -> int:
+        return self._comm.all_max(value)
+
+    def sum(self, values: Tensor) -> Tensor:
+        return self._comm.all_reduce(values)
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        return self._comm.agree(fn)
+
+
+def one_generation(per_rank: list[list[int]], before: int) -> int:
+    """The generation every shard moved to, or InconsistentDatabaseError."""
+    seen = {g for gens in per_rank for g in gens}
+    if len(seen) != 1 or next(iter(seen)) <= before:
+        raise errors.InconsistentDatabaseError(
+            f"expected every shard at one new generation after {before}, got {sorted(seen)}"
+        )
+    return next(iter(seen))
