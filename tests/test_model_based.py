@@ -603,7 +603,8 @@ def test_flat_matches_reference(machine):
 
 def test_a_second_handle_matches_reference():
     stats = _run(TwoHandles, 120, steps=16)
-    assert stats["catch_ups"] > 30 and stats["full_reloads"] > 10 and stats["refreshes"] > 10
+    # how many of each depends on hypothesis's draws (23-46 catch-ups seen): only that both paths ran
+    assert stats["catch_ups"] > 5 and stats["full_reloads"] > 5 and stats["refreshes"] > 5
 
 
 def check_approximate(stats: Counter[str], sequences: int) -> None:
