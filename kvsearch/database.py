@@ -314,9 +314,12 @@ class Database:
     def _sync(self) -> None:
         """Reload what another process changed since this view was loaded (callers hold the store lock).
 
-        One small SQL read of the store version. When it moved, the in-memory tensors and key maps are
-        reloaded, the encoders too if another process saved new ones (their weights are loaded into this
-        process's encoder objects), and the retriever serves the saved index of that version or rebuilds it.
+        ``PRAGMA data_version`` says whether another connection committed at all (no table read); only then is
+        the store version read. When it moved, the mirror catches up on the rows the change log names and the
+        index removes / adds just those ids (:meth:`Store.catch_up`); when the log does not reach back or holds a
+        change of every row (a new generation: the encoders are reloaded too, their weights loaded into this
+        process's encoder objects), the mirror is reloaded whole and the retriever serves the saved index of that
+        version or rebuilds it.
         """
         if self.path is None:
             return
@@ -328,8 +331,14 @@ class Database:
         self._config = dict(config)
         if encoders_moved:
             self._encoders.reload(self._config)
-        self._store.load(self.dim, self.value_dim)
-        self._retriever.open()
+            self._store.load(self.dim, self.value_dim)
+            self._retriever.open()
+            return
+        caught = self._store.catch_up(self.dim, self.value_dim)
+        if caught is None:
+            self._retriever.open()
+        else:
+            self._retriever.apply(removed=caught.removed, added=caught.added, keys=caught.keys)
 
     # ------------------------------------------------------------------ small things
 

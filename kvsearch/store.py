@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch import fileio
+from kvsearch import changelog, fileio
 from kvsearch.errors import (
     CorruptDatabaseError,
     DatabaseLockedError,
@@ -51,7 +51,7 @@ from kvsearch.filters import where_sql
 from kvsearch.inputs import normalize_key
 from kvsearch.locking import LOCK_FILE, WriteLock
 
-__all__ = ["Record", "Store", "connect_read_only"]
+__all__ = ["Record", "Store", "CatchUp", "connect_read_only"]
 
 #: Stores of at least this many records keep a memory-mapped copy of their embeddings (see Store.write_side).
 SIDE_MIN_ROWS = 50_000
@@ -70,6 +70,8 @@ CREATE TABLE IF NOT EXISTS given (id INTEGER PRIMARY KEY, side INTEGER NOT NULL)
 """
 #: Bits of ``given.side``: the record's key / value text came with its own embedding (never re-encoded).
 GIVEN_KEY, GIVEN_VALUE = 1, 2
+
+_SCHEMA += changelog.SCHEMA  # the change log: written in every write transaction (see kvsearch.changelog)
 
 _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_CANTOPEN = 5, 6, 14
 #: SQLite errors of a file that cannot be reached, as opposed to one that is damaged.
@@ -123,6 +125,21 @@ class Record:
     value_embedding: Tensor | None = field(default=None, repr=False)
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """What :meth:`Store.catch_up` changed in the mirror, for the index to follow.
+
+    Attributes:
+        removed: ids that left the mirror or were replaced in it (the index removes them).
+        added: ids added or replaced, in the order of ``keys`` (the index adds them).
+        keys: (len(added), dim) their key embeddings, on the store's device.
+    """
+
+    removed: list[int]
+    added: list[int]
+    keys: Tensor
+
+
 class Store:
     """SQLite records plus in-memory key / value tensors ordered by id.
 
@@ -134,6 +151,10 @@ class Store:
 
     Attributes:
         read_only: why the store is read-only (asked for, or what cannot be written), or None.
+        full_loads: how many times the mirror was read whole (:meth:`load`: the open, and catch-ups that could not
+            use the change log) — a counter to observe, e.g. in tests.
+        catch_ups: how many times the mirror caught up on another process's commits row by row (:meth:`catch_up`).
+        changelog_keep: versions the change log keeps (see :mod:`kvsearch.changelog`); each write drops older ones.
 
     Raises:
         CorruptDatabaseError: the file is not a SQLite database or lacks our tables.
@@ -156,6 +177,11 @@ class Store:
         self._timeout = timeout
         self._pid = os.getpid()
         self.loaded_version = 0  # the store version the in-memory mirror (and the index) reflect
+        self.full_loads = 0
+        self.catch_ups = 0
+        self.changelog_keep = changelog.KEEP_VERSIONS
+        self._seen_data_version: int | None = None  # PRAGMA data_version when loaded_version was last checked
+        self._spare: tuple[Tensor, Tensor] | None = None  # the buffers keys / values are views of (room to grow)
         self.read_only: str | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
         if self.path is not None:
@@ -280,6 +306,7 @@ class Store:
         # the store version before any write.
         inherited = self._connection
         self._pid = os.getpid()
+        self._seen_data_version = None  # data_version is per connection
         if self.path is None:
             return  # an in-memory database was copied by fork(); the child owns its copy
         _inherited_connections.append(inherited)
@@ -329,6 +356,7 @@ class Store:
             if own:
                 conn.execute("BEGIN")  # one snapshot: the rows and the version they are at
             try:
+                data_version = self._data_version()  # first: it starts the snapshot the version is read in
                 version = self.version
                 side = self._read_side(version, dim, value_dim)  # memory-mapped (ids, keys, values) or None
                 if side is not None and not self._side_lists_the_stored_ids(conn, side[0]):
@@ -361,6 +389,9 @@ class Store:
             self.given_keys = {i for i, bits in given if bits & GIVEN_KEY}
             self.given_values = {i for i, bits in given if bits & GIVEN_VALUE}
             self.loaded_version = version
+            self._seen_data_version = data_version
+            self._spare = None
+            self.full_loads += 1
 
     # ------------------------------------------------------------------ embeddings side file
     #
@@ -474,9 +505,159 @@ class Store:
                     tmp.unlink(missing_ok=True)
             return False
 
+    def _data_version(self) -> int:
+        """SQLite's ``PRAGMA data_version``: changes when another connection commits (no table is read)."""
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
     def is_stale(self) -> bool:
-        """Whether another connection (another process) committed since this mirror was loaded."""
-        return self.version != self.loaded_version
+        """Whether another connection (another process) committed since this mirror was loaded.
+
+        When no other connection committed since the last check (``PRAGMA data_version`` unchanged), the version
+        is not read at all.
+        """
+        data_version = self._data_version()
+        if data_version == self._seen_data_version:
+            return False
+        stale = self.version != self.loaded_version
+        if not stale:
+            self._seen_data_version = data_version
+        return stale
+
+    def catch_up(self, dim: int, value_dim: int) -> CatchUp | None:
+        """Bring the mirror up to the store's version: row by row from the change log, else by a full :meth:`load`.
+
+        Reads only the rows the log names (added or replaced since :attr:`loaded_version`), drops the deleted ones,
+        in one snapshot. Falls back to :meth:`load` when the log does not reach back (compacted, or older than the
+        log), when a change of every row (a generation switch) is in the range, or when more rows changed than
+        half the mirror holds (reading everything is then as cheap).
+
+        Args:
+            dim: the key dimension. value_dim: the value dimension.
+
+        Returns:
+            What changed, for the index to follow; None after a full :meth:`load` (the index is rebuilt or served).
+
+        Raises:
+            CorruptDatabaseError: an embedding blob has the wrong size.
+        """
+        with self.lock:
+            conn = self._conn
+            own = not conn.in_transaction
+            if own:
+                conn.execute("BEGIN")  # one snapshot: the log, the rows and the version they are at
+            try:
+                data_version = self._data_version()
+                version = self.version
+                changes = None if self.keys is None else changelog.read(conn, self.loaded_version, version)
+                if changes is not None and len(changes) > max(1024, len(self.ids) // 2):
+                    changes = None
+                rows = [] if changes is None else self._rows_of_ids(conn, changes.upserted)
+                flags = {} if changes is None else self._given_of_ids(conn, changes.upserted)
+            finally:
+                if own:
+                    conn.execute("COMMIT")
+            if changes is None or len(rows) != len(changes.upserted):
+                self.load(dim, value_dim)
+                return None
+            try:
+                keys = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32).reshape(-1, dim).copy()
+                values = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32).reshape(-1, value_dim).copy()
+            except ValueError:
+                raise CorruptDatabaseError(
+                    f"stored embeddings do not have the expected dims ({dim}, {value_dim})"
+                ) from None
+            keys = torch.from_numpy(keys).to(self.device, torch.float32)  # (u, dim)
+            values = torch.from_numpy(values).to(self.device, torch.float32)  # (u, value_dim)
+            upserted = torch.tensor(changes.upserted, dtype=torch.long)  # (u,)
+            present = self.rows_of(upserted) >= 0  # (u,) replaced in place; the others are new
+            gone = [i for i in changes.deleted if self.contains_id(i)]
+            removed = sorted(gone + upserted[present].tolist())
+            self._drop_from_memory(gone)
+            if bool(present.any()):
+                rows_now = self.rows_of(upserted[present]).to(self.device)  # (r,)
+                sel = present.to(self.device)
+                self.keys[rows_now] = keys[sel]
+                self.values[rows_now] = values[sel]
+            if not bool(present.all()):
+                sel = ~present
+                self._append(upserted[sel], keys[sel.to(self.device)], values[sel.to(self.device)])
+            for id_ in upserted[present].tolist():
+                self._forget_key(id_)
+            for id_ in upserted.tolist():  # which texts came with their own embedding, as the writer recorded
+                self.given_keys.discard(id_)
+                self.given_values.discard(id_)
+                if flags.get(id_, 0) & GIVEN_KEY:
+                    self.given_keys.add(id_)
+                if flags.get(id_, 0) & GIVEN_VALUE:
+                    self.given_values.add(id_)
+            for id_, key, _, _ in rows:
+                if key is not None:
+                    self.id_of_key[normalize_key(key)] = id_
+                    self.key_of_id[id_] = key
+            self.loaded_version = version
+            self._seen_data_version = data_version
+            self.catch_ups += 1
+            return CatchUp(removed=removed, added=changes.upserted, keys=keys)
+
+    @staticmethod
+    def _rows_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> list[tuple]:
+        """(id, key, key_emb, value_emb) of the stored ids, in id order (ids not stored are left out)."""
+        rows: list[tuple] = []
+        for start in range(0, len(ids), 900):  # SQLite's bound-parameter limit
+            chunk = list(ids[start : start + 900])
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT id, key, key_emb, value_emb FROM records WHERE id IN ({marks}) ORDER BY id"
+            rows.extend(conn.execute(sql, chunk).fetchall())
+        return rows
+
+    @staticmethod
+    def _given_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, int]:
+        """id -> its ``given`` bits, for those of the ids that have any."""
+        flags: dict[int, int] = {}
+        for start in range(0, len(ids), 900):  # SQLite's bound-parameter limit
+            chunk = list(ids[start : start + 900])
+            marks = ",".join("?" * len(chunk))
+            flags.update(conn.execute(f"SELECT id, side FROM given WHERE id IN ({marks})", chunk).fetchall())
+        return flags
+
+    def _append(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Append rows to the mirror: ids (a,), keys (a, dim), values (a, value_dim), copied.
+
+        The key / value tensors are views of buffers with room to grow (an eighth more rows), so an append of a
+        few rows copies those rows, not the whole mirror. Ids larger than every stored one keep the mirror
+        sorted (new ids always are); otherwise it is sorted again.
+        """
+        if self.keys is None:
+            self.ids, self.keys, self.values = ids.clone(), keys.clone(), values.clone()
+            return
+        n, a = len(self.ids), len(ids)
+        spare = self._spare
+        fits = (
+            spare is not None
+            and spare[0].shape[0] >= n + a
+            and spare[0].data_ptr() == self.keys.data_ptr()
+            and spare[1].data_ptr() == self.values.data_ptr()
+            and self.keys.shape[0] == n
+            and self.values.shape[0] == n
+        )
+        if not fits:
+            room = n + a + max(64, (n + a) // 8)
+            spare = (
+                self.keys.new_empty((room, self.keys.shape[1])),
+                self.values.new_empty((room, self.values.shape[1])),
+            )
+            spare[0][:n] = self.keys
+            spare[1][:n] = self.values
+            self._spare = spare
+        spare[0][n : n + a] = keys
+        spare[1][n : n + a] = values
+        self.keys, self.values = spare[0][: n + a], spare[1][: n + a]  # (n + a, dim), (n + a, value_dim)
+        self.ids = torch.cat([self.ids, ids])  # (n + a,)
+        if n and a and int(ids.min()) <= int(self.ids[n - 1]):
+            order = torch.argsort(self.ids)  # (n + a,)
+            self.ids = self.ids[order]
+            self.keys, self.values = self.keys[order.to(self.device)], self.values[order.to(self.device)]
+            self._spare = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -563,7 +744,7 @@ class Store:
                 if old:
                     self._conn.executemany("DELETE FROM given WHERE id = ?", ((out[i],) for i in old))
                 self._conn.executemany("INSERT INTO given (id, side) VALUES (?, ?)", flagged)
-                self.bump_version()
+                self.bump_version({"added": [out[i] for i in new], "replaced": [out[i] for i in old]})
             # Committed: now mirror it in memory (still under the lock, so readers never see half of it).
             dev_keys = key_embs.detach().to(self.device, torch.float32)  # (n, dim)
             dev_values = value_embs.detach().to(self.device, torch.float32)  # (n, value_dim)
@@ -577,10 +758,8 @@ class Store:
                 sel = None if every else torch.tensor(new, device=self.device)
                 add_keys = dev_keys if every else dev_keys[sel]  # (n_new, dim)
                 add_values = dev_values if every else dev_values[sel]  # (n_new, value_dim)
-                self.ids = torch.cat([self.ids, torch.tensor([out[i] for i in new], dtype=torch.long)])
-                # the mirror never shares memory with the caller's tensors (.to() may return them as they are)
-                self.keys = add_keys.clone() if self.keys is None else torch.cat([self.keys, add_keys])
-                self.values = add_values.clone() if self.values is None else torch.cat([self.values, add_values])
+                # copied: the mirror never shares memory with the caller's tensors (.to() may return them as they are)
+                self._append(torch.tensor([out[i] for i in new], dtype=torch.long), add_keys, add_values)
             for i in old:
                 self._forget_key(out[i])
                 self.given_keys.discard(out[i])
@@ -614,7 +793,7 @@ class Store:
                 raise KeyNotFoundError(f"expected stored ids, got unknown ids {missing[:10]}")
             with self.transaction():
                 self._delete_rows(ids)
-                self.bump_version()
+                self.bump_version({"deleted": [int(i) for i in ids]})
             self._drop_from_memory(ids)
 
     def start_ids_after(self, floor: int) -> None:
@@ -712,13 +891,20 @@ class Store:
         self._conn.executemany("DELETE FROM records WHERE id = ?", ((int(i),) for i in ids))
         self._conn.executemany("DELETE FROM given WHERE id = ?", ((int(i),) for i in ids))
 
-    def bump_version(self) -> None:
-        """Record one more committed write: the version, inside the open transaction (every write calls it last).
+    def bump_version(self, changes: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Record one more committed write: the version and its change log entry, inside the open transaction
+        (every write calls it last).
 
-        Other processes compare the version with the one their mirror was loaded at (:meth:`is_stale`).
+        Other processes compare the version with the one their mirror was loaded at (:meth:`is_stale`) and catch
+        up on the logged ids (:meth:`catch_up`).
+
+        Args:
+            changes: kind ("added", "replaced", "deleted") -> ids; None when every row may have changed (a
+                generation switch), which makes other processes reload everything.
         """
         version = self.version + 1
         self._put_meta("version", version)
+        changelog.record(self._conn, version, changes, self.changelog_keep)
         self.loaded_version = version  # callers reload a stale mirror before writing (Database._writing)
 
     def _drop_from_memory(self, ids: Sequence[int]) -> None:

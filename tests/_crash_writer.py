@@ -91,8 +91,8 @@ def _arm(mode: str, due) -> None:
     if mode == "in_transaction":  # records inserted, version bumped, COMMIT not yet run
         bump = store_module.Store.bump_version
 
-        def bump_then_die(self):
-            bump(self)
+        def bump_then_die(self, *args, **kwargs):
+            bump(self, *args, **kwargs)
             if due():
                 _die()
 
