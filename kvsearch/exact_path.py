@@ -93,7 +93,7 @@ def forced_path() -> str:
     return _check_path(os.environ.get(ENV_VAR, "auto") or "auto")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
     try:

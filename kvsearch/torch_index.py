@@ -348,17 +348,30 @@ class TorchIndex:
                     return self._on(SearchResult(out_scores, out_ids), queries.device)
                 rows = rows.to(device)  # (m,)
                 vals, pos = chunked_topk(
-                    q, d.keys, len(rows), metric=self.metric, rows=rows, norm_term=d.norm_term,
+                    q,
+                    d.keys,
+                    len(rows),
+                    metric=self.metric,
+                    rows=rows,
+                    norm_term=d.norm_term,
                     chunk_elements=self.chunk_elements,
                 )  # (batch, m) each
-                vals, found = best_by_score_then_id(vals, rows[pos.clamp(min=0)].masked_fill(pos < 0, -1), d.device_ids, take)
+                found = rows[pos.clamp(min=0)].masked_fill(pos < 0, -1)  # (batch, m) key rows
+                vals, found = best_by_score_then_id(vals, found, d.device_ids, take)  # (batch, take) each
                 return self._finish(q, d, vals, found, out_scores, out_ids, queries.device)
             keep = torch.zeros(n, dtype=torch.bool, device=device).index_fill_(0, rows.to(device), True)  # (n,)
         vals, found = self._top(q, d, min(k, n), keep)  # (batch, take) each
         return self._finish(q, d, vals, found, out_scores, out_ids, queries.device)
 
     def _finish(
-        self, q: Tensor, d: DerivedKeys, vals: Tensor, rows: Tensor, out_scores: Tensor, out_ids: Tensor, device: torch.device
+        self,
+        q: Tensor,
+        d: DerivedKeys,
+        vals: Tensor,
+        rows: Tensor,
+        out_scores: Tensor,
+        out_ids: Tensor,
+        device: torch.device,
     ) -> SearchResult:
         """Scores (l2: distances) and ids of the top rows (batch, take) into the (batch, k) outputs, on ``device``."""
         take = vals.shape[1]
@@ -457,8 +470,16 @@ class TorchIndex:
                 at = pending.nonzero().squeeze(1)  # (r,)
                 scan_norm = d.norm_term if self.metric == "l2" else None  # cosine: the copy holds unit rows
                 exact, cand, ceiling = half_candidates(
-                    q[at], d.keys, half, width, bound[at], metric=self.metric, norm_term=d.norm_term,
-                    scan_norm=scan_norm, keep=keep, chunk_elements=self.chunk_elements,
+                    q[at],
+                    d.keys,
+                    half,
+                    width,
+                    bound[at],
+                    metric=self.metric,
+                    norm_term=d.norm_term,
+                    scan_norm=scan_norm,
+                    keep=keep,
+                    chunk_elements=self.chunk_elements,
                 )  # (r, width) each, (r,)
                 ok = settled(exact, take, ceiling if width < n else torch.full_like(ceiling, -math.inf))  # (r,)
                 v, r = best_by_score_then_id(exact, cand, d.device_ids, take)  # (r, take) each
@@ -537,9 +558,13 @@ class TorchIndex:
         if self.metric != "l2" and not raw_cosine:  # inner product: the keys are scanned as they are
             return DerivedKeys(ids, device_ids, keys)
         parts = []
-        for start in range(0, len(keys), 65_536):
-            norm = torch.linalg.vector_norm(keys[start : start + 65_536].float(), dim=-1)  # (c,) no squared copy
-            parts.append(norm.clamp(min=COSINE_EPS).reciprocal() if raw_cosine else norm.square())  # (c,)
+        for start in range(0, len(keys), 16_384):
+            block = keys[start : start + 16_384].float()  # (c, dim)
+            if raw_cosine:
+                norm = torch.linalg.vector_norm(block, dim=-1)  # (c,)
+                parts.append(norm.clamp(min=COSINE_EPS).reciprocal())  # (c,)
+            else:  # summed squares, not a squared norm: equal rows get equal terms (exact ties stay ties)
+                parts.append(block.mul(block).sum(-1))  # (c,)
         norm_term = torch.cat(parts) if parts else torch.empty(0, device=device)  # (n,)
         return DerivedKeys(ids, device_ids, keys, norm_term)
 

@@ -453,7 +453,7 @@ def test_make_index_picks_the_class_and_persisted_per_type(spec, persisted):
     assert index.exact_filter_max == 4096
 
 
-@pytest.mark.parametrize("spec", ["Flat", "HNSW16", "IVF16,Flat", "IVF16,PQ4"])
+@pytest.mark.parametrize("spec", ["HNSW16", "IVF16,Flat", "IVF16,PQ4"])
 def test_make_index_and_load_index_round_trip(tmp_path, rng, spec):
     """A source-bound cosine index saved and loaded answers as before, filtered and not, with its parameters."""
     keys = tensors(rng, 2000, 16)
