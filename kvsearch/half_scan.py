@@ -95,7 +95,13 @@ def half_candidates(
         chunk_elements=chunk_elements,
     )  # (s, width) float32, rows (s, width)
     safe_rows = cand.clamp(min=0)  # (s, width)
-    exact = torch.einsum("bd,bkd->bk", q, keys[safe_rows].float())  # (s, width) as the float32 scan computes
+    step = max(1, (1 << 24) // max(1, width * q.shape[1]))  # queries per gather: <= 2^24 elements (64 MiB)
+    exact = torch.cat(
+        [
+            torch.einsum("bd,bkd->bk", q[i : i + step], keys[safe_rows[i : i + step]].float())  # (b, width)
+            for i in range(0, q.shape[0], step)
+        ]
+    )  # (s, width) as the float32 scan computes
     if norm_term is not None:
         term = norm_term[safe_rows]  # (s, width)
         exact = exact * term if metric == "ip" else exact.mul_(2).sub_(term)  # (s, width)

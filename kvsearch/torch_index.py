@@ -464,7 +464,7 @@ class TorchIndex:
                 if not pending.any():
                     break
                 if attempt == 1:
-                    width = min(n, max(16 * width, _HALF_WIDE))
+                    width = min(n, max(16 * (2 * take + _HALF_EXTRA), _HALF_WIDE))  # not compounded
                     self.last_widened = int(pending.sum())
                     self._half_width = width  # later calls on such data start wide (speed only: same ids)
                 at = pending.nonzero().squeeze(1)  # (r,)
