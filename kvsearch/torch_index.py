@@ -43,7 +43,7 @@ from torch import Tensor
 
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.exact_path import FAISS_MIN_BATCH, choose_path
+from kvsearch.exact_path import FAISS_MIN_BATCH, choose_path, forced_path
 from kvsearch.faiss_index import tune_faiss
 from kvsearch.half_scan import best_by_score_then_id, half_candidates, half_error, settled
 from kvsearch.topk import (
@@ -192,6 +192,7 @@ class TorchIndex:
         #: Queries of the last half-precision search that the wider k' did not settle either: searched in float32.
         self.last_rechecked = 0
         self._half_width = 0  # the k' that settled near-duplicate data last time (speed only)
+        self._half_futile: Any = None  # the keys' tag where the half path had to search most queries again
         # Standalone storage (no source): ids (n,) int64 CPU, vectors (n, dim) float32.
         self._ids = torch.empty(0, dtype=torch.long)
         self._vectors = torch.empty(0, dim)
@@ -440,7 +441,11 @@ class TorchIndex:
         """The path of this call: the spec's dtype, or for ``"Flat"`` :func:`~kvsearch.exact_path.choose_path`."""
         faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
         if self.dtype is None:
-            return choose_path(batch, device, faiss_ok=faiss_ok)
+            path = choose_path(batch, device, faiss_ok=faiss_ok)
+            if path in ("bfloat16", "float16") and forced_path() == "auto" and self._half_futile == self._tag:
+                # these keys defeated the half path (the bound cannot separate them): float32 until they change
+                path = "faiss" if faiss_ok and device.type == "cpu" and batch >= FAISS_MIN_BATCH else "float32"
+            return path
         if self.dtype != torch.float32:
             return str(self.dtype).removeprefix("torch.")
         return "faiss" if faiss_ok and device.type == "cpu" and batch >= FAISS_MIN_BATCH else "float32"
@@ -486,6 +491,8 @@ class TorchIndex:
                 vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
                 pending[at[ok]] = False
             todo = ~torch.isfinite(bound) | pending  # (batch,)
+            if int(pending.sum()) * 2 > batch:  # the wider k' did not settle most queries either
+                self._half_futile = self._tag
             self.last_rechecked = int(todo.sum())
             path = "float32"
         width = min(n, take + _TIE_EXTRA)
