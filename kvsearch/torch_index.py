@@ -44,7 +44,7 @@ from torch import Tensor
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.exact_path import FAISS_MIN_BATCH, choose_path, forced_path
-from kvsearch.faiss_index import tune_faiss
+from kvsearch.faiss_index import check_search_param, tune_faiss
 from kvsearch.half_scan import best_by_score_then_id, half_candidates, half_error, settled
 from kvsearch.topk import (
     EXACT_FILTER_MAX,
@@ -289,10 +289,16 @@ class TorchIndex:
         """Exact search has no search parameters.
 
         Raises:
+            InvalidArgumentError: a known parameter with a bad value (checked first, as a FAISS index does).
             UnknownOptionError: any parameter is given.
         """
+        for name, value in params.items():
+            check_search_param(name, value)  # a bad name or value says so first, as a FAISS index does
         if params:
-            raise UnknownOptionError(f"the torch exact index takes no search parameters, got {sorted(params)}")
+            raise UnknownOptionError(
+                f"expected no search parameters, got {sorted(params)}: a search parameter does not apply to the "
+                f"exact index {self.spec!r}"
+            )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """A torch index is never saved (:attr:`persisted` is False): make it again from its source.
