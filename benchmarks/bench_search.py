@@ -24,8 +24,9 @@ import common  # noqa: E402
 import numpy as np  # noqa: E402
 
 K = 10
-METHODS = ("torch", "torch:bfloat16", "torch:float16", "faiss", "faiss-default", "st")
+METHODS = ("flat", "torch", "torch:bfloat16", "torch:float16", "faiss", "faiss-default", "st")
 METHOD_NAMES = {
+    "flat": "ours: default index Flat (path per call, kvsearch.exact_path)",
     "torch": "ours: TorchIndex float32",
     "torch:bfloat16": "ours: TorchIndex bfloat16 scan + exact rescoring",
     "torch:float16": "ours: TorchIndex float16 scan + exact rescoring",
@@ -55,6 +56,14 @@ def _methods(data, nq: int, only: str | None = None) -> dict:
 
     keys = torch.from_numpy(data)
     out = {}
+    if only in (None, "flat"):
+        from kvsearch.index import make_index
+
+        flat_index = make_index("Flat", common.DIM)
+        flat_index.build(torch.arange(len(data)), keys)  # the keys tensor itself; a half copy at first use
+        out["flat"] = (flat_index, lambda q, index=flat_index: _torch_search(index, q))
+        if only == "flat":
+            return out
     for method in ("torch", "torch:bfloat16", "torch:float16"):
         if only is not None and method != only:
             continue
@@ -224,7 +233,7 @@ def exact_section(sizes: list[int], nqs: list[int], rounds: int) -> tuple[str, s
                         f"m={m:,}, 1 query, {METHOD_NAMES[name]}: {achieved:.1f} GB/s read = "
                         f"{100 * achieved / gbs:.0f}% of the {gbs:.1f} GB/s measured in the same process"
                     )
-            for name in ("torch", "torch:bfloat16"):
+            for name in ("flat", "torch", "torch:bfloat16"):
                 for other in ("faiss", "faiss-default", "st"):
                     if name in seconds and other in seconds:
                         ratios.append(

@@ -45,10 +45,24 @@ from kvsearch.topk import (
     exact_search,
 )
 
-__all__ = ["Index", "tune_faiss", "check_search_param", "default_search_params", "DEFAULT_EF_SEARCH"]
+__all__ = [
+    "Index",
+    "tune_faiss",
+    "check_search_param",
+    "default_search_params",
+    "DEFAULT_EF_SEARCH",
+    "BUILD_PARAMS",
+]
 
 _METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
-_SEARCH_PARAMS = ("nprobe", "efSearch", "efConstruction", "quantizer_efSearch", "ht")
+_SEARCH_PARAMS = ("nprobe", "efSearch", "efConstruction", "quantizer_efSearch", "ht", "train_size")
+#: Build parameters among them: ``efConstruction`` (HNSW: candidates kept while linking a new vector; FAISS's
+#: default 40) applies to the vectors added after it is set; ``train_size`` (types that train: IVF, PQ, OPQ) is
+#: how many vectors, sampled with a fixed seed, the index trains on (default: every stored vector, which FAISS's
+#: k-means subsamples to 256 per centroid). kvsearch handles ``train_size``; FAISS never sees it.
+BUILD_PARAMS = ("efConstruction", "train_size")
+#: Seed of the training sample (``train_size``): the same vectors give the same index.
+_TRAIN_SEED = 1234
 
 
 # ---------------------------------------------------------------------- FAISS
@@ -250,6 +264,11 @@ class Index:
         return not isinstance(self._template, faiss.IndexFlat)
 
     @property
+    def train_size(self) -> int | None:
+        """How many vectors the next training samples (``train_size`` build parameter); None: every vector."""
+        return self.params.get("train_size")
+
+    @property
     def faiss_index(self) -> faiss.Index:
         """The underlying FAISS index (read it, do not change it): under an ``IndexIDMap2`` for flat-coded types
         and during the flat fallback; with labels in insertion order (not ids) for graph types."""
@@ -262,7 +281,12 @@ class Index:
         self._fallback = False
         if not index.is_trained:
             if len(vectors) >= self.min_train and len(vectors) > 0:
-                index.train(vectors)
+                size = self.params.get("train_size", len(vectors))
+                if size < len(vectors):
+                    pick = np.random.default_rng(_TRAIN_SEED).choice(len(vectors), size, replace=False)
+                    index.train(np.ascontiguousarray(vectors[np.sort(pick)]))  # (size, dim)
+                else:
+                    index.train(vectors)
             else:
                 index = faiss.IndexFlat(self.dim, _METRICS[self.metric])
                 self._fallback = True
@@ -548,18 +572,35 @@ class Index:
         return None if selector is None else faiss.SearchParameters(sel=selector)
 
     def set_params(self, **params: float) -> None:
-        """Set search parameters, e.g. ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW).
+        """Set search parameters, e.g. ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW), and build parameters
+        (:data:`BUILD_PARAMS`): ``efConstruction=80`` (HNSW; for the vectors added from now on: set it when the
+        index is made, e.g. ``Database(..., index="HNSW32", search_params={"efConstruction": 80})``) or
+        ``train_size=50_000`` (IVF / PQ: the next training samples that many vectors). Read back from
+        :attr:`faiss_index` (``hnsw.efConstruction``) and :attr:`train_size`.
 
-        Every parameter is checked before any is kept: its name, its value (an integer >= 1; ``ht`` >= 0) and
-        that it applies to this spec's index type (even while an untrained spec is served by a flat fallback).
+        Every parameter is checked before any is kept: its name, its value (an integer >= 1; ``ht`` >= 0;
+        ``train_size`` >= :attr:`min_train`) and that it applies to this spec's index type (even while an
+        untrained spec is served by a flat fallback).
 
         Raises:
-            UnknownOptionError: a parameter name FAISS does not know, or one that does not apply to this type.
-            InvalidArgumentError: a value that is not a positive integer.
+            UnknownOptionError: a parameter name FAISS does not know, or one that does not apply to this type
+                (``train_size`` for a type that does not train).
+            InvalidArgumentError: a value that is not a positive integer, or ``train_size`` below
+                :attr:`min_train` (too few vectors to train the index).
         """
         checked = {name: check_search_param(name, value) for name, value in params.items()}
+        if "train_size" in checked:
+            if not self.min_train:
+                raise UnknownOptionError(f"build parameter 'train_size' does not apply to index {self.spec!r}")
+            if checked["train_size"] < self.min_train:
+                raise InvalidArgumentError(
+                    f"expected train_size >= {self.min_train} (the vectors {self.spec!r} needs to train), "
+                    f"got {checked['train_size']}"
+                )
         space = faiss.ParameterSpace()
         for name, value in checked.items():
+            if name == "train_size":
+                continue
             try:
                 space.set_index_parameter(self._template, name, value)
             except RuntimeError:
@@ -579,7 +620,8 @@ class Index:
         space = faiss.ParameterSpace()
         target = self._faiss.index if isinstance(self._faiss, faiss.IndexIDMap) else self._faiss
         for name, value in params.items():
-            space.set_index_parameter(target, name, value)  # checked against the same type by set_params
+            if name != "train_size":
+                space.set_index_parameter(target, name, value)  # checked against the same type by set_params
 
     # ------------------------------------------------------------------ persistence
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from kvsearch.checks import MAX_K
@@ -156,14 +157,16 @@ def make_index(
     """An empty index of ``spec``: the one place that maps a spec string to an index class.
 
     Args:
-        spec: ``"torch"``, ``"torch:float16"`` or ``"torch:bfloat16"`` for exact search in torch
-            (:class:`~kvsearch.torch_index.TorchIndex`), anything else an ``index_factory`` string for
-            :class:`Index` (``"Flat"``, ``"HNSW32"``, ``"IVF256,Flat"``...).
+        spec: ``"Flat"`` (the default: exact, the path chosen per call by :mod:`kvsearch.exact_path`),
+            ``"torch"``, ``"torch:float16"`` or ``"torch:bfloat16"`` for exact search in torch on a fixed path
+            (all :class:`~kvsearch.torch_index.TorchIndex`), anything else an ``index_factory`` string for
+            :class:`Index` (``"HNSW32"``, ``"IVF256,Flat"``...; ``Index(dim, "Flat")`` is FAISS's flat index).
         dim: key dimension.
         metric: ``"ip"`` or ``"l2"``.
         normalize: score unit vectors (cosine); needs metric ``"ip"``.
         source: the store to read keys from (a torch index searches its key tensor directly).
-        params: search parameters (a torch index takes none).
+        params: search parameters (a torch index takes none), and the build parameters ``efConstruction``
+            (HNSW) and ``train_size`` (IVF / PQ: vectors sampled to train on), see :class:`Index`.
 
     Returns:
         The index, empty (a source-bound torch index already sees the source's keys).
@@ -172,7 +175,7 @@ def make_index(
         UnknownOptionError: an unknown spec, metric or search parameter.
         InvalidArgumentError: a bad dim or parameter value, or ``normalize`` with metric ``"l2"``.
     """
-    dtype = parse_torch_spec(spec)
+    dtype: torch.dtype | str | None = "auto" if spec == "Flat" else parse_torch_spec(spec)
     if dtype is None:
         return Index(dim, spec, metric, normalize=normalize, source=source, params=params)
     index = TorchIndex(dim, metric, source=source, normalize=normalize, dtype=dtype)

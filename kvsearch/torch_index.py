@@ -14,8 +14,13 @@ exact, like FAISS's ``Flat``, but:
   ``2k + 48`` candidates of each query exactly in float32 and *checks* the result: a half-precision score is
   within a proven bound ``E`` (:meth:`TorchIndex.half_error_bound`) of the exact one, so when the k-th exact
   score beats the best score left out plus ``E``, nothing left out can belong to the top k. A query that fails
-  the check is searched again in float32. The ids are therefore those of the float32 search, at
-  half-precision speed;
+  the check (near-duplicate keys) is rescored again with a wider k' (at least 2,048 candidates), and only one
+  that fails that too is searched again in float32. The ids are therefore those of the float32 search, at
+  half-precision speed (:attr:`TorchIndex.last_widened`, :attr:`TorchIndex.last_rechecked` count them);
+- made from the spec ``"Flat"`` (the default index, ``dtype="auto"``) it picks the path of each call -- float32
+  scan, half-precision scan + exact rescoring, FAISS's BLAS search -- by batch size, device and what the
+  hardware runs fast (:mod:`kvsearch.exact_path`); the half copy is made at the first call that takes it;
+- every path returns the same ids and scores: keys whose scores tie are ordered by id (smaller first);
 - without a source (standalone) it holds the vectors given to ``build`` / ``add`` itself.
 
 Scores are computed a chunk of keys at a time by :func:`kvsearch.index.chunked_topk` (memory O(batch x chunk)).
@@ -38,7 +43,9 @@ from torch import Tensor
 
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.faiss_index import tune_faiss
+from kvsearch.exact_path import FAISS_MIN_BATCH, choose_path, forced_path
+from kvsearch.faiss_index import check_search_param, tune_faiss
+from kvsearch.half_scan import best_by_score_then_id, half_candidates, half_error, settled
 from kvsearch.topk import (
     EXACT_FILTER_MAX,
     KeySource,
@@ -50,10 +57,14 @@ from kvsearch.topk import (
     check_pairs,
     check_queries,
     chunked_topk,
-    exact_search,
 )
 
 __all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES", "FAISS_MIN_BATCH", "parse_torch_spec"]
+
+# FAISS_MIN_BATCH (kvsearch.exact_path): from this many queries per call, a float32 inner-product search on the CPU
+# without a filter runs in FAISS's exhaustive kernels (``faiss.knn``, blocked sgemm + heaps) over the same key
+# memory, no copy: its BLAS blocks ran batches of 64 and 1,024 queries 1.5-2x faster here than numpy's matmul per
+# chunk (benchmarks/RESULTS.md). One query (a matrix-vector product) stays in the chunked scan.
 
 #: Key storage dtypes a TorchIndex accepts, by name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -62,17 +73,13 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
-#: From this many queries per call, a float32 inner-product search on the CPU without a filter runs in FAISS's
-#: exhaustive kernels (``faiss.knn``, blocked sgemm + heaps) over the same key memory, no copy: its BLAS blocks
-#: ran batches of 64 and 1,024 queries 1.5-2x faster here than numpy's matmul per chunk (benchmarks/RESULTS.md).
-#: One query (a matrix-vector product) stays in the chunked scan, which reads the keys at twice FAISS's bandwidth.
-FAISS_MIN_BATCH = 32
-#: Unit roundoff of each half type (round to nearest): a stored value is within u * |x| of the float32 one.
-_UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-#: float16 range: a score or element beyond this overflows; such queries are searched in float32.
-_FP16_SAFE = 3.0e4
-#: Extra candidates a half-precision scan keeps for the exact rescoring: K' = 2k + _HALF_EXTRA.
+#: Extra candidates a half-precision scan keeps for the exact rescoring: k' = 2k + _HALF_EXTRA.
 _HALF_EXTRA = 48
+#: The wider k' (at least) for the queries the first k' did not settle (near-duplicate keys): rescoring a few
+#: thousand candidates costs far less than searching the query again in float32.
+_HALF_WIDE = 2048
+#: Extra rows a float32 / FAISS scan keeps so that keys tied with the k-th can be ordered by id.
+_TIE_EXTRA = 8
 
 
 def parse_torch_spec(spec: str) -> torch.dtype | None:
@@ -132,7 +139,8 @@ class TorchIndex:
         normalize: score unit keys and unit queries (cosine); both are normalised here. With a source this costs
             an (n,) vector of inverse norms, not a normalised copy.
         dtype: ``"float32"``, or ``"bfloat16"`` / ``"float16"`` to also keep a half-precision copy that is
-            scanned first; the results stay those of the float32 search (checked per query, see above).
+            scanned first; the results stay those of the float32 search (checked per query, see above); or
+            ``"auto"`` (spec ``"Flat"``): the path is chosen per call (:mod:`kvsearch.exact_path`).
         chunk_elements: how many scores (batch x chunk) are computed at once.
 
     Raises:
@@ -152,6 +160,9 @@ class TorchIndex:
         chunk_elements: int = CHUNK_ELEMENTS,
     ) -> None:
         check_index_args(dim, metric, normalize)
+        auto = dtype == "auto"
+        if auto:
+            dtype = "float32"
         if isinstance(dtype, str):
             if dtype not in TORCH_DTYPES:
                 raise UnknownOptionError(f"expected dtype among {tuple(TORCH_DTYPES)}, got {dtype!r}")
@@ -163,16 +174,25 @@ class TorchIndex:
         self.dim = dim
         self.metric: Metric = metric
         self.normalize = bool(normalize)
-        self.dtype = dtype
+        #: The keys' scan dtype, or None for ``"auto"`` (the ``"Flat"`` spec: chosen per call).
+        self.dtype: torch.dtype | None = None if auto else dtype
         self.chunk_elements = chunk_elements
         self.source = source
         self.spec = "torch" if dtype == torch.float32 else f"torch:{str(dtype).removeprefix('torch.')}"
+        if auto:
+            self.spec = "Flat"
         self.params: dict[str, int] = {}
         self.exact_filter_max = EXACT_FILTER_MAX
         self.min_train = 0
         self.removable = True
-        #: Queries of the last half-precision search that failed the check and were searched in float32.
+        #: The path of the last search: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"faiss"``.
+        self.last_path = ""
+        #: Queries of the last half-precision search whose first k' the bound did not settle (rescored wider).
+        self.last_widened = 0
+        #: Queries of the last half-precision search that the wider k' did not settle either: searched in float32.
         self.last_rechecked = 0
+        self._half_width = 0  # the k' that settled near-duplicate data last time (speed only)
+        self._half_futile: Any = None  # the keys' tag where the half path had to search most queries again
         # Standalone storage (no source): ids (n,) int64 CPU, vectors (n, dim) float32.
         self._ids = torch.empty(0, dtype=torch.long)
         self._vectors = torch.empty(0, dim)
@@ -269,10 +289,16 @@ class TorchIndex:
         """Exact search has no search parameters.
 
         Raises:
+            InvalidArgumentError: a known parameter with a bad value (checked first, as a FAISS index does).
             UnknownOptionError: any parameter is given.
         """
+        for name, value in params.items():
+            check_search_param(name, value)  # a bad name or value says so first, as a FAISS index does
         if params:
-            raise UnknownOptionError(f"the torch exact index takes no search parameters, got {sorted(params)}")
+            raise UnknownOptionError(
+                f"expected no search parameters, got {sorted(params)}: a search parameter does not apply to the "
+                f"exact index {self.spec!r}"
+            )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """A torch index is never saved (:attr:`persisted` is False): make it again from its source.
@@ -313,39 +339,56 @@ class TorchIndex:
         q = queries.detach().to(device, torch.float32)  # (batch, dim)
         if self.normalize:
             q = F.normalize(q, dim=-1, eps=COSINE_EPS)  # (batch, dim)
-        self.last_rechecked = 0
-        keep = None
-        if allowed is not None and n and batch:
-            rows = self._rows_of(d, check_allowed(allowed))  # (m,) CPU rows of the live allowed ids
-            if len(rows) <= max(8 * k, self.exact_filter_max):
-                result = exact_search(
-                    q,
-                    d.keys,
-                    d.ids[rows],
-                    k,
-                    metric=self.metric,
-                    rows=rows,
-                    norm_term=d.norm_term,
-                    chunk_elements=self.chunk_elements,
-                )  # (batch, k) each, on the keys' device
-                return self._on(result, queries.device)
-            keep = torch.zeros(n, dtype=torch.bool, device=device).index_fill_(0, rows.to(device), True)  # (n,)
+        self.last_rechecked = self.last_widened = 0
+        self.last_path = ""
         out_scores = torch.full((batch, k), math.nan, dtype=torch.float32, device=device)  # (batch, k)
         out_ids = torch.full((batch, k), -1, dtype=torch.long, device=device)  # (batch, k)
         if n == 0 or batch == 0:
             return self._on(SearchResult(out_scores, out_ids), queries.device)
-        take = min(k, n)
-        if d.half is None:
-            vals, rows = self._exact_scan(q, d, take, keep)  # (batch, take) each
-        else:
-            vals, rows = self._half_search(q, d, take, keep)  # (batch, take) each
+        keep = None
+        if allowed is not None:
+            rows = self._rows_of(d, check_allowed(allowed))  # (m,) CPU rows of the live allowed ids
+            if len(rows) <= max(8 * k, self.exact_filter_max):  # few: score exactly those rows, all of them
+                self.last_path = "float32"
+                take = min(k, len(rows))
+                if take == 0:
+                    return self._on(SearchResult(out_scores, out_ids), queries.device)
+                rows = rows.to(device)  # (m,)
+                vals, pos = chunked_topk(
+                    q,
+                    d.keys,
+                    len(rows),
+                    metric=self.metric,
+                    rows=rows,
+                    norm_term=d.norm_term,
+                    chunk_elements=self.chunk_elements,
+                )  # (batch, m) each
+                found = rows[pos.clamp(min=0)].masked_fill(pos < 0, -1)  # (batch, m) key rows
+                vals, found = best_by_score_then_id(vals, found, d.device_ids, take)  # (batch, take) each
+                return self._finish(q, d, vals, found, out_scores, out_ids, queries.device)
+            keep = torch.zeros(n, dtype=torch.bool, device=device).index_fill_(0, rows.to(device), True)  # (n,)
+        vals, found = self._top(q, d, min(k, n), keep)  # (batch, take) each
+        return self._finish(q, d, vals, found, out_scores, out_ids, queries.device)
+
+    def _finish(
+        self,
+        q: Tensor,
+        d: DerivedKeys,
+        vals: Tensor,
+        rows: Tensor,
+        out_scores: Tensor,
+        out_ids: Tensor,
+        device: torch.device,
+    ) -> SearchResult:
+        """Scores (l2: distances) and ids of the top rows (batch, take) into the (batch, k) outputs, on ``device``."""
+        take = vals.shape[1]
         if self.metric == "l2":
             q_sq = q.pow(2).sum(-1, keepdim=True)  # (batch, 1)
             vals = (q_sq - vals).clamp_(min=0)  # (batch, take): |q|^2 - (2 q.k - |k|^2); -inf -> inf
         missing = rows < 0  # (batch, take) filtered out or absent
         out_scores[:, :take] = vals.masked_fill(missing, math.nan)
         out_ids[:, :take] = d.device_ids[rows.clamp(min=0)].masked_fill(missing, -1)
-        return self._on(SearchResult(out_scores, out_ids), queries.device)
+        return self._on(SearchResult(out_scores, out_ids), device)
 
     def half_error_bound(self, queries: Tensor) -> Tensor:
         """A proven bound (batch,) on |half-precision score - float32 score| of any key, for each query.
@@ -371,14 +414,15 @@ class TorchIndex:
         """
         check_queries(queries, self.dim)
         d = self.derived()
-        if d.half is None:
+        if self.dtype in (None, torch.float32):
             raise InvalidArgumentError(
                 f"expected a half-precision index ('torch:float16', 'torch:bfloat16'), got {self.spec!r}"
             )
         q = queries.detach().to(d.keys.device, torch.float32)  # (batch, dim)
         if self.normalize:
             q = F.normalize(q, dim=-1, eps=COSINE_EPS)  # (batch, dim)
-        return self._half_error(q, d)
+        _, max_norm, max_abs = self._half_copy(d, self.dtype)
+        return half_error(q, self.dtype, max_norm, max_abs, self.metric)
 
     def derived(self) -> DerivedKeys:
         """The keys a search reads and what is derived from them (norm term, half copy), brought up to date:
@@ -393,93 +437,115 @@ class TorchIndex:
         if tag != self._tag or self._derived is None:
             self._derived = self._derive(ids, keys)
             self._tag = tag
+            if self.dtype is not None and self.dtype != torch.float32:  # a fixed half spec: its copy up front
+                self._half_copy(self._derived, self.dtype)
         return self._derived
 
     # ------------------------------------------------------------------ the scans
 
-    def _exact_scan(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Top ``take`` of the float32 scores: values (batch, take) (maximised: ip, or 2 q.k - |k|^2), rows."""
-        if (
-            q.shape[0] >= FAISS_MIN_BATCH
-            and q.device.type == "cpu"
-            and self.metric == "ip"
-            and d.norm_term is None
-            and keep is None
-            and d.keys.dtype == torch.float32
-            and d.keys.is_contiguous()
-        ):
+    def _path(self, batch: int, device: torch.device, d: DerivedKeys, filtered: bool) -> str:
+        """The path of this call: the spec's dtype, or for ``"Flat"`` :func:`~kvsearch.exact_path.choose_path`."""
+        faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
+        if self.dtype is None:
+            path = choose_path(batch, device, faiss_ok=faiss_ok)
+            if path in ("bfloat16", "float16") and forced_path() == "auto" and self._half_futile == self._tag:
+                # these keys defeated the half path (the bound cannot separate them): float32 until they change
+                path = "faiss" if faiss_ok and device.type == "cpu" and batch >= FAISS_MIN_BATCH else "float32"
+            return path
+        if self.dtype != torch.float32:
+            return str(self.dtype).removeprefix("torch.")
+        return "faiss" if faiss_ok and device.type == "cpu" and batch >= FAISS_MIN_BATCH else "float32"
+
+    def _top(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The exact top ``take`` rows of every query, ties by id: values (batch, take) (maximised: ip, or
+        2 q.k - |k|^2; -inf where absent) and rows (batch, take) (-1 there), on the keys' path of this call."""
+        batch, n = q.shape[0], len(d.ids)
+        path = self._path(batch, q.device, d, keep is not None)
+        self.last_path = path
+        vals = torch.full((batch, take), -math.inf, device=q.device)  # (batch, take)
+        rows = torch.full((batch, take), -1, dtype=torch.long, device=q.device)  # (batch, take)
+        todo = torch.ones(batch, dtype=torch.bool, device=q.device)  # (batch,) not settled yet
+        if path in ("bfloat16", "float16"):
+            dtype = TORCH_DTYPES[path]
+            half, max_norm, max_abs = self._half_copy(d, dtype)
+            bound = half_error(q, dtype, max_norm, max_abs, self.metric)  # (batch,)
+            pending = torch.isfinite(bound)  # (batch,) float16 could overflow elsewhere: float32 for those
+            width = min(n, max(2 * take + _HALF_EXTRA, self._half_width))  # k'
+            for attempt in range(2):  # k', then once a wider k' for the queries the bound did not settle
+                if not pending.any():
+                    break
+                if attempt == 1:
+                    width = min(n, max(16 * (2 * take + _HALF_EXTRA), _HALF_WIDE))  # not compounded
+                    self.last_widened = int(pending.sum())
+                    self._half_width = width  # later calls on such data start wide (speed only: same ids)
+                at = pending.nonzero().squeeze(1)  # (r,)
+                scan_norm = d.norm_term if self.metric == "l2" else None  # cosine: the copy holds unit rows
+                exact, cand, ceiling = half_candidates(
+                    q[at],
+                    d.keys,
+                    half,
+                    width,
+                    bound[at],
+                    metric=self.metric,
+                    norm_term=d.norm_term,
+                    scan_norm=scan_norm,
+                    keep=keep,
+                    chunk_elements=self.chunk_elements,
+                )  # (r, width) each, (r,)
+                ok = settled(exact, take, ceiling if width < n else torch.full_like(ceiling, -math.inf))  # (r,)
+                v, r = best_by_score_then_id(exact, cand, d.device_ids, take)  # (r, take) each
+                vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
+                pending[at[ok]] = False
+            todo = ~torch.isfinite(bound) | pending  # (batch,)
+            if int(pending.sum()) * 2 > batch:  # the wider k' did not settle most queries either
+                self._half_futile = self._tag
+            self.last_rechecked = int(todo.sum())
+            path = "float32"
+        width = min(n, take + _TIE_EXTRA)
+        while todo.any():  # float32 / FAISS: widened until the take-th value is above everything left out
+            at = todo.nonzero().squeeze(1)  # (r,)
+            v, r = self._scan32(q[at], d, width, keep, path)  # (r, width) each
+            left_out = torch.where(r[:, -1] < 0, -math.inf, v[:, -1])  # (r,)
+            ok = settled(v, take, left_out) if width < n else torch.ones_like(at, dtype=torch.bool)  # (r,)
+            v, r = best_by_score_then_id(v, r, d.device_ids, take)  # (r, take) each
+            vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
+            todo[at[ok]] = False
+            width = min(n, 8 * width)
+        return vals, rows
+
+    def _scan32(self, q: Tensor, d: DerivedKeys, width: int, keep: Tensor | None, path: str) -> tuple[Tensor, Tensor]:
+        """Top ``width`` of the float32 scores, unordered ties: values (batch, width), rows (batch, width)."""
+        if path == "faiss":
             tune_faiss()  # FAISS's default BLAS threshold would send a batch under ~334 queries to a scalar loop
-            vals, rows = faiss.knn(q.contiguous().numpy(), d.keys.numpy(), take, faiss.METRIC_INNER_PRODUCT)
-            return torch.from_numpy(vals), torch.from_numpy(rows)  # (batch, take) each, best first
+            vals, rows = faiss.knn(q.contiguous().numpy(), d.keys.numpy(), width, faiss.METRIC_INNER_PRODUCT)
+            return torch.from_numpy(vals), torch.from_numpy(rows)  # (batch, width) each, best first
         return chunked_topk(
             q,
             d.keys,
-            take,
+            width,
             metric=self.metric,
             norm_term=d.norm_term,
             keep=keep,
             chunk_elements=self.chunk_elements,
-        )  # (batch, take) each
+        )  # (batch, width) each
 
-    def _half_search(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Scan the half copy for K' candidates, rescore them in float32, check the bound; redo failures exactly.
-
-        The check, per query: every key left out scored at most ``a`` (the K'-th half-precision score kept),
-        and a half-precision score is within ``E`` of the exact one, so a left-out key scores at most
-        ``a + E`` exactly. If the k-th exact score among the kept candidates is above that, the kept
-        candidates hold the exact top k. A query that kept every admissible key passes trivially. Queries
-        with no finite bound (float16 could overflow) skip the half scan.
-        """
-        batch, n = q.shape[0], len(d.ids)
-        bound = self._half_error(q, d)  # (batch,)
-        vals = torch.full((batch, take), -math.inf, device=q.device)  # (batch, take)
-        rows = torch.full((batch, take), -1, dtype=torch.long, device=q.device)  # (batch, take)
-        checked = torch.zeros(batch, dtype=torch.bool, device=q.device)  # (batch,)
-        safe = torch.isfinite(bound)  # (batch,)
-        if safe.any():
-            qs = q[safe]  # (s, dim)
-            extra = min(n, 2 * take + _HALF_EXTRA)  # K'
-            scan_norm = d.norm_term if self.metric == "l2" else None  # cosine: the copy holds unit rows already
-            approx, cand = chunked_topk(
-                qs.to(d.half.dtype),
-                d.half,
-                extra,
-                metric=self.metric,
-                norm_term=scan_norm,
-                keep=keep,
-                chunk_elements=self.chunk_elements,
-            )  # (s, K') float32, rows (s, K')
-            # exact float32 scores of the kept candidates, computed as the float32 scan computes them
-            exact = torch.einsum("bd,bkd->bk", qs, d.keys[cand.clamp(min=0)].float())  # (s, K')
-            if d.norm_term is not None:
-                term = d.norm_term[cand.clamp(min=0)]  # (s, K')
-                exact = exact * term if self.metric == "ip" else exact.mul_(2).sub_(term)  # (s, K')
-            exact = exact.masked_fill(cand < 0, -math.inf)  # (s, K')
-            top, pick = torch.topk(exact, take, dim=1)  # (s, take)
-            vals[safe] = top
-            rows[safe] = cand.gather(1, pick).masked_fill(torch.isinf(top), -1)
-            least_kept = approx[:, -1]  # (s,) -inf when fewer than K' admissible keys exist: all were kept
-            checked[safe] = (cand[:, -1] < 0) | (top[:, -1] > least_kept + bound[safe])
-        redo = ~checked  # (batch,)
-        self.last_rechecked = int(redo.sum())
-        if self.last_rechecked:
-            v, r = self._exact_scan(q[redo], d, take, keep)  # (r, take)
-            vals[redo], rows[redo] = v, r
-        return vals, rows
-
-    def _half_error(self, q: Tensor, d: DerivedKeys) -> Tensor:
-        """:meth:`half_error_bound` of queries ``q`` (batch, dim) already on the keys' device and normalised."""
-        dtype = d.half.dtype
-        u, tiny = _UNIT_ROUNDOFF[dtype], float(torch.finfo(dtype).tiny)
-        q_norm = q.norm(dim=1)  # (batch,)
-        c = 3 * u + 3 * u * u + 2 * self.dim * 2.0**-24
-        lost = tiny * (1 + u) * math.sqrt(self.dim) * (q_norm + d.half_max_norm) + tiny  # (batch,)
-        bound = 1.01 * (c * q_norm * d.half_max_norm + lost)  # (batch,)
-        if dtype == torch.float16:
-            unsafe = (q.abs().amax(dim=1) > _FP16_SAFE) | (q_norm * d.half_max_norm > _FP16_SAFE)  # (batch,)
-            unsafe |= d.half_max_abs > _FP16_SAFE
-            bound = bound.masked_fill(unsafe, math.inf)  # (batch,)
-        return bound * (2.0 if self.metric == "l2" else 1.0)  # (batch,)
+    def _half_copy(self, d: DerivedKeys, dtype: torch.dtype) -> tuple[Tensor, float, float]:
+        """The half copy of the keys in ``dtype`` (made at first use: a ``"Flat"`` index keeps none until a call
+        takes a half path), its largest row norm and element."""
+        if d.half is None or d.half.dtype != dtype:
+            raw_cosine = self.normalize and self.source is not None
+            parts, max_norm, max_abs = [], 0.0, 0.0
+            for start in range(0, len(d.keys), 65_536):
+                block = d.keys[start : start + 65_536].float()  # (c, dim)
+                scored = F.normalize(block, dim=-1, eps=COSINE_EPS) if raw_cosine else block  # (c, dim)
+                half = scored.to(dtype)  # (c, dim)
+                parts.append(half)
+                as_float = half.float()  # (c, dim)
+                max_norm = max(max_norm, float(as_float.norm(dim=-1).max()))
+                max_abs = max(max_abs, float(as_float.abs().max()))
+            empty = torch.empty(0, self.dim, dtype=dtype, device=d.keys.device)
+            d.half, d.half_max_norm, d.half_max_abs = (torch.cat(parts) if parts else empty), max_norm, max_abs
+        return d.half, d.half_max_norm, d.half_max_abs
 
     # ------------------------------------------------------------------ helpers
 
@@ -498,36 +564,22 @@ class TorchIndex:
         return torch.isin(d.ids, allowed).nonzero().squeeze(1)  # (m',)
 
     def _derive(self, ids: Tensor, keys: Tensor) -> DerivedKeys:
-        """Norm term and half copy of ``keys`` (n, dim), computed a block of rows at a time."""
+        """Norm term of ``keys`` (n, dim), computed a block of rows at a time (the half copy: at first use)."""
         raw_cosine = self.normalize and self.source is not None  # standalone vectors are normalised on the way in
-        need_norms = self.metric == "l2" or raw_cosine
-        keep_half = self.dtype != torch.float32
         device = keys.device
         device_ids = ids.to(device)  # (n,) once per change, not per search
-        norm_parts, half_parts = [], []
-        max_norm, max_abs = 0.0, 0.0
-        if not need_norms and not keep_half:  # float32 inner product: the keys are scanned as they are
+        if self.metric != "l2" and not raw_cosine:  # inner product: the keys are scanned as they are
             return DerivedKeys(ids, device_ids, keys)
-        step = 65_536
-        for start in range(0, len(keys), step):
-            block = keys[start : start + step].float()  # (c, dim)
-            if need_norms:
-                norm = torch.linalg.vector_norm(block, dim=-1)  # (c,) without a squared copy of the block
-                norm_parts.append(norm.clamp(min=COSINE_EPS).reciprocal() if raw_cosine else norm.square())  # (c,)
-            if keep_half:
-                scored = F.normalize(block, dim=-1, eps=COSINE_EPS) if raw_cosine else block  # (c, dim)
-                half = scored.to(self.dtype)  # (c, dim)
-                half_parts.append(half)
-                as_float = half.float()  # (c, dim)
-                max_norm = max(max_norm, float(as_float.norm(dim=-1).max()))
-                max_abs = max(max_abs, float(as_float.abs().max()))
-        norm_term = None
-        if need_norms:
-            norm_term = torch.cat(norm_parts) if norm_parts else torch.empty(0, device=device)  # (n,)
-        half = None
-        if keep_half:
-            half = torch.cat(half_parts) if half_parts else torch.empty(0, self.dim, dtype=self.dtype, device=device)
-        return DerivedKeys(ids, device_ids, keys, norm_term, half, max_norm, max_abs)
+        parts = []
+        for start in range(0, len(keys), 16_384):
+            block = keys[start : start + 16_384].float()  # (c, dim)
+            if raw_cosine:
+                norm = torch.linalg.vector_norm(block, dim=-1)  # (c,)
+                parts.append(norm.clamp(min=COSINE_EPS).reciprocal())  # (c,)
+            else:  # summed squares, not a squared norm: equal rows get equal terms (exact ties stay ties)
+                parts.append(block.mul(block).sum(-1))  # (c,)
+        norm_term = torch.cat(parts) if parts else torch.empty(0, device=device)  # (n,)
+        return DerivedKeys(ids, device_ids, keys, norm_term)
 
     def _check(self, ids: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         """Checked ids (n,) int64 CPU and keys (n, dim) float32 (unit rows for a standalone cosine index)."""
