@@ -113,7 +113,54 @@ def w_dense(m: int, nq: int, kind: str, backward: bool, max_gib: float) -> dict:
     return r
 
 
-WORKERS = {"topk": w_topk, "dense": w_dense}
+def w_ann(m: int, nq: int, index: str, nprobe: int | None) -> dict:
+    """Top-k attention forward + backward on clustered data with an approximate index, and its recall@K.
+
+    The same clustered keys and queries as bench_search's ANN section; recall@K is against the exact top K by
+    the same score (dot), over the same queries. SDPA over every key on these very keys is the comparison.
+    """
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from kvsearch import Database
+
+    data, qs = common.clustered(m, nq)
+    keys = torch.from_numpy(np.ascontiguousarray(data))  # (m, d)
+    values = torch.from_numpy(np.array(common.random_vectors(m, seed=7)))  # (m, d)
+    queries = torch.from_numpy(np.ascontiguousarray(qs))  # (nq, d)
+    if index == "sdpa":
+
+        def sdpa() -> None:
+            q = queries.clone().requires_grad_()
+            F.scaled_dot_product_attention(q[None], keys[None], values[None])[0].sum().backward()
+
+        return _measure(sdpa)
+    db = Database(None, dim=common.DIM, value_dim=common.DIM, score="dot", index=index)
+    store = db.store
+    store.ids, store.keys, store.values = torch.arange(1, m + 1), keys, values
+    start = time.perf_counter()
+    db.index.rebuild()  # from the store's tensors set above (trains IVF, builds the HNSW graph)
+    build = time.perf_counter() - start
+    if nprobe is not None:
+        db.set_search_params(nprobe=nprobe)
+    found = db.index.search(queries, K)[1]  # (nq, K) ids, 1-based
+    truth = torch.topk(queries @ keys.T, K, dim=1).indices + 1  # (nq, K) exact by dot
+    recall = float(np.mean([len(set(a.tolist()) & set(b.tolist())) / K for a, b in zip(found, truth)]))
+
+    def forward_backward() -> None:
+        q = queries.clone().requires_grad_()
+        db.query(q, k=K).output.sum().backward()
+
+    r = _measure(forward_backward)
+    r.update(recall=recall, build_seconds=build)
+    return r
+
+
+WORKERS = {"topk": w_topk, "dense": w_dense, "ann": w_ann}
+
+#: Approximate indexes for the ANN attention rows, with their search parameter.
+ANN_SPECS = [("IVF1024,Flat", 8), ("HNSW32", None)]
 
 
 def main() -> None:
@@ -124,8 +171,12 @@ def main() -> None:
     parser.add_argument("--index", default="torch", help="the database's index for the top-k rows")
     parser.add_argument("--max-gib", type=float, default=7.0, help="skip dense runs estimated above this")
     parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--ann-only", action="store_true", help="only the ANN attention rows (clustered data, m)")
     args = parser.parse_args()
     info = common.machine()
+    if args.ann_only:
+        ann_section(args, info)
+        return
     sizes = [100_000] if args.quick else sorted({100_000, args.m})
     batches = [64] if args.quick else [64, 1024]
     topk_rows, dense_rows, got = [], [], {}
@@ -200,6 +251,48 @@ def main() -> None:
             (f"Top-k differentiable query (k={K}, index={args.index}) vs the bare search", topk_table),
             ("Attention over every key: dense torch vs SDPA vs ours streaming (scaled_dot, d=384)", dense_table),
             ("Ratios", ratio_table),
+        ],
+        not args.no_append,
+    )
+
+
+def ann_section(args: argparse.Namespace, info: dict) -> None:
+    """Top-k attention fwd+bwd with IVF and HNSW (recall@K stated) beside SDPA over every key, on clustered data."""
+    nq, rows, got = 1024, [], {}
+    for spec, nprobe in [("sdpa", None), ("torch", None), *ANN_SPECS]:
+        r = common.run_fresh(__file__, "ann", {"m": args.m, "nq": nq, "index": spec, "nprobe": nprobe})
+        got[spec] = r
+        name = (
+            "SDPA over every key"
+            if spec == "sdpa"
+            else f"top-{K} query, index {spec}" + (f" (nprobe {nprobe})" if nprobe else "")
+        )
+        rows.append(
+            [
+                f"{args.m:,}",
+                nq,
+                name,
+                r.get("seconds", math.nan) * 1000,
+                r.get("peak_extra_mib", math.nan),
+                r.get("recall", math.nan),
+                r.get("build_seconds", math.nan),
+                got["sdpa"].get("seconds", math.nan) / r.get("seconds", math.nan),
+                got["sdpa"].get("peak_extra_mib", math.nan) / max(r.get("peak_extra_mib", math.nan), 1.0),
+                r.get("error", ""),
+            ]
+        )
+        print(rows[-1], flush=True)
+    headers = ["m", "batch", "forward + backward", "ms", "peak extra MiB", f"recall@{K}", "index build s"]
+    headers += ["SDPA / this (time)", "SDPA / this (memory)", "error"]
+    common.report(
+        "bench_attention (ANN rows)",
+        common.command_line(),
+        info,
+        [
+            (
+                f"Top-{K} attention fwd+bwd on clustered data (score dot, d=384) vs SDPA over every key",
+                common.table(headers, rows),
+            )
         ],
         not args.no_append,
     )
