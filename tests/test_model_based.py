@@ -604,8 +604,9 @@ def test_flat_matches_reference(machine):
 
 def test_a_second_handle_matches_reference():
     stats = _run(TwoHandles, 120, steps=16)
-    # how many of each depends on hypothesis's draws (23-46 catch-ups seen): only that both paths ran
-    assert stats["catch_ups"] > 5 and stats["full_reloads"] > 5 and stats["refreshes"] > 5
+    # how many of each depends on hypothesis's draws and its example database (21-46 catch-ups, 2-10 full reloads
+    # seen): only that both paths ran; tests/test_changelog.py forces each fallback deterministically
+    assert stats["catch_ups"] > 5 and stats["full_reloads"] > 0 and stats["refreshes"] > 0
 
 
 def check_approximate(stats: Counter[str], sequences: int) -> None:
