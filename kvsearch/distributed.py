@@ -402,6 +402,7 @@ class ShardedDatabase:
 
         def check_new() -> None:  # add: no key stored or given twice, checked on every owner before any write
             given: dict[str, int] = {}
+            mine: dict[int, list[str]] = {s: [] for s in self.shards}  # the keys each local shard would take
             for source, records in enumerate(batches):
                 for owner, key, *_ in records:
                     if key is None or owner not in self.shards:
@@ -412,11 +413,14 @@ class ShardedDatabase:
                             "nothing was added"
                         )
                     given[key] = source
-                    if key in self.shards[owner]:
-                        raise errors.DuplicateKeyError(
-                            f"expected new keys, got {key!r}, which is stored; nothing was added "
-                            "(upsert replaces a stored key)"
-                        )
+                    mine[owner].append(key)
+            for s, keys in mine.items():  # one lookup per shard
+                stored = [key for key, id_ in zip(keys, self.shards[s].ids_of_keys(keys).tolist()) if id_ >= 0]
+                if stored:
+                    raise errors.DuplicateKeyError(
+                        f"expected new keys, got {stored[0]!r}, which is stored; nothing was added "
+                        "(upsert replaces a stored key)"
+                    )
 
         if not upsert:
             self._agree(check_new)

@@ -602,23 +602,13 @@ class Store:
     @staticmethod
     def _rows_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> list[tuple]:
         """(id, key, key_emb, value_emb) of the stored ids, in id order (ids not stored are left out)."""
-        rows: list[tuple] = []
-        for start in range(0, len(ids), 900):  # SQLite's bound-parameter limit
-            chunk = list(ids[start : start + 900])
-            marks = ",".join("?" * len(chunk))
-            sql = f"SELECT id, key, key_emb, value_emb FROM records WHERE id IN ({marks}) ORDER BY id"
-            rows.extend(conn.execute(sql, chunk).fetchall())
-        return rows
+        rows = _select_in(conn, "SELECT id, key, key_emb, value_emb FROM records WHERE id IN ({})", ids)
+        return sorted(rows, key=lambda row: row[0])
 
     @staticmethod
     def _given_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, int]:
         """id -> its ``given`` bits, for those of the ids that have any."""
-        flags: dict[int, int] = {}
-        for start in range(0, len(ids), 900):  # SQLite's bound-parameter limit
-            chunk = list(ids[start : start + 900])
-            marks = ",".join("?" * len(chunk))
-            flags.update(conn.execute(f"SELECT id, side FROM given WHERE id IN ({marks})", chunk).fetchall())
-        return flags
+        return dict(_select_in(conn, "SELECT id, side FROM given WHERE id IN ({})", ids))
 
     def _append(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
         """Append rows to the mirror: ids (a,), keys (a, dim), values (a, value_dim), copied.
@@ -970,44 +960,29 @@ class Store:
     def fetch(self, ids: Iterable[int]) -> dict[int, Record]:
         """Whole records (text, metadata, embeddings) for ids, in one query."""
         wanted = sorted({int(i) for i in ids if 0 <= int(i) < 2**63})  # SQLite holds int64 ids only
-        out: dict[int, Record] = {}
-        for start in range(0, len(wanted), 900):  # SQLite's bound-parameter limit
-            chunk = wanted[start : start + 900]
-            marks = ",".join("?" * len(chunk))
-            for id_, key, value, meta, kb, vb in self._conn.execute(
-                f"SELECT id, key, value, metadata, key_emb, value_emb FROM records WHERE id IN ({marks})",
-                chunk,
-            ):
-                out[id_] = Record(
-                    id=id_,
-                    key=key,
-                    value=value,
-                    metadata=json.loads(meta) if meta else {},
-                    key_embedding=torch.from_numpy(np.frombuffer(kb, dtype=np.float32).copy()),
-                    value_embedding=torch.from_numpy(np.frombuffer(vb, dtype=np.float32).copy()),
-                )
-        return out
+        sql = "SELECT id, key, value, metadata, key_emb, value_emb FROM records WHERE id IN ({})"
+        return {
+            id_: Record(
+                id=id_,
+                key=key,
+                value=value,
+                metadata=json.loads(meta) if meta else {},
+                key_embedding=torch.from_numpy(np.frombuffer(kb, dtype=np.float32).copy()),
+                value_embedding=torch.from_numpy(np.frombuffer(vb, dtype=np.float32).copy()),
+            )
+            for id_, key, value, meta, kb, vb in _select_in(self._conn, sql, wanted)
+        }
 
     def value_texts(self, ids: Iterable[int]) -> dict[int, str | None]:
         """Value text for ids (None for embedding-only values), in one query."""
         wanted = sorted({int(i) for i in ids if 0 <= int(i) < 2**63})  # SQLite holds int64 ids only
-        out: dict[int, str | None] = {}
-        for start in range(0, len(wanted), 900):
-            chunk = wanted[start : start + 900]
-            marks = ",".join("?" * len(chunk))
-            out.update(self._conn.execute(f"SELECT id, value FROM records WHERE id IN ({marks})", chunk).fetchall())
-        return out
+        return dict(_select_in(self._conn, "SELECT id, value FROM records WHERE id IN ({})", wanted))
 
     def metadata_texts(self, ids: Iterable[int]) -> dict[int, str]:
         """id -> the record's metadata as stored (JSON text), for the ids among ``ids`` that have metadata."""
         wanted = sorted({int(i) for i in ids if int(i) >= 0})
-        out: dict[int, str] = {}
-        for start in range(0, len(wanted), 900):  # SQLite's bound-parameter limit
-            chunk = wanted[start : start + 900]
-            marks = ",".join("?" * len(chunk))
-            sql = f"SELECT id, metadata FROM records WHERE id IN ({marks}) AND metadata IS NOT NULL"
-            out.update(self._conn.execute(sql, chunk).fetchall())
-        return out
+        sql = "SELECT id, metadata FROM records WHERE id IN ({}) AND metadata IS NOT NULL"
+        return dict(_select_in(self._conn, sql, wanted))
 
     def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:
         """id -> the value as an answer shows it: its text, or its embedding (CPU tensor) when it has no text.
@@ -1028,12 +1003,7 @@ class Store:
     def values_present(self, texts: Sequence[str]) -> Tensor:
         """Whether some record has each value text: (n,) bool on the CPU."""
         wanted = sorted(set(texts))
-        found: set[str] = set()
-        for start in range(0, len(wanted), 900):  # SQLite's bound-parameter limit
-            chunk = wanted[start : start + 900]
-            marks = ",".join("?" * len(chunk))
-            rows = self._conn.execute(f"SELECT DISTINCT value FROM records WHERE value IN ({marks})", chunk)
-            found.update(r[0] for r in rows)
+        found = {r[0] for r in _select_in(self._conn, "SELECT DISTINCT value FROM records WHERE value IN ({})", wanted)}
         return torch.tensor([t in found for t in texts], dtype=torch.bool)
 
     def ids_where(self, where: dict[str, Any]) -> Tensor:
@@ -1088,6 +1058,15 @@ def _id_of_key(key_of_id: dict[int, str], where: Path | None) -> dict[str, int]:
         stacklevel=4,
     )
     return {key: ids[0] for key, ids in groups.items()}
+
+
+def _select_in(conn: sqlite3.Connection, sql: str, values: Sequence[Any]) -> list[tuple]:
+    """The rows of ``sql`` (one ``IN ({})``) for every value, in chunks under SQLite's bound-parameter limit."""
+    rows: list[tuple] = []
+    for start in range(0, len(values), 900):
+        chunk = list(values[start : start + 900])
+        rows.extend(conn.execute(sql.format(",".join("?" * len(chunk))), chunk).fetchall())
+    return rows
 
 
 def _crc32(array: np.ndarray) -> int:
