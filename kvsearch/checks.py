@@ -79,12 +79,18 @@ def check_k(k: object, *, allow_all: bool = False) -> int | Literal["all"]:
 def all_finite(x: Tensor) -> bool:
     """Whether ``x`` holds no NaN and no Inf.
 
-    ``torch.aminmax`` propagates NaN and returns an infinity if there is one: one reduction pass, ~15x faster
-    on the CPU than ``torch.isfinite(x).all()``, which first writes a boolean tensor the size of ``x``.
+    One reduction and one number read: a NaN or an infinity makes the sum non-finite, and finite numbers have a
+    finite sum unless it overflows, so only a non-finite sum is looked at again with ``torch.aminmax`` (which
+    propagates NaN and returns an infinity if there is one). On the CPU the sum is ~6x faster than aminmax on a
+    single query (~2 us: this runs several times per search) and no slower on large tensors; both are far faster
+    than ``torch.isfinite(x).all()``, which first writes a boolean tensor the size of ``x``.
     """
     if x.numel() == 0:
         return True
-    low, high = torch.aminmax(x.detach())
+    x = x.detach()
+    if x.is_floating_point() and math.isfinite(x.sum().item()):
+        return True
+    low, high = torch.aminmax(x)
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 

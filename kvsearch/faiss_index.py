@@ -231,7 +231,9 @@ class Index:
         self._faiss: faiss.Index = template
         self._labels = np.empty(0, dtype=np.int64)  # label -> id, used where FAISS cannot remove (graphs)
         self._dead = np.zeros(0, dtype=bool)  # label is a tombstone
+        self._tombstones = 0  # how many labels are dead: a search asks this, never scans _dead
         self._label_of: dict[int, int] = {}  # live id -> label (graphs only)
+        self._core_of: tuple[faiss.Index, faiss.Index] | None = None  # (_faiss, its core): see _core
         self._fallback = False  # serving an exact flat index until enough vectors exist to train
         self._build(np.empty(0, dtype=np.int64), np.empty((0, dim), dtype=np.float32))
         if params:
@@ -256,7 +258,7 @@ class Index:
         """True when tombstones outnumber live vectors, or when an untrained spec could now be trained."""
         if self._fallback:
             return self.ntotal >= self.min_train
-        return int(self._dead.sum()) > max(self.ntotal, 1024)
+        return self._tombstones > max(self.ntotal, 1024)
 
     @property
     def persisted(self) -> bool:
@@ -347,12 +349,14 @@ class Index:
             label = self._label_of.pop(id_, None)
             if label is not None:
                 self._dead[label] = True
+                self._tombstones += 1
 
     def _build(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         self._faiss = self._new_faiss(vectors)
         self._removable_now = self.removable or self._fallback
         self._labels = np.empty(0, dtype=np.int64)
         self._dead = np.zeros(0, dtype=bool)
+        self._tombstones = 0
         self._label_of = {}
         self._apply_params()
         if len(ids):
@@ -410,17 +414,19 @@ class Index:
         """FAISS's search (with a selector admitting only ``allowed`` live ids): (batch, k) D and I, -1 padded."""
         batch = queries.shape[0]
         search_k = int(min(k, self.ntotal))
-        D = np.full((batch, k), np.nan, dtype=np.float32)
-        I = np.full((batch, k), -1, dtype=np.int64)  # noqa: E741
         if search_k == 0 or batch == 0:
-            return D, I
+            return np.full((batch, k), np.nan, dtype=np.float32), np.full((batch, k), -1, dtype=np.int64)
         params = self._search_parameters(search_k) if allowed is None else self._allowed_parameters(allowed, search_k)
         d, i = self._faiss.search(queries, search_k, params=params) if params else self._faiss.search(queries, search_k)
+        valid = i >= 0  # (batch, search_k)
         if not self._removable_now:
-            valid = i >= 0
             i = np.where(valid, self._labels[np.where(valid, i, 0)], -1)
-        D[:, :search_k] = np.where(i >= 0, d, np.nan)
-        I[:, :search_k] = i
+        d = np.where(valid, d, np.float32(np.nan))  # (batch, search_k)
+        if search_k == k:
+            return d, i
+        D = np.full((batch, k), np.nan, dtype=np.float32)
+        I = np.full((batch, k), -1, dtype=np.int64)  # noqa: E741
+        D[:, :search_k], I[:, :search_k] = d, i
         return D, I
 
     def _filtered_search(self, queries: np.ndarray, k: int, allowed: Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -518,9 +524,17 @@ class Index:
         return isinstance(self._core(), (faiss.IndexIVF, faiss.IndexHNSW, *_SELECTOR_FLAT))
 
     def _core(self) -> faiss.Index:
-        """The index that does the search: under the id map and the pre-transform (PCA, OPQ), downcast."""
-        index = faiss.downcast_index(self._faiss.index) if isinstance(self._faiss, faiss.IndexIDMap) else self._faiss
-        return faiss.downcast_index(_inner(index))
+        """The index that does the search: under the id map and the pre-transform (PCA, OPQ), downcast.
+
+        Kept for as long as :attr:`_faiss` is the same object (its layers never change): downcasting costs more
+        than a small search's own Python work.
+        """
+        if self._core_of is None or self._core_of[0] is not self._faiss:
+            index = self._faiss
+            if isinstance(index, faiss.IndexIDMap):
+                index = faiss.downcast_index(index.index)
+            self._core_of = (self._faiss, faiss.downcast_index(_inner(index)))
+        return self._core_of[1]
 
     def _allowed_parameters(self, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
         """Search parameters whose selector admits only ``allowed`` ids (live ones, for graph indexes)."""
@@ -534,7 +548,7 @@ class Index:
 
     def _search_parameters(self, k: int) -> faiss.SearchParameters | None:
         """Parameters of an unfiltered search: a selector that skips a graph's tombstones, if it has any."""
-        if self._removable_now or not self._dead.any():
+        if self._removable_now or not self._tombstones:
             return self._parameters(k, None, self.ntotal)
         dead = np.flatnonzero(self._dead).astype(np.int64)
         selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(dead))
@@ -667,6 +681,7 @@ class Index:
         index._removable_now = index.removable or fallback
         index._labels = labels.astype(np.int64)
         index._dead = dead.astype(bool)
+        index._tombstones = int(index._dead.sum())
         index._label_of = {int(i): n for n, i in enumerate(index._labels.tolist()) if not index._dead[n]}
         index.set_params(**(params or {}))  # the parameters in effect, defaults included, not the file's
         return index
