@@ -865,11 +865,12 @@ class Database:
                 return [] if single else [[] for _ in range(q.shape[0])]
             cand = self._retriever.candidates(q, k, where=where)
             scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, k)
-            scores = scores.masked_fill(~cand.mask, -math.inf)  # (b, k)
+            scores = torch.where(cand.mask, scores, -math.inf)  # (b, k)
             order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
             ids = cand.ids.gather(1, order).cpu()  # (b, k)
-            values = self._values_of(ids[ids >= 0].tolist())
-            metadata = self._store.metadata_texts(ids[ids >= 0].tolist())
+            found = [i for row in ids.tolist() for i in row if i >= 0]
+            values = self._values_of(found, gathered=cand)
+            metadata = self._store.metadata_texts(found)
             hits = make_hits(ids, scores.gather(1, order).cpu(), self._store.key_of_id, values, metadata)
         return hits[0] if single else hits
 
@@ -944,7 +945,7 @@ class Database:
                 cand.ids,
                 k=None if k == "all" else k,
                 key_of_id=self._store.key_of_id,
-                values_of=self._values_of,
+                values_of=self._values_of if k == "all" else lambda ids: self._values_of(ids, gathered=cand),
                 device=out_device,
                 metadata_of=None if k == "all" else self._store.metadata_texts,  # in this snapshot
             )
@@ -1098,10 +1099,24 @@ class Database:
             texts = self._store.metadata_texts(wanted)
             return {i: json.loads(texts[i]) if i in texts else {} for i in wanted if self._store.contains_id(i)}
 
-    def _values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
+    def _values_of(self, ids: Sequence[int], *, gathered: Candidates | None = None) -> dict[int, str | Tensor | None]:
+        """id -> the value as answers show it (see :meth:`Store.answer_values`).
+
+        Args:
+            ids: stored ids.
+            gathered: top-k candidates gathered in this snapshot that hold these ids: where no value has text,
+                each value is its embedding, taken from them instead of being looked up by id again.
+        """
         # without a value encoder, only values given with their embeddings have text
         texts = self.value_encoder is not None or bool(self._store.given_values)
-        return self._store.answer_values(ids, texts=texts)
+        if texts or gathered is None:
+            return self._store.answer_values(ids, texts=texts)
+        out: dict[int, str | Tensor | None] = dict.fromkeys(ids)
+        rows = gathered.values.detach().reshape(-1, gathered.values.shape[-1]).cpu().numpy()  # (b * t, value_dim)
+        for n, (id_, here) in enumerate(zip(gathered.ids.reshape(-1).tolist(), gathered.mask.reshape(-1).tolist())):
+            if here and id_ in out and out[id_] is None:
+                out[id_] = torch.from_numpy(rows[n].copy())  # (value_dim,) its own storage, not a view of the batch
+        return out
 
     def _prepare_queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
         """Queries as (batch, dim) on their own device (text: the encoder's), texts, and whether single."""
