@@ -401,7 +401,8 @@ class Index:
         check_queries(queries, self.dim)
         q = queries.detach().float()  # (batch, dim)
         if self.normalize:
-            q = F.normalize(q, dim=-1, eps=COSINE_EPS)  # (batch, dim)
+            # F.normalize's very arithmetic (equal bits), without its Python path through torch.norm (~5 us a call)
+            q = q / torch.linalg.vector_norm(q, dim=-1, keepdim=True).clamp_min(COSINE_EPS)  # (batch, dim)
         q = np.ascontiguousarray(q.cpu().numpy())  # (batch, dim) float32
         if allowed is None:
             D, I = self._search(q, k, None)  # noqa: E741 - FAISS's own names, kept inside this module
