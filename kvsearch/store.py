@@ -936,12 +936,13 @@ class Store:
         Returns:
             LongTensor of the same shape, on the CPU.
         """
-        flat = ids.reshape(-1).cpu()  # (n,)
-        if len(self.ids) == 0:
+        flat = ids.reshape(-1).cpu().numpy()  # (n,) numpy: a search's few ids cost ~1 us per op, torch's ~3
+        stored = self.ids.numpy()  # (m,) sorted
+        if len(stored) == 0:
             return torch.full_like(ids.cpu(), -1)
-        pos = torch.searchsorted(self.ids, flat).clamp(max=len(self.ids) - 1)  # (n,)
-        found = (self.ids[pos] == flat) & (flat >= 0)
-        return torch.where(found, pos, -1).reshape(ids.shape)
+        pos = np.minimum(np.searchsorted(stored, flat), len(stored) - 1)  # (n,)
+        found = (stored[pos] == flat) & (flat >= 0)
+        return torch.from_numpy(np.where(found, pos, -1)).reshape(ids.shape)
 
     def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Key and value embeddings for ids (any shape, -1 allowed), gathered by id.
