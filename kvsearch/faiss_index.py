@@ -420,9 +420,12 @@ class Index:
         params = self._search_parameters(search_k) if allowed is None else self._allowed_parameters(allowed, search_k)
         d, i = self._faiss.search(queries, search_k, params=params) if params else self._faiss.search(queries, search_k)
         valid = i >= 0  # (batch, search_k)
-        if not self._removable_now:
-            i = np.where(valid, self._labels[np.where(valid, i, 0)], -1)
-        d = np.where(valid, d, np.float32(np.nan))  # (batch, search_k)
+        if not valid.all():
+            d = np.where(valid, d, np.float32(np.nan))  # (batch, search_k)
+            if not self._removable_now:
+                i = np.where(valid, self._labels[np.where(valid, i, 0)], -1)
+        elif not self._removable_now:
+            i = self._labels[i]  # (batch, search_k) label -> id
         if search_k == k:
             return d, i
         D = np.full((batch, k), np.nan, dtype=np.float32)
@@ -574,9 +577,12 @@ class Index:
         """
         core = self._core()
         if isinstance(core, faiss.IndexHNSW):
-            entries, ef0 = max(len(self._labels), 1), int(core.hnsw.efSearch)
+            entries = max(len(self._labels), 1)
+            if admitted >= entries and selector is None:
+                return None  # before reading efSearch: each SWIG attribute read costs a few us
+            ef0 = int(core.hnsw.efSearch)
             if admitted >= entries:
-                return None if selector is None else faiss.SearchParametersHNSW(sel=selector, efSearch=ef0)
+                return faiss.SearchParametersHNSW(sel=selector, efSearch=ef0)
             ef = max(ef0, min(entries, int(np.ceil(max(ef0, 4 * k) * entries / max(admitted, 1)))))
             return faiss.SearchParametersHNSW(sel=selector, efSearch=ef)
         if isinstance(core, faiss.IndexIVF):
