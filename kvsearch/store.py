@@ -74,6 +74,9 @@ CREATE INDEX IF NOT EXISTS records_with_metadata ON records (id) WHERE metadata 
 _METADATA_SQL = (
     "SELECT id, metadata FROM records INDEXED BY records_with_metadata WHERE metadata IS NOT NULL AND id IN ({})"
 )
+#: The same without the index: a store of an earlier version opened read-only, or one whose records table another
+#: process rebuilt (until the next writable open makes the index again).
+_METADATA_PLAIN_SQL = "SELECT id, metadata FROM records WHERE id IN ({}) AND metadata IS NOT NULL"
 #: Bits of ``given.side``: the record's key / value text came with its own embedding (never re-encoded).
 GIVEN_KEY, GIVEN_VALUE = 1, 2
 
@@ -187,7 +190,7 @@ class Store:
         self.catch_ups = 0
         self.changelog_keep = changelog.KEEP_VERSIONS
         self._seen_data_version: int | None = None  # PRAGMA data_version when loaded_version was last checked
-        self._metadata_sql: str | None = None  # _METADATA_SQL, or the plain read where the index is missing
+        self._metadata_sql = _METADATA_SQL  # or _METADATA_PLAIN_SQL once the index was found missing
         self._spare: tuple[Tensor, Tensor] | None = None  # the buffers keys / values are views of (room to grow)
         self.read_only: str | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
@@ -989,10 +992,12 @@ class Store:
     def metadata_texts(self, ids: Iterable[int]) -> dict[int, str]:
         """id -> the record's metadata as stored (JSON text), for the ids among ``ids`` that have metadata."""
         wanted = sorted({int(i) for i in ids if int(i) >= 0})
-        if self._metadata_sql is None:  # a store of an earlier version, opened read-only, lacks the index
-            named = "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'records_with_metadata'"
-            plain = "SELECT id, metadata FROM records WHERE id IN ({}) AND metadata IS NOT NULL"
-            self._metadata_sql = _METADATA_SQL if self._conn.execute(named).fetchone() else plain
+        try:
+            return dict(_select_in(self._conn, self._metadata_sql, wanted))
+        except sqlite3.OperationalError as exc:  # refused when prepared: nothing was read, the snapshot holds
+            if self._metadata_sql is _METADATA_PLAIN_SQL or "no such index" not in str(exc):
+                raise
+        self._metadata_sql = _METADATA_PLAIN_SQL
         return dict(_select_in(self._conn, self._metadata_sql, wanted))
 
     def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:

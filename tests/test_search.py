@@ -1,6 +1,7 @@
 """Search answers on the lean per-call path: after another process's commits a reader answers as a fresh open of
 the folder does (ids, scores, values, metadata), a value given as an embedding comes back as a tensor of its own,
-and metadata is read the same with or without the index of the records that have any."""
+and metadata is read the same with or without the index of the records that have any (also when that index goes
+while a reader has the store open)."""
 
 from __future__ import annotations
 
@@ -99,5 +100,11 @@ def test_metadata_is_read_the_same_from_a_store_without_the_metadata_index(tmp_p
         assert [[(h.id, h.metadata) for h in row] for row in again.search(queries, k=10)] == expected
         again.add(keys[:1] + 1, np.zeros((1, VALUE_DIM), np.float32), [{"new": True}])
         assert again.search(torch.from_numpy(keys[0] + 1), k=1)[0].metadata == {"new": True}
+        expected = [[(h.id, h.metadata) for h in row] for row in again.search(queries, k=10)]
     with contextlib.closing(sqlite3.connect(path / "store.sqlite")) as conn:
         assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'records_with_metadata'").fetchone() == (1,)
+    with kvsearch.Database(path, read_only=True) as reader:  # the index goes while it reads (a table rebuilt)
+        assert [[(h.id, h.metadata) for h in row] for row in reader.search(queries, k=10)] == expected
+        with contextlib.closing(sqlite3.connect(path / "store.sqlite")) as conn, conn:
+            conn.execute("DROP INDEX records_with_metadata")
+        assert [[(h.id, h.metadata) for h in row] for row in reader.search(queries, k=10)] == expected
