@@ -325,10 +325,11 @@ def read(conn: sqlite3.Connection, slots: np.ndarray, dim: int, value_dim: int) 
     keys = np.empty((len(slots), dim), dtype=np.float32)
     values = np.empty((len(slots), value_dim), dtype=np.float32)
     for first, capacity, group, offsets in _by_chunk(_layout(conn), slots):
+        lo, hi = int(offsets.min()), int(offsets.max()) + 1
         for column, out in (("keys", keys), ("vals", values)):
             width = out.shape[1]
-            if len(group) > capacity * _WHOLE_BLOB_SHARE:
-                out[group] = _read_rows(conn, first, capacity, column, width, _FLOAT, 0, capacity)[offsets]
+            if len(group) > capacity * _WHOLE_BLOB_SHARE or hi - lo <= 4 * len(group):  # dense: one read of the span
+                out[group] = _read_rows(conn, first, capacity, column, width, _FLOAT, lo, hi)[offsets - lo]
             else:
                 for position, offset in zip(group.tolist(), offsets.tolist()):
                     out[position] = _read_rows(conn, first, capacity, column, width, _FLOAT, offset, offset + 1)[0]
