@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -447,3 +448,43 @@ def test_half_precision_database_matches_flat(tmp_path, rng):
         a, b = half.query(queries, k=20), flat.query(queries, k=20)
         assert torch.equal(a.ids, b.ids)
         torch.testing.assert_close(a.output, b.output)
+
+
+@pytest.mark.parametrize("score", ["cosine", "gaussian"])
+def test_a_reader_appending_rows_scores_them_as_a_fresh_open(tmp_path, score):
+    """The exact index derives norm terms once; rows appended by a catch-up get theirs added, and a replaced or
+    deleted row makes them derived again: every answer equals a brute force over what is stored."""
+    gen = torch.Generator().manual_seed(0)
+    path = tmp_path / "db"
+    writer = Database(path, dim=8, value_dim=2, score=score, index="Flat")
+    names = [f"k{i}" for i in range(400)]
+
+    def put(first: int, n: int, scale: float, *, upsert: bool = False) -> None:
+        keys, values = torch.randn(n, 8, generator=gen) * scale, torch.randn(n, 2, generator=gen)
+        (writer.upsert if upsert else writer.add)(names[first : first + n], values, key_embeddings=keys)
+
+    put(0, 300, 3.0)
+    reader = Database(path)
+    queries = torch.randn(5, 8, generator=gen)
+
+    def check() -> None:
+        ids = writer.ids()
+        keys = torch.stack([writer.get(i).key_embedding for i in ids.tolist()])  # (n, 8)
+        if score == "cosine":
+            scores = F.normalize(queries, dim=-1) @ F.normalize(keys, dim=-1).T  # (5, n)
+        else:
+            scores = -torch.cdist(queries, keys)  # (5, n)
+        assert [row[0].id for row in reader.search(queries, k=1)] == ids[scores.argmax(dim=1)].tolist()
+
+    check()
+    for first in (300, 340):  # appended only: the reader extends what it derived
+        put(first, 40, 5.0)
+        check()
+    put(0, 200, 0.2, upsert=True)  # key embeddings replaced in place: same ids, other norms
+    put(380, 5, 5.0)
+    check()
+    writer.delete(writer.ids()[100:130].tolist())  # the rows after them move up
+    put(385, 10, 5.0)
+    check()
+    reader.close()
+    writer.close()
