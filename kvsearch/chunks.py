@@ -66,7 +66,7 @@ CREATE TABLE IF NOT EXISTS chunk_data (
 
 #: The fewest slots a chunk has.
 MIN_SLOTS = 64
-#: The most bytes of key embeddings a chunk holds (its slots are the largest power of two that fits).
+#: The most bytes of keys (or of values, if wider) a chunk holds: its slots are the largest power of two that fits.
 MAX_CHUNK_BYTES = 8 << 20
 #: Above this share of a chunk's slots, a scattered read or write moves the whole blob instead of row by row.
 _WHOLE_BLOB_SHARE = 1 / 8
@@ -75,9 +75,10 @@ _ID = np.dtype("<i8")
 _FLOAT = np.dtype("<f4")
 
 
-def _max_slots(dim: int) -> int:
+def _max_slots(width: int) -> int:
+    """The most slots of a chunk whose widest blob has ``width`` floats a slot."""
     slots = MIN_SLOTS
-    while slots * 2 * dim * _FLOAT.itemsize <= MAX_CHUNK_BYTES:
+    while slots * 2 * width * _FLOAT.itemsize <= MAX_CHUNK_BYTES:
         slots *= 2
     return slots
 
@@ -193,7 +194,7 @@ def append(conn: sqlite3.Connection, ids: np.ndarray, keys: np.ndarray, values: 
     next_first = 0 if tail is None else tail[0] + tail[1]
     live = live_count(conn)
     while done < n:
-        capacity = min(_max_slots(dim), max(MIN_SLOTS, 1 << max(0, live // 16 - 1).bit_length()))
+        capacity = min(_max_slots(max(dim, values.shape[1])), max(MIN_SLOTS, 1 << max(0, live // 16 - 1).bit_length()))
         take = min(n - done, capacity)
         part = slice(done, done + take)
         _new_chunk(conn, next_first, capacity, ids[part], keys[part], values[part])
@@ -251,8 +252,13 @@ def erase(conn: sqlite3.Connection, slots: np.ndarray) -> None:
     slots = np.asarray(slots, dtype=np.int64)
     layout = _layout(conn)
     for first, capacity, group, offsets in _by_chunk(layout, slots):
-        for offset in offsets.tolist():
-            _write_rows(conn, first, capacity, "ids", np.zeros(1, dtype=_ID), offset)
+        if len(group) > capacity * _WHOLE_BLOB_SHARE:  # read, change and write the whole blob
+            ids = _read_rows(conn, first, capacity, "ids", 1, _ID, 0, capacity)[:, 0].copy()  # (capacity,)
+            ids[offsets] = 0
+            _write_rows(conn, first, capacity, "ids", ids, 0)
+        else:
+            for offset in offsets.tolist():
+                _write_rows(conn, first, capacity, "ids", np.zeros(1, dtype=_ID), offset)
         conn.execute("UPDATE chunks SET live = live - ? WHERE first = ?", (len(group), first))
     last = "(SELECT max(first) FROM chunks)"
     conn.execute(f"DELETE FROM chunk_data WHERE first IN (SELECT first FROM chunks WHERE live = 0 AND first < {last})")

@@ -609,24 +609,9 @@ class Store:
             self.ids, self.keys, self.values = ids.clone(), keys.clone(), values.clone()
             return
         n, a = len(self.ids), len(ids)
-        spare = self._spare
-        fits = (
-            spare is not None
-            and spare[0].shape[0] >= n + a
-            and spare[0].data_ptr() == self.keys.data_ptr()
-            and spare[1].data_ptr() == self.values.data_ptr()
-            and self.keys.shape[0] == n
-            and self.values.shape[0] == n
-        )
-        if not fits:
-            room = n + a + max(64, (n + a) // 8)
-            spare = (
-                row_buffer(room, self.keys.shape[1], like=self.keys),
-                row_buffer(room, self.values.shape[1], like=self.values),
-            )
-            spare[0][:n] = self.keys
-            spare[1][:n] = self.values
-            self._spare = spare
+        spare = self._spare or (None, None)
+        spare = (_room_for(spare[0], self.keys, a), _room_for(spare[1], self.values, a))  # each grown if full
+        self._spare = spare
         spare[0][n : n + a] = keys
         spare[1][n : n + a] = values
         self.keys, self.values = spare[0][: n + a], spare[1][: n + a]  # (n + a, dim), (n + a, value_dim)
@@ -1059,6 +1044,19 @@ def _select_in(conn: sqlite3.Connection, sql: str, values: Sequence[Any]) -> lis
         chunk = list(values[start : start + 900])
         rows.extend(conn.execute(sql.format(",".join("?" * len(chunk))), chunk).fetchall())
     return rows
+
+
+def _room_for(buffer: Tensor | None, rows: Tensor, a: int) -> Tensor:
+    """The buffer ``rows`` (n, width) is a view of, if it has room for ``a`` more rows, else a new one holding them.
+
+    A new buffer has an eighth more rows than needed, or is reserved (:func:`kvsearch.buffers.row_buffer`).
+    """
+    n = rows.shape[0]
+    if buffer is not None and buffer.shape[0] >= n + a and buffer.data_ptr() == rows.data_ptr():
+        return buffer
+    grown = row_buffer(n + a + max(64, (n + a) // 8), rows.shape[1], like=rows)  # (capacity, width)
+    grown[:n] = rows
+    return grown
 
 
 def _embeddings_of_rows(
