@@ -934,25 +934,34 @@ class Store:
         return keys, values, mask
 
     def fetch(self, ids: Iterable[int]) -> dict[int, Record]:
-        """Whole records (text, metadata, embeddings) for ids, in one query."""
+        """Whole records (text, metadata, embeddings) for ids: the texts in one query, the embeddings from the
+        in-memory tensors (read from the store only for a record committed since they were loaded)."""
         wanted = sorted({int(i) for i in ids if 0 <= int(i) < 2**63})  # SQLite holds int64 ids only
         if self.keys is None:
             return {}
-        dim, value_dim = self.keys.shape[1], self.values.shape[1]
         with self.snapshot():
-            rows = _select_in(self._conn, "SELECT id, value, metadata FROM records WHERE id IN ({})", wanted)
-            found, keys, values = self._rows_of_ids([r[0] for r in rows], dim, value_dim)
-        texts = {id_: (value, meta) for id_, value, meta in rows}
+            sql = "SELECT id, key, value, metadata FROM records WHERE id IN ({})"
+            rows = sorted(_select_in(self._conn, sql, wanted))
+            found = [r[0] for r in rows]
+            at = self.rows_of(torch.tensor(found, dtype=torch.long))  # (r,) -1: not in memory yet
+            later = [id_ for id_, row in zip(found, at.tolist()) if row < 0]
+            if later:
+                _, later_keys, later_values = self._rows_of_ids(later, self.keys.shape[1], self.values.shape[1])
+        keys = self.keys[at.clamp(min=0).to(self.device)].cpu()  # (r, dim)
+        values = self.values[at.clamp(min=0).to(self.device)].cpu()  # (r, value_dim)
+        if later:
+            gaps = (at < 0).nonzero().squeeze(1)  # (g,) in found's order, as ``later``
+            keys[gaps], values[gaps] = torch.from_numpy(later_keys), torch.from_numpy(later_values)
         return {
             id_: Record(
                 id=id_,
                 key=key,
-                value=texts[id_][0],
-                metadata=json.loads(texts[id_][1]) if texts[id_][1] else {},
-                key_embedding=torch.from_numpy(keys[i].copy()),
-                value_embedding=torch.from_numpy(values[i].copy()),
+                value=value,
+                metadata=json.loads(meta) if meta else {},
+                key_embedding=keys[i].clone(),  # its own storage, not a view of the batch
+                value_embedding=values[i].clone(),
             )
-            for i, (id_, key, _) in enumerate(found)
+            for i, (id_, key, value, meta) in enumerate(rows)
         }
 
     def value_texts(self, ids: Iterable[int]) -> dict[int, str | None]:
