@@ -166,3 +166,20 @@ def test_a_reserved_mirror_grows_without_a_copy(tmp_path, monkeypatch, reserved)
         assert torch.equal(db.store.keys, keys) and torch.equal(db.store.values, values)
     reader.close()
     writer.close()
+
+
+def test_a_record_committed_after_the_tensors_were_loaded_is_fetched_from_the_store(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    path = tmp_path / "db"
+    reader = kvsearch.Database(path, dim=DIM, value_dim=VALUE_DIM, score="dot")
+    reader.add(torch.randn(10, DIM, generator=gen), torch.randn(10, VALUE_DIM, generator=gen))
+    writer = kvsearch.Database(path)
+    keys, values = torch.randn(3, DIM, generator=gen), torch.randn(3, VALUE_DIM, generator=gen)
+    new = writer.add(keys, values)
+    fetched = reader.store.fetch([1, *new])  # the store's own read: no catch-up first
+    assert sorted(fetched) == [1, *new]
+    for i, id_ in enumerate(new):
+        assert torch.equal(fetched[id_].key_embedding, keys[i]) and torch.equal(fetched[id_].value_embedding, values[i])
+    assert torch.equal(fetched[1].key_embedding, writer.get(1).key_embedding)
+    writer.close()
+    reader.close()
