@@ -67,7 +67,9 @@ CREATE TABLE IF NOT EXISTS chunk_data (
 #: The fewest slots a chunk has.
 MIN_SLOTS = 64
 #: The most bytes of keys (or of values, if wider) a chunk holds: its slots are the largest power of two that fits.
-MAX_CHUNK_BYTES = 8 << 20
+#: Small, because a read or write at an offset inside a blob walks the blob's chain of overflow pages from its start
+#: (32 pages of 16 KiB here): a catch-up's or an append's few rows cost tens of microseconds, not a chain of 6 MB.
+MAX_CHUNK_BYTES = 512 << 10
 #: Above this share of a chunk's slots, a scattered read or write moves the whole blob instead of row by row.
 _WHOLE_BLOB_SHARE = 1 / 8
 
@@ -83,9 +85,16 @@ def _max_slots(width: int) -> int:
     return slots
 
 
-def _layout(conn: sqlite3.Connection) -> np.ndarray:
-    """(c, 4) int64: first, capacity, used, live of every chunk, in slot order."""
-    rows = conn.execute("SELECT first, capacity, used, live FROM chunks ORDER BY first").fetchall()
+def _layout(conn: sqlite3.Connection, slots: np.ndarray | None = None) -> np.ndarray:
+    """(c, 4) int64: first, capacity, used, live of every chunk, in slot order; with ``slots`` (n,), of the chunks
+    that may hold them only (a range of the chunks' key: a catch-up of a few rows reads a few rows here)."""
+    sql = "SELECT first, capacity, used, live FROM chunks"
+    if slots is None or not len(slots):
+        rows = conn.execute(sql + " ORDER BY first").fetchall()
+    else:
+        widest = conn.execute("SELECT coalesce(max(capacity), 0) FROM chunks").fetchone()[0]  # small: ~1 page
+        lo, hi = int(slots.min()) - widest, int(slots.max())
+        rows = conn.execute(sql + " WHERE first BETWEEN ? AND ? ORDER BY first", (lo, hi)).fetchall()
     return np.array(rows, dtype=np.int64).reshape(-1, 4)
 
 
@@ -192,7 +201,7 @@ def append(conn: sqlite3.Connection, ids: np.ndarray, keys: np.ndarray, values: 
         conn.execute("UPDATE chunks SET used = used + ?, live = live + ? WHERE first = ?", (done, done, first))
         slots[:done] = np.arange(first + used, first + used + done)
     next_first = 0 if tail is None else tail[0] + tail[1]
-    live = live_count(conn)
+    live = live_count(conn) if done < n else 0
     while done < n:
         capacity = min(_max_slots(max(dim, values.shape[1])), max(MIN_SLOTS, 1 << max(0, live // 16 - 1).bit_length()))
         take = min(n - done, capacity)
@@ -228,8 +237,7 @@ def write(
         CorruptDatabaseError: a slot is in no chunk, or a chunk's blobs do not have the expected size.
     """
     slots = np.asarray(slots, dtype=np.int64)
-    layout = _layout(conn)
-    for first, capacity, group, offsets in _by_chunk(layout, slots):
+    for first, capacity, group, offsets in _by_chunk(_layout(conn, slots), slots):
         for column, array in (("keys", keys), ("vals", values)):
             if array is None:
                 continue
@@ -250,8 +258,7 @@ def erase(conn: sqlite3.Connection, slots: np.ndarray) -> None:
         slots: (n,) distinct slots of stored records.
     """
     slots = np.asarray(slots, dtype=np.int64)
-    layout = _layout(conn)
-    for first, capacity, group, offsets in _by_chunk(layout, slots):
+    for first, capacity, group, offsets in _by_chunk(_layout(conn, slots), slots):
         if len(group) > capacity * _WHOLE_BLOB_SHARE:  # read, change and write the whole blob
             ids = _read_rows(conn, first, capacity, "ids", 1, _ID, 0, capacity)[:, 0].copy()  # (capacity,)
             ids[offsets] = 0
@@ -330,7 +337,7 @@ def read(conn: sqlite3.Connection, slots: np.ndarray, dim: int, value_dim: int) 
     slots = np.asarray(slots, dtype=np.int64)
     keys = np.empty((len(slots), dim), dtype=np.float32)
     values = np.empty((len(slots), value_dim), dtype=np.float32)
-    for first, capacity, group, offsets in _by_chunk(_layout(conn), slots):
+    for first, capacity, group, offsets in _by_chunk(_layout(conn, slots), slots):
         lo, hi = int(offsets.min()), int(offsets.max()) + 1
         for column, out in (("keys", keys), ("vals", values)):
             width = out.shape[1]
