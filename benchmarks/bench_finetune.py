@@ -60,7 +60,7 @@ def _machine() -> str:
         pass
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return (
-        f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {cpu}, nproc {os.cpu_count()}, "
+        f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC; {cpu}, nproc {os.cpu_count()}, "
         f"torch threads {torch.get_num_threads()}; load average (1/5/15 min) {load}; python "
         f"{platform.python_version()}, torch {torch.__version__}, faiss {faiss.__version__}, "
         f"sentence-transformers {sentence_transformers.__version__}, rapidfuzz {rapidfuzz.__version__}"

@@ -1,7 +1,7 @@
 """bench_readers: a reader beside a writer — the next call after a foreign commit, and reader ops/s beside a writer.
 
 For each index (Flat, HNSW32, IVF64,Flat) a database of m random keys (d = 384, values d = 16) is built and closed
-(the trained / graph index and the embeddings side files are saved), then, in one fresh process:
+(the trained / graph index is saved), then, in one fresh process:
 
 - the reader's next call after another handle (another SQLite connection) committed 1 record, against the same call
   with no foreign commit (median of ``--n``): ``get(id)`` (a plain lookup by id) and ``search(q, k=10)``; and the

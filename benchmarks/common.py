@@ -61,7 +61,7 @@ def machine() -> dict[str, Any]:
         pass
     info["cpu"] = model
     info["load_average"] = tuple(round(x, 2) for x in os.getloadavg())
-    info["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    info["date"] = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     versions = {}
     for name in ("torch", "faiss", "numpy", "sentence_transformers", "chromadb"):
         try:
@@ -106,7 +106,7 @@ def timeit(fn: Callable[[], Any], repeat: int = 3, warmup: int = 1, budget: floa
     return float(np.median(times))
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -125,11 +125,11 @@ class PeakMemory:
             self.reset = True
         except OSError:
             self.reset = False
-        self.start_kib = _status_kib("VmRSS")
+        self.start_kib = status_kib("VmRSS")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.peak_kib = _status_kib("VmHWM")
+        self.peak_kib = status_kib("VmHWM")
         self.extra_mib = max(0.0, (self.peak_kib - self.start_kib) / 1024)
         self.peak_mib = self.peak_kib / 1024
 
@@ -175,6 +175,18 @@ def _cached(name: str, make: Callable[[], np.ndarray]) -> np.ndarray:
     np.save(tmp, data)
     os.replace(tmp, path)
     return np.load(path, mmap_mode="r")
+
+
+def read_rows(cached: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Rows ``lo:hi`` of a cached (memory-mapped) array, read from its file into a new array.
+
+    Unlike a slice of the map, the rows read leave no page of the file mapped into the process: a peak memory
+    measured around the reads counts the copies the caller keeps, not the pages of the input file.
+    """
+    width = int(np.prod(cached.shape[1:]))
+    start = cached.offset + lo * width * cached.dtype.itemsize
+    rows = np.fromfile(cached.filename, dtype=cached.dtype, count=(hi - lo) * width, offset=start)
+    return rows.reshape(hi - lo, *cached.shape[1:])
 
 
 def _normalise(x: np.ndarray) -> np.ndarray:

@@ -4,6 +4,10 @@ A record is ``(id, key, value, metadata)`` with a key embedding (dim,) and a val
 Ids are global integers from SQLite's AUTOINCREMENT: never reused, so a deleted id never comes back.
 ``key`` and ``value`` are text or None (records given directly as embeddings have no text).
 
+Every embedding is stored once, in the same SQLite file: in chunks of slots that are read whole at open
+(:mod:`kvsearch.chunks`; ``records.slot`` names a record's slot). A store written by an earlier version, which kept
+the embeddings in the records rows, is moved to chunks the first time it is opened for writing.
+
 Every write is one SQLite transaction that also bumps a version counter; the in-memory tensors are
 changed only after the commit succeeds. Anything derived from the store (the FAISS index) records the
 version it was built at, so a stale copy is detected on open and rebuilt.
@@ -26,7 +30,6 @@ import sqlite3
 import threading
 import warnings
 import weakref
-import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,7 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch import changelog, fileio
+from kvsearch import changelog, chunks, fileio
+from kvsearch.buffers import row_buffer
 from kvsearch.errors import (
     CorruptDatabaseError,
     DatabaseLockedError,
@@ -53,9 +57,6 @@ from kvsearch.locking import LOCK_FILE, WriteLock
 
 __all__ = ["Record", "Store", "CatchUp", "connect_read_only"]
 
-#: Stores of at least this many records keep a memory-mapped copy of their embeddings (see Store.write_side).
-SIDE_MIN_ROWS = 50_000
-
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS records (
@@ -63,8 +64,7 @@ CREATE TABLE IF NOT EXISTS records (
     key TEXT UNIQUE,
     value TEXT,
     metadata TEXT,
-    key_emb BLOB NOT NULL,
-    value_emb BLOB NOT NULL
+    slot INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS given (id INTEGER PRIMARY KEY, side INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS records_with_metadata ON records (id) WHERE metadata IS NOT NULL;
@@ -80,6 +80,7 @@ _METADATA_PLAIN_SQL = "SELECT id, metadata FROM records WHERE id IN ({}) AND met
 #: Bits of ``given.side``: the record's key / value text came with its own embedding (never re-encoded).
 GIVEN_KEY, GIVEN_VALUE = 1, 2
 
+_SCHEMA += chunks.SCHEMA  # the embeddings (see kvsearch.chunks)
 _SCHEMA += changelog.SCHEMA  # the change log: written in every write transaction (see kvsearch.changelog)
 
 _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_CANTOPEN = 5, 6, 14
@@ -210,6 +211,14 @@ class Store:
                 raise self._open_error(again) from None
         # One writer at a time per folder, across processes; every transaction takes it (reentrant).
         self.write_lock = WriteLock(None if path is None else self.path.parent / LOCK_FILE, timeout, self.read_only)
+        # A store of the earlier format keeps its embeddings in the records rows: moved to chunks when writable.
+        self._legacy = self._is_legacy()
+        if self._legacy and self.read_only is None:
+            self._move_embeddings_to_chunks()
+        if self.read_only is None and self.path is not None:
+            for old in self.path.parent.glob(f"{self.path.name}.emb*"):  # side files of earlier versions: unused
+                with contextlib.suppress(OSError):
+                    old.unlink()
         # In-memory mirror, sorted by id: ids (n,), keys (n, dim), values (n, value_dim).
         self.ids = torch.empty(0, dtype=torch.long)
         self.keys: Tensor | None = None
@@ -220,6 +229,50 @@ class Store:
         # Ids of records whose key / value text came with its embedding: re-encoding from the text skips them.
         self.given_keys: set[int] = set()
         self.given_values: set[int] = set()
+
+    def _is_legacy(self) -> bool:
+        """Whether the records table still holds the embeddings (the format before :mod:`kvsearch.chunks`)."""
+        return "key_emb" in {row[1] for row in self._conn.execute("PRAGMA table_info(records)")}
+
+    def _still_legacy(self) -> bool:
+        """Whether the store is still of the earlier format (another process may have moved it since)."""
+        self._legacy = self._legacy and self._is_legacy()
+        return self._legacy
+
+    def _move_embeddings_to_chunks(self) -> None:
+        """Move a store of the earlier format to chunks, in one transaction (then VACUUM gives the space back).
+
+        The records keep their ids, texts, metadata and the next id; the version is not bumped (nothing a reader
+        sees changed). A process that stops midway leaves the earlier format whole, moved again at the next open.
+        """
+        with self.lock:
+            with self.transaction():
+                if not self._is_legacy():
+                    self._legacy = False
+                    return  # another process moved it first
+                conn = self._conn
+                seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
+                conn.execute(
+                    "CREATE TABLE records_moved (id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT UNIQUE, value TEXT, "
+                    "metadata TEXT, slot INTEGER NOT NULL)"
+                )
+                rows = conn.execute("SELECT id, key, value, metadata, key_emb, value_emb FROM records ORDER BY id")
+                while batch := rows.fetchmany(4096):
+                    ids = np.array([r[0] for r in batch], dtype=np.int64)
+                    keys, values = _embeddings_of_rows([(r[4], r[5]) for r in batch])
+                    slots = chunks.append(conn, ids, keys, values).tolist()
+                    conn.executemany(
+                        "INSERT INTO records_moved (id, key, value, metadata, slot) VALUES (?, ?, ?, ?, ?)",
+                        ((r[0], r[1], r[2], r[3], slot) for r, slot in zip(batch, slots)),
+                    )
+                conn.execute("DROP TABLE records")
+                conn.execute("ALTER TABLE records_moved RENAME TO records")
+                conn.execute("DELETE FROM sqlite_sequence WHERE name IN ('records', 'records_moved')")
+                if seq is not None:
+                    conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)", (seq[0],))
+            self._legacy = False
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("VACUUM")  # the old rows' pages back to the file system (best effort)
 
     def _unwritable(self) -> str | None:
         """Why the store cannot be written (its folder, or the file itself), or None.
@@ -355,11 +408,18 @@ class Store:
     # ------------------------------------------------------------------ loading
 
     def load(self, dim: int, value_dim: int) -> None:
-        """Read every record into the in-memory tensors.
+        """Read every record into the in-memory tensors, in one snapshot.
 
         Raises:
-            CorruptDatabaseError: an embedding blob has the wrong size.
+            CorruptDatabaseError: the embeddings do not have the expected dims, or do not match the records.
         """
+        buffers: list[Tensor] = []
+
+        def alloc(rows: int, width: int) -> np.ndarray:
+            buffer = row_buffer(rows + max(64, rows // 8), width, like=torch.empty(0))  # (capacity, width)
+            buffers.append(buffer)
+            return buffer[:rows].numpy()
+
         with self.lock:
             conn = self._conn
             own = not conn.in_transaction
@@ -368,152 +428,63 @@ class Store:
             try:
                 data_version = self._data_version()  # first: it starts the snapshot the version is read in
                 version = self.version
-                side = self._read_side(version, dim, value_dim)  # memory-mapped (ids, keys, values) or None
-                if side is not None and not self._side_lists_the_stored_ids(conn, side[0]):
-                    side = None  # not the rows SQLite holds: read the embeddings from SQLite
-                if side is not None:  # the key maps: texts only, read from the key index, not the table
-                    rows = conn.execute("SELECT id, key FROM records WHERE key IS NOT NULL").fetchall()
-                if side is None:
+                if self._still_legacy():  # read-only, earlier format: the embeddings are in the rows
                     rows = conn.execute("SELECT id, key, key_emb, value_emb FROM records ORDER BY id").fetchall()
+                    ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+                    keys, values = _embeddings_of_rows([(r[2], r[3]) for r in rows], dim, value_dim)
+                else:
+                    ids, slots, keys, values = chunks.read_all(conn, dim, value_dim, alloc=alloc)
+                    self._check_ids(ids, slots)
+                    rows = conn.execute("SELECT id, key FROM records WHERE key IS NOT NULL").fetchall()
                 given = conn.execute("SELECT id, side FROM given").fetchall()
             finally:
                 if own:
                     conn.execute("COMMIT")
-            n = len(rows)
-            if side is not None:
-                ids, keys, values = side  # copy-on-write maps: pages are read when first touched
-            else:
-                ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=n)
-                try:
-                    keys = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32).reshape(n, dim).copy()
-                    values = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32).reshape(n, value_dim).copy()
-                except ValueError:
-                    raise CorruptDatabaseError(
-                        f"stored embeddings do not have the expected dims ({dim}, {value_dim})"
-                    ) from None
-            self.ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+            if len(ids) > 1 and not bool((np.diff(ids) > 0).all()):
+                order = np.argsort(ids, kind="stable")  # slot order is id order; kept sorted should it not be
+                ids, keys, values = ids[order], keys[order], values[order]
+                buffers.clear()
+            self.ids = torch.from_numpy(ids)
             self.keys = torch.from_numpy(keys).to(self.device)  # (n, dim)
             self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
+            # read into buffers with room to grow: the first append after a load does not copy the mirror
+            same = len(buffers) == 2 and buffers[0].data_ptr() == self.keys.data_ptr()
+            self._spare = (buffers[0], buffers[1]) if same and buffers[1].data_ptr() == self.values.data_ptr() else None
             self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
             self.id_of_key = _id_of_key(self.key_of_id, self.path)
             self.given_keys = {i for i, bits in given if bits & GIVEN_KEY}
             self.given_values = {i for i, bits in given if bits & GIVEN_VALUE}
             self.loaded_version = version
             self._seen_data_version = data_version
-            self._spare = None
             self.full_loads += 1
 
-    # ------------------------------------------------------------------ embeddings side file
-    #
-    # Reading every embedding blob from SQLite takes ~10 s per million records. A store of at least
-    # SIDE_MIN_ROWS records therefore also keeps its embeddings as three .npy files beside the SQLite file
-    # (``<store>.emb-<version>.{ids,keys,values}.npy``), written on close() from the mirror and named in a
-    # manifest ``<store>.emb.json`` = {"version", "n", "dim", "value_dim", "crc32"} written last (atomically).
-    # SQLite stays the source of truth: load() uses the files only when the manifest's version equals the
-    # store's version read in the same snapshot, the shapes match, every file's CRC-32 matches the manifest
-    # (a zeroed or damaged file is not served) and the ids are those SQLite holds (count, min, max and sum over
-    # its key index: _side_lists_the_stored_ids); anything else (a crash before or during the write, a later
-    # commit by any process, a damaged file) falls back to SQLite. The files are memory-mapped copy-on-write,
-    # so writes to the mirror never reach them.
+    def _check_ids(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Check that the chunks hold the records the records table lists, each in the slot it names.
 
-    def _side_manifest(self) -> Path:
-        return self.path.with_name(self.path.name + ".emb.json")
+        Compared: the count, min, max and sum of the ids, the sum of the slots and a sum of (id, slot) pairs
+        (one scan of the records table, no row read into Python).
 
-    def _side_file(self, version: int, part: str) -> Path:
-        return self.path.with_name(f"{self.path.name}.emb-{int(version)}.{part}.npy")
-
-    @staticmethod
-    def _side_lists_the_stored_ids(conn: sqlite3.Connection, ids: np.ndarray) -> bool:
-        """Whether the side file's ids (sorted, unique) are the ids SQLite holds.
-
-        The side file is already tagged with the store version and checksummed; this is a cross-check that
-        costs one scan of the key index (count, min, max and sum of the ids), not a read of every row, whose
-        embeddings share the table's pages (1 s for a million records).
+        Raises:
+            CorruptDatabaseError: they differ (the file was damaged or changed by hand).
         """
+        pairs = (ids % 65521) * (slots % 65521)  # (n,) < 2**32 each: the pairs' sum fits int64 up to 2**31 records
         try:
-            count, lo, hi, total = conn.execute("SELECT count(*), min(id), max(id), sum(id) FROM records").fetchone()
-        except sqlite3.OperationalError:  # the sum overflowed 64 bits: compare the lists
-            listed = np.array([r[0] for r in conn.execute("SELECT id FROM records ORDER BY id")], dtype=np.int64)
-            return np.array_equal(listed, ids)
-        if count != len(ids):
-            return False
-        if count == 0:
-            return True
-        increasing = bool((np.diff(ids) > 0).all())
-        return increasing and (lo, hi, total) == (int(ids[0]), int(ids[-1]), int(ids.sum(dtype=np.int64)))
-
-    def _read_side(self, version: int, dim: int, value_dim: int) -> tuple[np.ndarray, ...] | None:
-        """(ids, keys, values) memory-mapped from the side files when they are exactly this version's, else None."""
-        if self.path is None or not self._side_manifest().exists():
-            return None
-        try:
-            manifest = json.loads(self._side_manifest().read_text())
-            expected = {"version": version, "dim": dim, "value_dim": value_dim}
-            if any(manifest.get(name) != value for name, value in expected.items()):
-                return None
-            n = int(manifest["n"])
-            ids = np.load(self._side_file(version, "ids"), mmap_mode="r")
-            keys = np.load(self._side_file(version, "keys"), mmap_mode="c")
-            values = np.load(self._side_file(version, "values"), mmap_mode="c")
-            shapes = (ids.shape, keys.shape, values.shape) == ((n,), (n, dim), (n, value_dim))
-            types = (ids.dtype, keys.dtype, values.dtype) == (np.int64, np.float32, np.float32)
-            if not (shapes and types):
-                return None
-            sums = manifest["crc32"]
-            for part, array in (("ids", ids), ("keys", keys), ("values", values)):
-                if _crc32(array) != sums[part]:
-                    return None  # damaged contents (zeroed, garbage, flipped bits): SQLite is read instead
-        except (OSError, ValueError, KeyError, TypeError, EOFError):
-            return None  # missing, empty, truncated or foreign: SQLite is read instead
-        return np.array(ids), keys, values
-
-    def write_side(self) -> bool:
-        """Write the embeddings side files for the mirror's version (see above); True if written.
-
-        Skipped (False) for in-memory and small stores, when the files are already this version's, and when
-        another process committed since the mirror was loaded. Never raises for an I/O problem: the side files
-        are an optimisation, and a failed write leaves the previous (then stale, hence unused) state.
-        """
-        if self.path is None or self.read_only is not None or self.keys is None or len(self.ids) < SIDE_MIN_ROWS:
-            return False
-        version = self.loaded_version
-        written: list[Path] = []  # temporary files, removed again if the write stops
-        try:
-            if self.version != version:
-                return False
-            manifest = self._side_manifest()
-            if manifest.exists() and json.loads(manifest.read_text()).get("version") == version:
-                return False
-            sums = {}
-            for part, tensor in (("ids", self.ids), ("keys", self.keys), ("values", self.values)):
-                final = self._side_file(version, part)
-                tmp = final.with_name(f"{final.name}.{os.getpid()}.tmp")  # two processes never share a file
-                written.append(tmp)
-                array = np.ascontiguousarray(tensor.detach().cpu().numpy())
-                sums[part] = _crc32(array)
-                with open(tmp, "wb") as f:
-                    np.save(f, array)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-            dims = {"dim": self.keys.shape[1], "value_dim": self.values.shape[1]}
-            info = {"version": version, "n": len(self.ids), **dims, "crc32": sums}
-            tmp = manifest.with_name(f"{manifest.name}.{os.getpid()}.tmp")
-            written.append(tmp)
-            with open(tmp, "w") as f:
-                f.write(json.dumps(info))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, manifest)
-            for old in self.path.parent.glob(f"{self.path.name}.emb-*.npy*"):
-                if not old.name.startswith(f"{self.path.name}.emb-{version}."):
-                    old.unlink(missing_ok=True)
-            return True
-        except (OSError, ValueError, sqlite3.Error):
-            for tmp in written:  # a full disk leaves no temporary file behind
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-            return False
+            found = self._conn.execute(
+                "SELECT count(*), min(id), max(id), sum(id), sum(slot), sum((id % 65521) * (slot % 65521)) FROM records"
+            ).fetchone()
+            count = found[0]
+            expected = (len(ids), *((int(ids.min()), int(ids.max())) if len(ids) else (None, None)))
+            expected += (int(ids.sum(dtype=np.int64)), int(slots.sum(dtype=np.int64)), int(pairs.sum(dtype=np.int64)))
+            same = tuple(found) == expected if len(ids) else count == 0
+        except sqlite3.OperationalError:  # a sum overflowed 64 bits: compare the lists
+            listed = self._conn.execute("SELECT id, slot FROM records ORDER BY id").fetchall()
+            order = np.argsort(ids)
+            count, same = len(listed), np.array_equal(np.array(listed).reshape(-1, 2), np.c_[ids[order], slots[order]])
+        if not same:
+            raise CorruptDatabaseError(
+                f"{self.path or 'the store'}: the embeddings hold {len(ids)} records that are not the "
+                f"{count} records of the records table (the file was damaged or changed from outside)"
+            )
 
     def _data_version(self) -> int:
         """SQLite's ``PRAGMA data_version``: changes when another connection commits (no table is read)."""
@@ -561,7 +532,11 @@ class Store:
                 changes = None if self.keys is None else changelog.read(conn, self.loaded_version, version)
                 if changes is not None and len(changes) > max(1024, len(self.ids) // 2):
                     changes = None
-                rows = [] if changes is None else self._rows_of_ids(conn, changes.upserted)
+                if self._still_legacy():
+                    changes = None  # an earlier format, read-only: read whole
+                rows: list[tuple] = []
+                if changes is not None:
+                    rows, keys, values = self._rows_of_ids(changes.upserted, dim, value_dim)
                 flags = {} if changes is None else self._given_of_ids(conn, changes.upserted)
             finally:
                 if own:
@@ -569,13 +544,6 @@ class Store:
             if changes is None or len(rows) != len(changes.upserted):
                 self.load(dim, value_dim)
                 return None
-            try:
-                keys = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32).reshape(-1, dim).copy()
-                values = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32).reshape(-1, value_dim).copy()
-            except ValueError:
-                raise CorruptDatabaseError(
-                    f"stored embeddings do not have the expected dims ({dim}, {value_dim})"
-                ) from None
             keys = torch.from_numpy(keys).to(self.device, torch.float32)  # (u, dim)
             values = torch.from_numpy(values).to(self.device, torch.float32)  # (u, value_dim)
             upserted = torch.tensor(changes.upserted, dtype=torch.long)  # (u,)
@@ -600,7 +568,7 @@ class Store:
                     self.given_keys.add(id_)
                 if flags.get(id_, 0) & GIVEN_VALUE:
                     self.given_values.add(id_)
-            for id_, key, _, _ in rows:
+            for id_, key, _ in rows:
                 if key is not None:
                     self.id_of_key[normalize_key(key)] = id_
                     self.key_of_id[id_] = key
@@ -609,11 +577,30 @@ class Store:
             self.catch_ups += 1
             return CatchUp(removed=removed, added=changes.upserted, keys=keys)
 
-    @staticmethod
-    def _rows_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> list[tuple]:
-        """(id, key, key_emb, value_emb) of the stored ids, in id order (ids not stored are left out)."""
-        rows = _select_in(conn, "SELECT id, key, key_emb, value_emb FROM records WHERE id IN ({})", ids)
-        return sorted(rows, key=lambda row: row[0])
+    def _rows_of_ids(
+        self, ids: Sequence[int], dim: int, value_dim: int
+    ) -> tuple[list[tuple[int, str | None, int]], np.ndarray, np.ndarray]:
+        """The stored records among ``ids``, in id order (ids not stored are left out).
+
+        Returns:
+            rows (id, key, slot), and their keys (r, dim) and values (r, value_dim) as float32 arrays.
+
+        Raises:
+            CorruptDatabaseError: a record names a slot that holds nothing, or a chunk is damaged.
+        """
+        if self._still_legacy():  # the earlier format (read-only): the embeddings are in the rows
+            found = _select_in(self._conn, "SELECT id, key, key_emb, value_emb FROM records WHERE id IN ({})", ids)
+            found.sort(key=lambda row: row[0])
+            keys, values = _embeddings_of_rows([(r[2], r[3]) for r in found], dim, value_dim)
+            return [(r[0], r[1], -1) for r in found], keys, values
+        rows = sorted(_select_in(self._conn, "SELECT id, key, slot FROM records WHERE id IN ({})", ids))
+        keys, values = chunks.read(self._conn, np.array([r[2] for r in rows], dtype=np.int64), dim, value_dim)
+        return rows, keys, values
+
+    def _slots_of(self, ids: Sequence[int]) -> np.ndarray:
+        """(n,) the slots of stored ids, in the order given."""
+        slot_of = dict(_select_in(self._conn, "SELECT id, slot FROM records WHERE id IN ({})", [int(i) for i in ids]))
+        return np.array([slot_of[int(i)] for i in ids], dtype=np.int64)
 
     @staticmethod
     def _given_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, int]:
@@ -623,32 +610,18 @@ class Store:
     def _append(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
         """Append rows to the mirror: ids (a,), keys (a, dim), values (a, value_dim), copied.
 
-        The key / value tensors are views of buffers with room to grow (an eighth more rows), so an append of a
-        few rows copies those rows, not the whole mirror. Ids larger than every stored one keep the mirror
+        The key / value tensors are views of buffers with room to grow (:func:`kvsearch.buffers.row_buffer`: an
+        eighth more rows, or a reservation for as many as memory holds), so an append copies the new rows, not the
+        whole mirror. Ids larger than every stored one keep the mirror
         sorted (new ids always are); otherwise it is sorted again.
         """
         if self.keys is None:
             self.ids, self.keys, self.values = ids.clone(), keys.clone(), values.clone()
             return
         n, a = len(self.ids), len(ids)
-        spare = self._spare
-        fits = (
-            spare is not None
-            and spare[0].shape[0] >= n + a
-            and spare[0].data_ptr() == self.keys.data_ptr()
-            and spare[1].data_ptr() == self.values.data_ptr()
-            and self.keys.shape[0] == n
-            and self.values.shape[0] == n
-        )
-        if not fits:
-            room = n + a + max(64, (n + a) // 8)
-            spare = (
-                self.keys.new_empty((room, self.keys.shape[1])),
-                self.values.new_empty((room, self.values.shape[1])),
-            )
-            spare[0][:n] = self.keys
-            spare[1][:n] = self.values
-            self._spare = spare
+        spare = self._spare or (None, None)
+        spare = (_room_for(spare[0], self.keys, a), _room_for(spare[1], self.values, a))  # each grown if full
+        self._spare = spare
         spare[0][n : n + a] = keys
         spare[1][n : n + a] = values
         self.keys, self.values = spare[0][: n + a], spare[1][: n + a]  # (n + a, dim), (n + a, value_dim)
@@ -713,13 +686,8 @@ class Store:
         key_np = key_embs.detach().to("cpu", torch.float32).contiguous().numpy()  # (n, dim)
         value_np = value_embs.detach().to("cpu", torch.float32).contiguous().numpy()  # (n, value_dim)
 
-        def row(i: int, id_: int) -> tuple:
-            meta = None if not metadata[i] else json.dumps(metadata[i])
-            return (keys[i], values[i], meta, key_np[i].tobytes(), value_np[i].tobytes(), id_)
-
-        def update(i: int, id_: int) -> tuple:
-            key, value, meta, key_bytes, value_bytes, id_ = row(i, id_)
-            return (key, value, metadata[i] is None, meta, key_bytes, value_bytes, id_)  # None: keep the stored
+        def meta(i: int) -> str | None:
+            return None if not metadata[i] else json.dumps(metadata[i])
 
         with self.lock:
             with self.transaction():
@@ -731,15 +699,23 @@ class Store:
                     next_id += id_ is None
                 new = [i for i in range(n) if ids[i] is None]
                 old = [i for i in range(n) if ids[i] is not None]
-                self._conn.executemany(
-                    "INSERT INTO records (key, value, metadata, key_emb, value_emb, id) VALUES (?, ?, ?, ?, ?, ?)",
-                    (row(i, out[i]) for i in new),
-                )
-                self._conn.executemany(
-                    "UPDATE records SET key = ?, value = ?, metadata = CASE WHEN ? THEN metadata ELSE ? END, "
-                    "key_emb = ?, value_emb = ? WHERE id = ?",
-                    (update(i, out[i]) for i in old),
-                )
+                if new:
+                    every = len(new) == n  # the usual add: no row selection to copy
+                    new_ids = np.array([out[i] for i in new], dtype=np.int64)
+                    slots = chunks.append(
+                        self._conn, new_ids, key_np if every else key_np[new], value_np if every else value_np[new]
+                    ).tolist()
+                    self._conn.executemany(
+                        "INSERT INTO records (key, value, metadata, slot, id) VALUES (?, ?, ?, ?, ?)",
+                        ((keys[i], values[i], meta(i), slot, out[i]) for i, slot in zip(new, slots)),
+                    )
+                if old:
+                    chunks.write(self._conn, self._slots_of([out[i] for i in old]), key_np[old], value_np[old])
+                    self._conn.executemany(  # metadata None: keep the stored
+                        "UPDATE records SET key = ?, value = ?, metadata = CASE WHEN ? THEN metadata ELSE ? END "
+                        "WHERE id = ?",
+                        ((keys[i], values[i], metadata[i] is None, meta(i), out[i]) for i in old),
+                    )
                 flagged = [(out[i], int(given[i])) for i in range(n) if given is not None and given[i]]
                 if old:
                     self._conn.executemany("DELETE FROM given WHERE id = ?", ((out[i],) for i in old))
@@ -794,6 +770,11 @@ class Store:
             with self.transaction():
                 self._delete_rows(ids)
                 self.bump_version({"deleted": [int(i) for i in ids]})
+                if chunks.needs_repack(self._conn):  # emptied slots outnumber the records: write them again
+                    moved, slots = chunks.repack(self._conn, self.keys.shape[1], self.values.shape[1])
+                    self._conn.executemany(
+                        "UPDATE records SET slot = ? WHERE id = ?", zip(slots.tolist(), moved.tolist())
+                    )
             self._drop_from_memory(ids)
 
     def start_ids_after(self, floor: int) -> None:
@@ -869,18 +850,11 @@ class Store:
             meta: meta entries (name -> JSON value) written in the same transaction (a generation switch).
         """
         with self.lock:
-            ids = self.ids.tolist()
             with self.transaction():
                 for name, value in (meta or {}).items():
                     self._put_meta(name, value)
-                for column, tensor in (("key_emb", keys), ("value_emb", values)):
-                    if tensor is None:
-                        continue
-                    arr = tensor.detach().to("cpu", torch.float32).contiguous().numpy()
-                    self._conn.executemany(
-                        f"UPDATE records SET {column} = ? WHERE id = ?",  # column is one of two literals
-                        ((arr[i].tobytes(), ids[i]) for i in range(len(ids))),
-                    )
+                as_numpy = [None if t is None else t.detach().to("cpu", torch.float32).numpy() for t in (keys, values)]
+                chunks.write_all(self._conn, *as_numpy)
                 self.bump_version()
             if keys is not None:
                 self.keys = keys.detach().to(self.device, torch.float32).clone()
@@ -888,6 +862,8 @@ class Store:
                 self.values = values.detach().to(self.device, torch.float32).clone()
 
     def _delete_rows(self, ids: Iterable[int]) -> None:
+        ids = [int(i) for i in ids]
+        chunks.erase(self._conn, self._slots_of(ids))
         self._conn.executemany("DELETE FROM records WHERE id = ?", ((int(i),) for i in ids))
         self._conn.executemany("DELETE FROM given WHERE id = ?", ((int(i),) for i in ids))
 
@@ -969,19 +945,34 @@ class Store:
         return keys, values, mask
 
     def fetch(self, ids: Iterable[int]) -> dict[int, Record]:
-        """Whole records (text, metadata, embeddings) for ids, in one query."""
+        """Whole records (text, metadata, embeddings) for ids: the texts in one query, the embeddings from the
+        in-memory tensors (read from the store only for a record committed since they were loaded)."""
         wanted = sorted({int(i) for i in ids if 0 <= int(i) < 2**63})  # SQLite holds int64 ids only
-        sql = "SELECT id, key, value, metadata, key_emb, value_emb FROM records WHERE id IN ({})"
+        if self.keys is None:
+            return {}
+        with self.snapshot():
+            sql = "SELECT id, key, value, metadata FROM records WHERE id IN ({})"
+            rows = sorted(_select_in(self._conn, sql, wanted))
+            found = [r[0] for r in rows]
+            at = self.rows_of(torch.tensor(found, dtype=torch.long))  # (r,) -1: not in memory yet
+            later = [id_ for id_, row in zip(found, at.tolist()) if row < 0]
+            if later:
+                _, later_keys, later_values = self._rows_of_ids(later, self.keys.shape[1], self.values.shape[1])
+        keys = self.keys[at.clamp(min=0).to(self.device)].cpu()  # (r, dim)
+        values = self.values[at.clamp(min=0).to(self.device)].cpu()  # (r, value_dim)
+        if later:
+            gaps = (at < 0).nonzero().squeeze(1)  # (g,) in found's order, as ``later``
+            keys[gaps], values[gaps] = torch.from_numpy(later_keys), torch.from_numpy(later_values)
         return {
             id_: Record(
                 id=id_,
                 key=key,
                 value=value,
                 metadata=json.loads(meta) if meta else {},
-                key_embedding=torch.from_numpy(np.frombuffer(kb, dtype=np.float32).copy()),
-                value_embedding=torch.from_numpy(np.frombuffer(vb, dtype=np.float32).copy()),
+                key_embedding=keys[i].clone(),  # its own storage, not a view of the batch
+                value_embedding=values[i].clone(),
             )
-            for id_, key, value, meta, kb, vb in _select_in(self._conn, sql, wanted)
+            for i, (id_, key, value, meta) in enumerate(rows)
         }
 
     def value_texts(self, ids: Iterable[int]) -> dict[int, str | None]:
@@ -1039,13 +1030,8 @@ class Store:
         return torch.tensor([r[0] for r in rows], dtype=torch.long)  # (m,)
 
     def close(self) -> None:
-        """Write the embeddings side file if due (see :meth:`write_side`), then close the SQLite connection.
-
-        In a child of fork(), only the child's own connection is closed.
-        """
+        """Close the SQLite connection (in a child of fork(), only the child's own connection)."""
         with self.lock:
-            if self._pid == os.getpid():
-                self.write_side()
             if self._pid == os.getpid() or self.path is None:
                 self._connection.close()
             self.write_lock.close()
@@ -1085,9 +1071,41 @@ def _select_in(conn: sqlite3.Connection, sql: str, values: Sequence[Any]) -> lis
     return rows
 
 
-def _crc32(array: np.ndarray) -> int:
-    """CRC-32 of an array's bytes (zlib: ~5 GB/s), read in place (memory-mapped files are not copied)."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"))
+def _room_for(buffer: Tensor | None, rows: Tensor, a: int) -> Tensor:
+    """The buffer ``rows`` (n, width) is a view of, if it has room for ``a`` more rows, else a new one holding them.
+
+    A new buffer has an eighth more rows than needed, or is reserved (:func:`kvsearch.buffers.row_buffer`).
+    """
+    n = rows.shape[0]
+    if buffer is not None and buffer.shape[0] >= n + a and buffer.data_ptr() == rows.data_ptr():
+        return buffer
+    grown = row_buffer(n + a + max(64, (n + a) // 8), rows.shape[1], like=rows)  # (capacity, width)
+    grown[:n] = rows
+    return grown
+
+
+def _embeddings_of_rows(
+    blobs: Sequence[tuple[bytes, bytes]], dim: int | None = None, value_dim: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Key and value embeddings from (key_emb, value_emb) blobs of rows of the earlier format.
+
+    Args:
+        blobs: one (key bytes, value bytes) pair per row. dim, value_dim: the dims, or None to take the first row's.
+
+    Returns:
+        keys (n, dim) and values (n, value_dim), float32 arrays of their own.
+
+    Raises:
+        CorruptDatabaseError: a blob does not have the expected size.
+    """
+    if dim is None or value_dim is None:
+        dim, value_dim = (len(blobs[0][0]) // 4, len(blobs[0][1]) // 4) if blobs else (0, 0)
+    try:
+        keys = np.frombuffer(b"".join(b[0] for b in blobs), dtype=np.float32).reshape(len(blobs), dim).copy()
+        values = np.frombuffer(b"".join(b[1] for b in blobs), dtype=np.float32).reshape(len(blobs), value_dim).copy()
+    except ValueError:
+        raise CorruptDatabaseError(f"stored embeddings do not have the expected dims ({dim}, {value_dim})") from None
+    return keys, values
 
 
 # Stores of this process, so that a child of fork() gets fresh thread locks (a lock held by another

@@ -199,6 +199,8 @@ class TorchIndex:
         # Derived from the keys, recomputed when the tag (what the keys were) changes.
         self._tag: Any = None
         self._derived: DerivedKeys | None = None
+        # Whether only add() was called since the last derive: the rows derived then are still the first rows.
+        self._only_appended = False
 
     # ------------------------------------------------------------------ state
 
@@ -243,6 +245,7 @@ class TorchIndex:
         """
         ids, keys = self._check(ids, keys)  # (n,), (n, dim)
         self._tag = None
+        self._only_appended = False
         if self.source is None:
             self._ids = ids
             self._vectors = keys.contiguous()
@@ -269,6 +272,7 @@ class TorchIndex:
         """
         ids = check_ids(ids)  # (r,)
         self._tag = None
+        self._only_appended = self._only_appended and not len(ids)
         if self.source is None and len(ids) and len(self._ids):
             keep = ~torch.isin(self._ids, ids)  # (n,)
             self._ids = self._ids[keep]
@@ -284,6 +288,7 @@ class TorchIndex:
         if self.source is None:
             raise InvalidArgumentError("rebuild() reads the index's source, and this index has none: use build()")
         self._tag = None
+        self._only_appended = False
 
     def set_params(self, **params: float) -> None:
         """Exact search has no search parameters.
@@ -426,7 +431,8 @@ class TorchIndex:
 
     def derived(self) -> DerivedKeys:
         """The keys a search reads and what is derived from them (norm term, half copy), brought up to date:
-        recomputed when the keys changed (another tensor, shape or source version) or were marked stale."""
+        recomputed when the keys changed (another tensor, shape or source version) or were marked stale; when
+        rows were only appended since (add() alone, the same ids first), the norm terms of the new rows only."""
         ids, keys = self._raw()
         if self.source is None:
             tag: Any = ("own", id(ids), id(keys), keys.data_ptr(), tuple(keys.shape))
@@ -435,8 +441,10 @@ class TorchIndex:
             version = self.source.version if version is None else version
             tag = ("source", version, id(ids), id(keys), keys.data_ptr(), tuple(keys.shape))
         if tag != self._tag or self._derived is None:
-            self._derived = self._derive(ids, keys)
+            grown = self._appended(self._derived, ids, keys) if self._only_appended else None
+            self._derived = self._derive(ids, keys) if grown is None else grown
             self._tag = tag
+            self._only_appended = True
             if self.dtype is not None and self.dtype != torch.float32:  # a fixed half spec: its copy up front
                 self._half_copy(self._derived, self.dtype)
         return self._derived
@@ -562,6 +570,16 @@ class TorchIndex:
             rows = self.source.rows_of(allowed).reshape(-1).cpu()  # (m,)
             return rows[rows >= 0]  # (m',)
         return torch.isin(d.ids, allowed).nonzero().squeeze(1)  # (m',)
+
+    def _appended(self, before: DerivedKeys | None, ids: Tensor, keys: Tensor) -> DerivedKeys | None:
+        """``before`` grown by the rows appended since (ids (n,), keys (n, dim) now), or None if the first rows are
+        not ``before``'s ids. The half copy is dropped (made again at the next half-precision call)."""
+        if before is None or len(ids) < len(before.ids) or not torch.equal(ids[: len(before.ids)], before.ids):
+            return None
+        n_old = len(before.ids)
+        new = self._derive(ids[n_old:], keys[n_old:])  # the norm terms of the appended rows (a,)
+        norm_term = None if before.norm_term is None else torch.cat([before.norm_term, new.norm_term])  # (n,)
+        return DerivedKeys(ids, ids.to(keys.device), keys, norm_term)
 
     def _derive(self, ids: Tensor, keys: Tensor) -> DerivedKeys:
         """Norm term of ``keys`` (n, dim), computed a block of rows at a time (the half copy: at first use)."""

@@ -8,7 +8,8 @@ that fork() is safe), then reads one JSON command per line on stdin:
 
 and for each forks a child that opens the database and writes to it until it is killed: by the server with
 SIGKILL after ``delay`` seconds (``mode="timer"``), or by itself with SIGKILL at a chosen point of the
-write / save path (the other modes). The server answers one JSON line per command.
+write / save path (the other modes; ``in_chunks``: halfway through writing the embeddings' chunks). The server
+answers one JSON line per command.
 
 The workload: add a batch; then now and then delete a whole batch, upsert a whole batch (same keys, so the
 same ids; new values), re-encode every key with new encoder weights (``Database.refresh``: same ids, new key
@@ -37,6 +38,7 @@ torch.set_num_threads(1)  # no OpenMP pool in the server: fork() stays safe
 faiss.omp_set_num_threads(1)
 
 import kvsearch  # noqa: E402
+from kvsearch import chunks  # noqa: E402
 from kvsearch import index as index_module  # noqa: E402
 from kvsearch import store as store_module  # noqa: E402
 
@@ -50,6 +52,7 @@ MODES = (
     "index_torn",
     "after_upsert",
     "after_refresh",
+    "in_chunks",
 )
 
 
@@ -130,6 +133,41 @@ def _arm(mode: str, due) -> None:
                 _die()
 
         kvsearch.Database.save = save_then_tear
+    elif mode == "in_chunks":  # inside the embeddings' write path: part of it done, the rest not, no COMMIT
+        append, write, erase, repack = chunks.append, chunks.write, chunks.erase, chunks.repack
+
+        def append_part_then_die(conn, ids, keys, values):
+            if len(ids) > 1 and due():
+                half = len(ids) // 2
+                append(conn, ids[:half], keys[:half], values[:half])  # some chunks written or filled
+                _die()
+            return append(conn, ids, keys, values)
+
+        def write_part_then_die(conn, slots, keys=None, values=None):
+            if len(slots) > 1 and due():
+                write(conn, slots[:1], None if keys is None else keys[:1], None if values is None else values[:1])
+                _die()
+            return write(conn, slots, keys, values)
+
+        def erase_part_then_die(conn, slots):
+            if len(slots) > 1 and due():
+                erase(conn, slots[:1])
+                _die()
+            return erase(conn, slots)
+
+        def repack_then_die(conn, dim, value_dim):
+            moved = repack(conn, dim, value_dim)
+            if due():
+                _die()  # every row moved to new chunks; the records still name the old slots
+            return moved
+
+        chunks.append, chunks.write, chunks.erase, chunks.repack = (
+            append_part_then_die,
+            write_part_then_die,
+            erase_part_then_die,
+            repack_then_die,
+        )
+        chunks.needs_repack = lambda conn: True  # every delete writes the chunks again (legal at any time)
     else:
         raise ValueError(f"unknown mode {mode!r}")
 

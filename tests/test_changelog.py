@@ -116,8 +116,7 @@ def test_a_new_generation_is_a_full_reload(tmp_path, encoder):
     writer.close()
 
 
-def test_what_a_caught_up_reader_saves_is_that_versions(tmp_path, encoder, monkeypatch):
-    monkeypatch.setattr(kvsearch.store, "SIDE_MIN_ROWS", 10)  # the embeddings side files for a small store
+def test_what_a_caught_up_reader_saves_is_that_versions(tmp_path, encoder):
     writer = Database(tmp_path / "db", encoder=encoder, value_dim=VALUE_DIM, index="HNSW8")
     writer.add(*_records(100, 0))
     writer.close()
@@ -127,7 +126,7 @@ def test_what_a_caught_up_reader_saves_is_that_versions(tmp_path, encoder, monke
     writer.delete(["k0-1"])
     writer.upsert(["k0-2"], torch.zeros(1, VALUE_DIM))
     assert len(reader) == 102 and reader.store.catch_ups == 1
-    reader.close()  # saves its caught-up index and side files, tagged with the version they reflect
+    reader.close()  # saves its caught-up index, tagged with the version it reflects
     third = Database(tmp_path / "db")
     assert not third.retriever.dirty  # the reader's saved index was served, not rebuilt
     _agree(third, writer)

@@ -9,10 +9,12 @@ unpickling would create a marker file is planted wherever a file is read: the ma
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import shutil
+import sqlite3
 import zipfile
 from pathlib import Path
 
@@ -228,38 +230,28 @@ def test_index_with_wrong_dimension_is_rebuilt(tmp_path, saved):
     check_rebuilt(folder, ids, keys)
 
 
-@pytest.mark.parametrize("part", ["ids", "keys", "values", "manifest"])
-@pytest.mark.parametrize("kind", KINDS + ["zeroed data, header kept", "older copy"])
-def test_damaged_embedding_side_files_are_not_served(tmp_path, monkeypatch, part, kind):
-    """The embeddings side files (kept beside the store of a big database to open fast) are checked by shape,
-    version and CRC-32: any damage makes the open read the embeddings from SQLite, never serve the damage."""
-    import kvsearch.store as store_module
+CHUNK_DAMAGE = {
+    "a keys blob cut short": "UPDATE chunk_data SET keys = zeroblob(100) WHERE first = 0",
+    "a values blob grown": "UPDATE chunk_data SET vals = vals || zeroblob(12) WHERE first = 64",
+    "ids zeroed": "UPDATE chunk_data SET ids = zeroblob(length(ids)) WHERE first = 0",
+    "a count lowered": "UPDATE chunks SET live = live - 1 WHERE first = 64",
+    "a chunk's blobs deleted": "DELETE FROM chunk_data WHERE first = 64",
+    "a chunk's counts deleted": "DELETE FROM chunks WHERE first = 0",
+    "a record pointed at another slot": "UPDATE records SET slot = slot + 1 WHERE id = 3",
+    "two records' slots swapped": "UPDATE records SET slot = CASE id WHEN 3 THEN 4 ELSE 3 END WHERE id IN (3, 4)",
+}
 
-    monkeypatch.setattr(store_module, "SIDE_MIN_ROWS", 10)
-    folder, marker = tmp_path / "db", tmp_path / "PICKLE_RAN"
+
+@pytest.mark.parametrize("kind", list(CHUNK_DAMAGE))
+def test_damaged_embedding_chunks_are_refused(tmp_path, kind):
+    """The embeddings live once, in the store's chunks (kvsearch.chunks): a chunk of the wrong size, counts that
+    disagree with its ids, or records naming other slots are reported as damage at open, never served."""
+    folder = tmp_path / "db"
     gen = torch.Generator().manual_seed(0)
     db = kvsearch.Database(folder, dim=DIM, value_dim=3, score="dot")
-    db.add(torch.randn(40, DIM, generator=gen), torch.randn(40, 3, generator=gen))
+    db.add(torch.randn(100, DIM, generator=gen), torch.randn(100, 3, generator=gen))  # chunks of slots 0-63, 64-127
     db.close()
-    older = {p.name: p.read_bytes() for p in folder.glob("store.sqlite.emb*")}
-    db = kvsearch.Database(folder)
-    db.delete([5])
-    db.add(torch.randn(1, DIM, generator=gen), torch.randn(1, 3, generator=gen))
-    ids, keys, values = db.store.ids.clone(), db.store.keys.clone(), db.store.values.clone()
-    db.close()  # the side files of the new version
-    target = folder / "store.sqlite.emb.json" if part == "manifest" else next(folder.glob(f"*.emb-*.{part}.npy"))
-    if kind == "older copy":
-        old_name = next(n for n in older if n.endswith(f".{part}.npy") or (part == "manifest" and n.endswith(".json")))
-        target.write_bytes(older[old_name])
-    elif kind == "zeroed data, header kept":
-        data = target.read_bytes()
-        head = min(128, len(data) // 2)  # a .npy header is 128 bytes here; the manifest keeps its first half
-        target.write_bytes(data[:head] + bytes(len(data) - head))
-    else:
-        damage(target, kind, marker)
-    with kvsearch.Database(folder) as again:
-        assert torch.equal(again.store.ids, ids)
-        assert torch.equal(again.store.keys, keys) and torch.equal(again.store.values, values)
-        probe = keys[[0, 7, -1]]
-        assert [row[0].id for row in again.search(probe, k=1)] == [int(ids[(keys @ p).argmax()]) for p in probe]
-    assert not marker.exists()
+    with contextlib.closing(sqlite3.connect(folder / "store.sqlite")) as conn, conn:
+        assert conn.execute(CHUNK_DAMAGE[kind]).rowcount >= 1
+    with pytest.raises(CorruptDatabaseError):
+        kvsearch.Database(folder)

@@ -4,7 +4,8 @@ A fork server (``tests/_crash_writer.py``, started once: torch is imported once,
 writer child per round. The child adds batches, deletes whole batches, upserts whole batches (same keys and
 ids, new values), re-encodes every key with new encoder weights (``refresh``: same ids, new key vectors) and
 saves the index of an IVF database until it is killed — by the server after a random delay, or by itself
-inside a transaction, right after a commit (before the index is touched), with a new index file written but
+inside a transaction, halfway through writing the embeddings' chunks, right after a commit (before the index
+is touched), with a new index file written but
 not renamed, renamed but the manifest not, after a whole save with the index file then torn in half, or
 right after an upsert or a refresh that followed a save. After every kill the test reopens the database and
 checks it against the child's acknowledgements and a brute-force search over the store.
@@ -203,13 +204,13 @@ def run_kills(tmp_path: Path, rounds: int, seed: int, modes: tuple[str, ...] = M
     return dict(stats)
 
 
-def test_sigkill_writer_70_times(tmp_path):
-    stats = run_kills(tmp_path, rounds=70, seed=1)
+def test_sigkill_writer_80_times(tmp_path):
+    stats = run_kills(tmp_path, rounds=80, seed=1)
     print("crash stats:", stats)
-    assert stats["kills"] == 70
-    # Each self-kill mode (5 of each of 7) really fired inside its window (not by the fallback timer).
-    assert stats["killed_by_self"] == 35 and all(stats[f"mode_{m}"] == 5 for m in MODES[1:])
-    assert stats["acked_batches"] > 70 and stats["acked_upserts"] > 50 and stats["acked_refreshes"] >= 5
+    assert stats["kills"] == 80
+    # Each self-kill mode (5 of each of 8) really fired inside its window (not by the fallback timer).
+    assert stats["killed_by_self"] == 40 and all(stats[f"mode_{m}"] == 5 for m in MODES[1:])
+    assert stats["acked_batches"] > 80 and stats["acked_upserts"] > 50 and stats["acked_refreshes"] >= 5
 
 
 @pytest.mark.slow

@@ -8,11 +8,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsearch import Database
-from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 from kvsearch.index import Index, SearchResult
 from kvsearch.torch_index import TorchIndex, parse_torch_spec
 
@@ -239,74 +240,56 @@ db = Database(sys.argv[1])
 db.delete([1, 2])
 new = db.add(torch.ones(2, 8), torch.ones(2, 3))
 torch.save((db.store.keys.clone(), new), sys.argv[2])
-os._exit(0)  # gone without closing: nothing written at close, the side file stays as it was
+os._exit(0)  # gone without closing: what was committed is all there is
 """
 
 
-def _side_db(path, n=30, seed=0):
+def _stored_db(path, n=30, seed=0):
     gen = torch.Generator().manual_seed(seed)
     db = Database(path, dim=8, value_dim=3, score="dot", index="torch")
     db.add(torch.randn(n, 8, generator=gen), torch.randn(n, 3, generator=gen))
     return db
 
 
-def test_reopen_uses_the_side_file_only_when_it_is_this_versions(tmp_path, monkeypatch):
-    import kvsearch.store as store_module
-
-    monkeypatch.setattr(store_module, "SIDE_MIN_ROWS", 10)
+def test_reopen_reads_what_was_committed_last(tmp_path):
     path = tmp_path / "db"
-    db = _side_db(path)
+    db = _stored_db(path)
     keys, values, ids = db.store.keys.clone(), db.store.values.clone(), db.store.ids.clone()
     db.close()
-    assert (path / "store.sqlite.emb.json").exists()
     db = Database(path)
     assert torch.equal(db.store.keys, keys) and torch.equal(db.store.values, values)
     assert torch.equal(db.store.ids, ids)
     db.close()
-    # a write after the side file was made, by a process that dies without closing: the side file is stale
+    # a write by a process that dies without closing: the next open reads it
     crashed = subprocess.run([sys.executable, "-c", WRITE_THEN_DIE, str(path), str(tmp_path / "out.pt")], timeout=120)
     assert crashed.returncode == 0
     expect_keys, new = torch.load(tmp_path / "out.pt")
     reopened = Database(path)
     assert torch.equal(reopened.store.keys, expect_keys) and reopened.store.ids[-2:].tolist() == new
     assert 1 not in reopened.store.ids.tolist()
-    reopened.close()  # writes the side file of the new version and removes the old one
-    assert len(list(path.glob("store.sqlite.emb-*.keys.npy"))) == 1
-    # a damaged side file: SQLite is read instead
-    keys_file = next(path.glob("store.sqlite.emb-*.keys.npy"))
-    keys_file.write_bytes(keys_file.read_bytes()[:100])
-    again = Database(path)
-    assert torch.equal(again.store.keys, expect_keys)
-    again.close()
+    reopened.close()
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith("store.sqlite")) == ["store.sqlite"]
 
 
 @pytest.mark.parametrize("change", ["delete_one", "renumber_two", "add_one"])
-def test_side_file_listing_other_ids_than_sqlite_is_not_served(tmp_path, monkeypatch, change):
-    """The side file is version-tagged and checksummed; its ids are also checked against SQLite's (count, min,
-    max, sum, strictly increasing) so rows changed behind its back are read from SQLite, never served stale.
-    ``renumber_two`` keeps the count, min and max (one id -1, another +1 would keep the sum too: the ids it
-    changes here do not)."""
+def test_records_changed_behind_the_embeddings_back_are_refused(tmp_path, change):
+    """The embeddings' ids are checked against the records table's (count, min, max, sum) at open: a records row
+    changed from outside, without its embeddings, is reported as damage, never served with another's embedding."""
     import sqlite3
 
-    import kvsearch.store as store_module
-
-    monkeypatch.setattr(store_module, "SIDE_MIN_ROWS", 10)
     path = tmp_path / "db"
-    _side_db(path).close()
+    _stored_db(path).close()
     con = sqlite3.connect(path / "store.sqlite")
-    with con:  # a change that does not bump the store version (as no kvsearch write would)
+    with con:  # a change that leaves the embeddings as they were (as no kvsearch write would)
         if change == "delete_one":
             con.execute("DELETE FROM records WHERE id = 7")
         elif change == "renumber_two":
             con.execute("UPDATE records SET id = 100 WHERE id = 7")
         else:
-            row = con.execute("SELECT key_emb, value_emb FROM records WHERE id = 1").fetchone()
-            con.execute("INSERT INTO records (key_emb, value_emb) VALUES (?, ?)", row)
-    stored = [r[0] for r in con.execute("SELECT id FROM records ORDER BY id")]
+            con.execute("INSERT INTO records (slot) SELECT slot FROM records WHERE id = 1")
     con.close()
-    db = Database(path)
-    assert db.store.ids.tolist() == stored and db.index.ids().tolist() == stored
-    db.close()
+    with pytest.raises(CorruptDatabaseError, match="records of the records table"):
+        Database(path)
 
 
 def test_answer_keys_are_lazy_and_compare_as_lists(names_db):
@@ -465,3 +448,43 @@ def test_half_precision_database_matches_flat(tmp_path, rng):
         a, b = half.query(queries, k=20), flat.query(queries, k=20)
         assert torch.equal(a.ids, b.ids)
         torch.testing.assert_close(a.output, b.output)
+
+
+@pytest.mark.parametrize("score", ["cosine", "gaussian"])
+def test_a_reader_appending_rows_scores_them_as_a_fresh_open(tmp_path, score):
+    """The exact index derives norm terms once; rows appended by a catch-up get theirs added, and a replaced or
+    deleted row makes them derived again: every answer equals a brute force over what is stored."""
+    gen = torch.Generator().manual_seed(0)
+    path = tmp_path / "db"
+    writer = Database(path, dim=8, value_dim=2, score=score, index="Flat")
+    names = [f"k{i}" for i in range(400)]
+
+    def put(first: int, n: int, scale: float, *, upsert: bool = False) -> None:
+        keys, values = torch.randn(n, 8, generator=gen) * scale, torch.randn(n, 2, generator=gen)
+        (writer.upsert if upsert else writer.add)(names[first : first + n], values, key_embeddings=keys)
+
+    put(0, 300, 3.0)
+    reader = Database(path)
+    queries = torch.randn(5, 8, generator=gen)
+
+    def check() -> None:
+        ids = writer.ids()
+        keys = torch.stack([writer.get(i).key_embedding for i in ids.tolist()])  # (n, 8)
+        if score == "cosine":
+            scores = F.normalize(queries, dim=-1) @ F.normalize(keys, dim=-1).T  # (5, n)
+        else:
+            scores = -torch.cdist(queries, keys)  # (5, n)
+        assert [row[0].id for row in reader.search(queries, k=1)] == ids[scores.argmax(dim=1)].tolist()
+
+    check()
+    for first in (300, 340):  # appended only: the reader extends what it derived
+        put(first, 40, 5.0)
+        check()
+    put(0, 200, 0.2, upsert=True)  # key embeddings replaced in place: same ids, other norms
+    put(380, 5, 5.0)
+    check()
+    writer.delete(writer.ids()[100:130].tolist())  # the rows after them move up
+    put(385, 10, 5.0)
+    check()
+    reader.close()
+    writer.close()
