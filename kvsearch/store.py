@@ -67,8 +67,10 @@ CREATE TABLE IF NOT EXISTS records (
     slot INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS given (id INTEGER PRIMARY KEY, side INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS records_with_metadata ON records (id) WHERE metadata IS NOT NULL;
 """
+#: The ids whose record has metadata (a partial index: as small as the records with metadata are few).
+_METADATA_INDEX = "CREATE INDEX IF NOT EXISTS records_with_metadata ON records (id) WHERE metadata IS NOT NULL;"
+_SCHEMA += _METADATA_INDEX
 #: The metadata of the hits of a search, through the partial index of the ids that have any: a hit without metadata
 #: costs no read of its row (a random page of the table, ~10-20 us each), only a look in that small index.
 _METADATA_SQL = (
@@ -267,6 +269,7 @@ class Store:
                     )
                 conn.execute("DROP TABLE records")
                 conn.execute("ALTER TABLE records_moved RENAME TO records")
+                conn.execute(_METADATA_INDEX)  # dropped with the old table
                 conn.execute("DELETE FROM sqlite_sequence WHERE name IN ('records', 'records_moved')")
                 if seq is not None:
                     conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)", (seq[0],))

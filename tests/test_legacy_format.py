@@ -47,11 +47,17 @@ def check_records(db: kvsearch.Database, want: dict[int, dict]) -> None:
     queries = queries / np.linalg.norm(queries, axis=1, keepdims=True) if reference == "cosine" else queries
     best = np.array(sorted(want))[(queries @ normed.T).argmax(axis=1)]
     assert [row[0].id for row in hits] == best.tolist()
+    assert [row[0].metadata for row in hits] == [want[i]["metadata"] for i in best.tolist()]
 
 
 def columns(path: Path) -> set[str]:
     with contextlib.closing(sqlite3.connect(path / "store.sqlite")) as conn:
         return {row[1] for row in conn.execute("PRAGMA table_info(records)")}
+
+
+def indexes(path: Path) -> set[str]:
+    with contextlib.closing(sqlite3.connect(path / "store.sqlite")) as conn:
+        return {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
 
 
 @pytest.mark.filterwarnings("ignore:kvsearch.*equal after normalisation:RuntimeWarning")
@@ -68,6 +74,7 @@ def test_an_earlier_store_is_moved_to_chunks_with_every_record_kept(tmp_path, na
             added = db.add(["a new key"], ["a new value"])
         assert added[0] > max(want)  # ids go on after the earlier version's, never reused
     assert "key_emb" not in columns(path) and "slot" in columns(path)  # one copy of each embedding
+    assert "records_with_metadata" in indexes(path)  # made again on the moved table: searches read metadata by it
     with kvsearch.Database(path) as again:
         assert len(again) == len(want) + 1
         again.delete(added)
