@@ -1,6 +1,6 @@
 """kvsearch vs Chroma (PersistentClient, the embedded vector store) on the same vectors.
 
-    python benchmarks/bench_chroma.py              # the 91,910 MiniLM name embeddings (the full run, ~5 min)
+    python benchmarks/bench_chroma.py              # the 91,910 MiniLM name embeddings (the full run, ~3 min)
     python benchmarks/bench_chroma.py --quick      # the first 20,000 of them (< 3 min)
 
 Both stores get the same vectors (ids + 384-d embeddings; our value is one float, the row number) and the same
