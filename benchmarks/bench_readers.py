@@ -128,6 +128,7 @@ def w_reader(spec: str, m: int, n: int, seconds: float) -> dict:
             [sys.executable, "-c", textwrap.dedent(WRITER), path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,  # said if it fails (it writes nothing else there)
             text=True,
             env=env,
         )
@@ -136,7 +137,10 @@ def w_reader(spec: str, m: int, n: int, seconds: float) -> dict:
         proc.stdin.write(f"{seconds}\n")
         proc.stdin.flush()
         out["ops_beside_writer"] = ops_for(seconds)
-        out["writer_batches"] = int(proc.stdout.readline())
+        line = proc.stdout.readline().strip()
+        if not line.isdigit():
+            raise RuntimeError(f"the writer process ended without its count: {proc.stderr.read()[-2000:]}")
+        out["writer_batches"] = int(line)
         proc.wait()
         out["writer_full_loads"] = reader.store.full_loads - loads
         out["writer_catch_ups"] = reader.store.catch_ups - catch_ups
