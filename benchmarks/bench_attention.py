@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=7.0, help="skip dense runs estimated above this")
     parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
     parser.add_argument("--ann-only", action="store_true", help="only the ANN attention rows (clustered data, m)")
+    parser.add_argument(
+        "--ann-specs", nargs="+", default=None, help="only these ANN index specs, e.g. IVF1024,Flat (default: all)"
+    )
     args = parser.parse_args()
     info = common.machine()
     if args.ann_only:
@@ -259,7 +262,8 @@ def main() -> None:
 def ann_section(args: argparse.Namespace, info: dict) -> None:
     """Top-k attention fwd+bwd with IVF and HNSW (recall@K stated) beside SDPA over every key, on clustered data."""
     nq, rows, got = 1024, [], {}
-    for spec, params in [("sdpa", None), ("torch", None), *ANN_SPECS]:
+    chosen = [(spec, params) for spec, params in ANN_SPECS if args.ann_specs is None or spec in args.ann_specs]
+    for spec, params in [("sdpa", None), ("torch", None), *chosen]:
         r = common.run_fresh(__file__, "ann", {"m": args.m, "nq": nq, "index": spec, "params": params})
         got.setdefault(spec, r)
         shown = ", ".join(f"{k} {v}" for k, v in (params or {}).items())
