@@ -157,6 +157,20 @@ def _write_rows(
         blob.write(data)
 
 
+def _patch(
+    conn: sqlite3.Connection, first: int, capacity: int, column: str, offsets: np.ndarray, rows: np.ndarray
+) -> None:
+    """Overwrite the slots at ``offsets`` (g,) of one column with ``rows`` (g, width): many of them by reading,
+    changing and writing the whole blob once, a few row by row."""
+    if len(offsets) > capacity * _WHOLE_BLOB_SHARE:
+        whole = _read_rows(conn, first, capacity, column, rows.shape[1], rows.dtype, 0, capacity).copy()
+        whole[offsets] = rows
+        _write_rows(conn, first, capacity, column, whole, 0)
+    else:
+        for offset, one in zip(offsets.tolist(), rows):
+            _write_rows(conn, first, capacity, column, one[None], offset)
+
+
 def _new_chunk(
     conn: sqlite3.Connection, first: int, capacity: int, ids: np.ndarray, keys: np.ndarray, values: np.ndarray
 ) -> None:
@@ -241,14 +255,7 @@ def write(
         for column, array in (("keys", keys), ("vals", values)):
             if array is None:
                 continue
-            rows = np.asarray(array, dtype=_FLOAT)[group]  # (g, width)
-            if len(group) > capacity * _WHOLE_BLOB_SHARE:  # read, change and write the whole blob
-                whole = _read_rows(conn, first, capacity, column, rows.shape[1], _FLOAT, 0, capacity).copy()
-                whole[offsets] = rows
-                _write_rows(conn, first, capacity, column, whole, 0)
-            else:
-                for offset, one in zip(offsets.tolist(), rows):
-                    _write_rows(conn, first, capacity, column, one[None], offset)
+            _patch(conn, first, capacity, column, offsets, np.asarray(array, dtype=_FLOAT)[group])
 
 
 def erase(conn: sqlite3.Connection, slots: np.ndarray) -> None:
@@ -259,13 +266,7 @@ def erase(conn: sqlite3.Connection, slots: np.ndarray) -> None:
     """
     slots = np.asarray(slots, dtype=np.int64)
     for first, capacity, group, offsets in _by_chunk(_layout(conn, slots), slots):
-        if len(group) > capacity * _WHOLE_BLOB_SHARE:  # read, change and write the whole blob
-            ids = _read_rows(conn, first, capacity, "ids", 1, _ID, 0, capacity)[:, 0].copy()  # (capacity,)
-            ids[offsets] = 0
-            _write_rows(conn, first, capacity, "ids", ids, 0)
-        else:
-            for offset in offsets.tolist():
-                _write_rows(conn, first, capacity, "ids", np.zeros(1, dtype=_ID), offset)
+        _patch(conn, first, capacity, "ids", offsets, np.zeros((len(group), 1), dtype=_ID))
         conn.execute("UPDATE chunks SET live = live - ? WHERE first = ?", (len(group), first))
     last = "(SELECT max(first) FROM chunks)"
     conn.execute(f"DELETE FROM chunk_data WHERE first IN (SELECT first FROM chunks WHERE live = 0 AND first < {last})")
@@ -375,9 +376,7 @@ def write_all(conn: sqlite3.Connection, keys: np.ndarray | None = None, values: 
             if len(keep) == used:
                 _write_rows(conn, first, capacity, column, rows, 0)
             else:
-                whole = _read_rows(conn, first, capacity, column, rows.shape[1], _FLOAT, 0, used).copy()
-                whole[keep] = rows
-                _write_rows(conn, first, capacity, column, whole, 0)
+                _patch(conn, first, capacity, column, keep, rows)
         pos += live
 
 
