@@ -76,8 +76,8 @@ def w_dense(m: int, nq: int, kind: str, backward: bool, max_gib: float) -> dict:
     """Softmax attention of nq queries over all m keys: dense torch, SDPA, or ours streaming."""
     import torch.nn.functional as F
 
-    from kvsearch.attention import attend
-    from kvsearch.streaming import streaming_attention
+    from kvsearch.nn.attention import attend
+    from kvsearch.nn.streaming import streaming_attention
 
     gib = nq * m * 4 / 2**30
     estimate = {"dense": (3 if not backward else 5) * gib, "sdpa": (0.1 if not backward else 1.5) * gib}.get(kind, 0)

@@ -135,8 +135,8 @@ def w_build(m: int, kind: str) -> dict:
 
     from kvsearch import Database
     from kvsearch.distributed import ShardedDatabase
+    from kvsearch.distributed.layout import ID_SHIFT, shard_dir
     from kvsearch.errors import InvalidArgumentError
-    from kvsearch.sharding import ID_SHIFT, shard_dir
 
     workaround = None
     keys = common.random_vectors(m)
@@ -333,7 +333,7 @@ def _rank(rank: int, world: int, port: int, m: int, k: int, batches: list[int], 
     import torch.distributed as dist
 
     import kvsearch.database
-    import kvsearch.distributed
+    import kvsearch.distributed.sharded_database
     from kvsearch.distributed import ShardedDatabase
 
     state: dict[str, Any] = {"rank": rank, "phase": "open"}

@@ -14,8 +14,8 @@ import faiss
 import numpy as np
 import torch
 
-from kvsearch.exact_path import set_exact_path
-from kvsearch.index import make_index
+from kvsearch.index.exact_path import set_exact_path
+from kvsearch.index.factory import make_index
 
 
 def _interleaved(fns: dict, rounds: int) -> dict:

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 K = 10
 METHODS = ("flat", "torch", "torch:bfloat16", "torch:float16", "faiss", "faiss-default", "st")
 METHOD_NAMES = {
-    "flat": "ours: default index Flat (path per call, kvsearch.exact_path)",
+    "flat": "ours: default index Flat (path per call, kvsearch.index.exact_path)",
     "torch": "ours: TorchIndex float32",
     "torch:bfloat16": "ours: TorchIndex bfloat16 scan + exact rescoring",
     "torch:float16": "ours: TorchIndex float16 scan + exact rescoring",
@@ -52,12 +52,12 @@ def _methods(data, nq: int, only: str | None = None) -> dict:
     import faiss
     import torch
 
-    from kvsearch.torch_index import TorchIndex
+    from kvsearch.index.torch_index import TorchIndex
 
     keys = torch.from_numpy(data)
     out = {}
     if only in (None, "flat"):
-        from kvsearch.index import make_index
+        from kvsearch.index.factory import make_index
 
         flat_index = make_index("Flat", common.DIM)
         flat_index.build(torch.arange(len(data)), keys)  # the keys tensor itself; a half copy at first use
@@ -147,7 +147,7 @@ def w_ann(dataset: str, m: int, nq: int, hnsw: bool = True) -> dict:
     import faiss
     import numpy as np
 
-    from kvsearch.index import default_search_params, tune_faiss
+    from kvsearch.index.factory import default_search_params, tune_faiss
 
     tune_faiss()
     if dataset == "clustered":

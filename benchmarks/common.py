@@ -275,7 +275,7 @@ def exact_topk(data: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
     """Ground truth ids (nq, k) by inner product, computed exactly in torch, a block of queries at a time."""
     import torch
 
-    from kvsearch.torch_index import TorchIndex
+    from kvsearch.index.torch_index import TorchIndex
 
     index = TorchIndex(data.shape[1])
     index.build(torch.arange(len(data)), torch.from_numpy(np.ascontiguousarray(data)))

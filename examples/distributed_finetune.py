@@ -25,7 +25,7 @@ import torch.distributed as dist
 import kvsearch
 from kvsearch.datasets import noisy_queries, split_names, surname_directory
 from kvsearch.distributed import ShardedDatabase
-from kvsearch.sharding import is_sharded
+from kvsearch.distributed.layout import is_sharded
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import kvsearch
 from kvsearch.distributed import ShardedDatabase
-from kvsearch.sharding import is_sharded
+from kvsearch.distributed.layout import is_sharded
 
 RECORDS = {"Zhang": "Aston", "Lipton": "Zachary", "Li": "Mu", "Smola": "Alex", "Hu": "Rachel", "Werness": "Brent"}
 #: What each rank asks (by rank; a world of more than 2 ranks reuses them): search and softmax queries ...

@@ -6,9 +6,10 @@ into an answer that gradients flow through: ``answer(q) = sum_i alpha(q, k_i) v_
 
 from __future__ import annotations
 
-from kvsearch.attention import AdditiveScore, Candidates, KVAttention, attend, compute_scores, pool
 from kvsearch.database import Answer, Database, Hit
-from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
+from kvsearch.encoders.base import Encoder
+from kvsearch.encoders.ngram import NgramEncoder
+from kvsearch.encoders.sentence import SentenceEncoder
 from kvsearch.errors import (
     BadFileError,
     ConfigMismatchError,
@@ -37,13 +38,14 @@ from kvsearch.errors import (
     StoreChangedError,
     UnknownOptionError,
 )
-from kvsearch.folder import load_encoder
-from kvsearch.index import Index
-from kvsearch.metrics import evaluate
-from kvsearch.store import Record
-from kvsearch.streaming import streaming_attention
-from kvsearch.torch_index import TorchIndex
-from kvsearch.training import FinetuneConfig, GaussianKernel, History, finetune
+from kvsearch.index.factory import Index
+from kvsearch.index.torch_index import TorchIndex
+from kvsearch.nn.attention import AdditiveScore, Candidates, KVAttention, attend, compute_scores, pool
+from kvsearch.nn.streaming import streaming_attention
+from kvsearch.storage.folder import load_encoder
+from kvsearch.storage.store import Record
+from kvsearch.training.loop import FinetuneConfig, GaussianKernel, History, finetune
+from kvsearch.training.metrics import evaluate
 
 __version__ = "0.1.0"
 

@@ -6,10 +6,10 @@
     db.query("Lipto", k=4, pooling="softmax")        # Answer: a differentiable blend of candidate values
 
 It opens (creates or reopens) a folder, takes the write lock and brings a stale view up to date, checks what
-users pass, and delegates: records to the :class:`~kvsearch.store.Store`, candidates to the
-:class:`~kvsearch.retrieval.Retriever`, files to :mod:`kvsearch.folder`, scoring and pooling to
-:mod:`kvsearch.attention`. It knows nothing of training loops or file formats. The folder layout is in
-:mod:`kvsearch.folder`.
+users pass, and delegates: records to the :class:`~kvsearch.storage.store.Store`, candidates to the
+:class:`~kvsearch.retrieval.Retriever`, files to :mod:`kvsearch.storage.folder`, scoring and pooling to
+:mod:`kvsearch.nn.attention`. It knows nothing of training loops or file formats. The folder layout is in
+:mod:`kvsearch.storage.folder`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch import fileio, generations
-from kvsearch import folder as folders
-from kvsearch.attention import POOLINGS, Candidates, ScoreFn, check_score, compute_scores
+from kvsearch import generations
 from kvsearch.checks import (
     check_batch,
     check_device,
@@ -40,9 +38,8 @@ from kvsearch.checks import (
     check_temperature,
     check_unicode,
 )
-from kvsearch.config import check_reopen, new_config
-from kvsearch.encoder_set import EncoderSet
-from kvsearch.encoders import Encoder
+from kvsearch.encoders.base import Encoder
+from kvsearch.encoders.encoder_set import EncoderSet
 from kvsearch.errors import (
     CorruptDatabaseError,
     DatabaseClosedError,
@@ -61,7 +58,7 @@ from kvsearch.errors import (
 )
 from kvsearch.filters import check_where
 from kvsearch.generations import Draft
-from kvsearch.index import CandidateIndex
+from kvsearch.index.factory import CandidateIndex
 from kvsearch.inputs import (
     KeysIn,
     Queries,
@@ -77,11 +74,15 @@ from kvsearch.inputs import (
     text_list,
 )
 from kvsearch.limits import check_fits, index_bytes
-from kvsearch.locking import DEFAULT_LOCK_TIMEOUT
+from kvsearch.nn.attention import POOLINGS, Candidates, ScoreFn, check_score, compute_scores
+from kvsearch.nn.streaming import attend_candidates
 from kvsearch.results import Answer, Hit, LazyKeys, make_answer, make_hits
 from kvsearch.retrieval import DB_SCORES, Retriever
-from kvsearch.store import GIVEN_KEY, GIVEN_VALUE, Record, Store
-from kvsearch.streaming import attend_candidates
+from kvsearch.storage import fileio
+from kvsearch.storage import folder as folders
+from kvsearch.storage.config import check_reopen, new_config
+from kvsearch.storage.locking import DEFAULT_LOCK_TIMEOUT
+from kvsearch.storage.store import GIVEN_KEY, GIVEN_VALUE, Record, Store
 
 __all__ = ["Database", "Hit", "Answer", "LazyKeys", "DB_SCORES"]
 
@@ -369,7 +370,7 @@ class Database:
 
     @property
     def index(self) -> CandidateIndex:
-        """The candidate index (derived from the store; see :mod:`kvsearch.index`)."""
+        """The candidate index (derived from the store; see :mod:`kvsearch.index.factory`)."""
         return self._retriever.index
 
     @property
@@ -970,7 +971,7 @@ class Database:
             where: a metadata filter: only matching records are candidates.
 
         Returns:
-            :class:`~kvsearch.attention.Candidates`: ids (batch, t), keys (batch, t, dim), values
+            :class:`~kvsearch.nn.attention.Candidates`: ids (batch, t), keys (batch, t, dim), values
             (batch, t, value_dim), mask (batch, t), t = min(k, records); for ``k="all"`` (m,)-shaped ones.
 
         Raises:

@@ -5,7 +5,7 @@ Whatever changes them — a fine-tuning run, ``refresh()``, trained values, ``ro
 new generation beside the old one and switches to it in one store transaction:
 
 1. :func:`write_files`: the new encoders go into ``generations/<G+1>/`` (whole or not at all, see
-   :func:`kvsearch.folder.write_generation`); until step 2 commits, that folder is not part of the database;
+   :func:`kvsearch.storage.folder.write_generation`); until step 2 commits, that folder is not part of the database;
 2. the keys (and, where their encoder changed, the values) are re-encoded in memory, and the weights and
    embeddings checked finite — a non-finite generation is refused here, before anything is recorded;
 3. :func:`switch`: ONE SQLite transaction replaces the key / value embeddings and records the new generation
@@ -21,7 +21,7 @@ keys re-encoded in memory (:meth:`Draft.refresh`), and ends with one :meth:`Draf
 :meth:`~kvsearch.Database.commit_generation`) or :meth:`Draft.discard` (nothing on disk changed; the encoders
 are put back).
 
-This module knows nothing of training loops, search internals or file formats (those are :mod:`kvsearch.folder`).
+This module knows nothing of training loops, search internals or file formats (those are :mod:`kvsearch.storage.folder`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from kvsearch import folder as folders
-from kvsearch.attention import Candidates
 from kvsearch.checks import all_finite, check_finite
-from kvsearch.encoder_set import EncoderSet
-from kvsearch.encoders import Encoder
+from kvsearch.encoders.base import Encoder
+from kvsearch.encoders.encoder_set import EncoderSet
 from kvsearch.errors import InvalidArgumentError, NonFiniteError, NothingToRollBackError
+from kvsearch.nn.attention import Candidates
 from kvsearch.retrieval import Retriever
-from kvsearch.store import Store
+from kvsearch.storage import folder as folders
+from kvsearch.storage.store import Store
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
@@ -398,7 +398,7 @@ class Draft:
 
     Args:
         db: the database.
-        snapshot: the encoders as they were at the start (see :meth:`~kvsearch.encoder_set.EncoderSet.snapshot`).
+        snapshot: the encoders as they were at the start (see :meth:`~kvsearch.encoders.encoder_set.EncoderSet.snapshot`).
         restore: puts a snapshot back.
     """
 

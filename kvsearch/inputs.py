@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kvsearch.checks import check_batch, check_finite, check_real_tensor, check_unicode
-from kvsearch.encoders import Encoder
+from kvsearch.encoders.base import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
     DuplicateKeyError,

@@ -1,4 +1,4 @@
-"""The retrieval seam: query tensors in, :class:`~kvsearch.attention.Candidates` out.
+"""The retrieval seam: query tensors in, :class:`~kvsearch.nn.attention.Candidates` out.
 
     retriever = Retriever(store, dim=256, spec="Flat", score="cosine", folder=path)
     retriever.open()                                   # the saved index if it is this store version's, else rebuilt
@@ -23,13 +23,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from kvsearch import folder as folders
-from kvsearch.attention import Candidates
 from kvsearch.checks import CHUNK_ELEMENTS, check_k
 from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError, UnknownOptionError
-from kvsearch.index import CandidateIndex, load_index, make_index
+from kvsearch.index.factory import CandidateIndex, load_index, make_index
 from kvsearch.limits import check_fits
-from kvsearch.store import Store
+from kvsearch.nn.attention import Candidates
+from kvsearch.storage import folder as folders
+from kvsearch.storage.store import Store
 
 __all__ = ["Retriever", "DB_SCORES", "metric_of", "check_db_score"]
 
@@ -191,7 +191,7 @@ class Retriever:
             where: a metadata filter (see :mod:`kvsearch.filters`): only matching records are candidates.
 
         Returns:
-            :class:`~kvsearch.attention.Candidates` with ids (batch, t), keys (batch, t, dim), values
+            :class:`~kvsearch.nn.attention.Candidates` with ids (batch, t), keys (batch, t, dim), values
             (batch, t, value_dim), mask (batch, t), where t = min(k, records) (no more candidates than records
             are gathered); for ``k="all"`` ids (m,), keys (m, dim), values (m, value_dim), mask None.
 

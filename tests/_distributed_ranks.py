@@ -234,7 +234,7 @@ def run_case(db: Any, kind: str, data: Queries, idx: list[int], kwargs: dict[str
 
 def other_rank_record(rank: int, world: int, shards: int) -> int:
     """The first stored record whose shard another rank serves (this rank's own for one process)."""
-    from kvsearch.sharding import shard_of_key
+    from kvsearch.distributed.layout import shard_of_key
 
     keys, _, _ = text_records()
     return next(i for i in range(N_RECORDS) if shard_of_key(keys[i], shards) % world == (rank + 1) % world)
@@ -350,7 +350,7 @@ def _phase(out: Results, name: str, fn: Callable[[], Any]) -> None:
 
 def main_scenario(rank: int, world: int, root: Path, out: Results) -> None:
     from kvsearch.distributed import ShardedDatabase
-    from kvsearch.sharding import ID_SHIFT, shard_of_id
+    from kvsearch.distributed.layout import ID_SHIFT, shard_of_id
 
     shards = num_shards(world)
     common = {"device": "cpu", "timeout": TIMEOUT}

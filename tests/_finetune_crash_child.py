@@ -31,7 +31,7 @@ process is killed right after):
     error <message>                       the child failed (not killed): the test reports it
 
 The crash points are public functions wrapped in the child (no private name is touched):
-``kvsearch.generations.write_files`` (the new encoder files are written), ``kvsearch.store.Store.bump_version``
+``kvsearch.generations.write_files`` (the new encoder files are written), ``kvsearch.storage.store.Store.bump_version``
 inside ``kvsearch.generations.switch`` (embeddings and record written, not committed), ``switch`` itself (the
 switch committed) and ``kvsearch.generations.remove_old`` (the generation before the previous one removed).
 
@@ -59,9 +59,9 @@ faiss.omp_set_num_threads(1)
 
 import kvsearch  # noqa: E402
 from kvsearch import datasets  # noqa: E402
-from kvsearch import metrics as metrics_module  # noqa: E402
-from kvsearch import store as store_module  # noqa: E402
-from kvsearch import training as training_module  # noqa: E402
+from kvsearch.training import metrics as metrics_module  # noqa: E402
+from kvsearch.storage import store as store_module  # noqa: E402
+from kvsearch.training import loop as training_module  # noqa: E402
 
 NAMES = 3_000  # surnames in the database
 EVAL_NAMES = 160  # names per run's query set (trained and evaluated on)

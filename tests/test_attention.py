@@ -1,4 +1,4 @@
-"""Tests of kvsearch.attention against brute-force references."""
+"""Tests of kvsearch.nn.attention against brute-force references."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from torch import Tensor
 from torch.autograd import gradcheck
 from torch.func import functional_call
 
-from kvsearch.attention import (
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
+from kvsearch.nn.attention import (
     POOLINGS,
     SCORES,
     AdditiveScore,
@@ -23,7 +24,6 @@ from kvsearch.attention import (
     compute_scores,
     pool,
 )
-from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 
 BUILTIN_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
 LAYOUTS = ("2d", "gathered", "3d")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvsearch
-import kvsearch.store
+import kvsearch.storage.store
 from kvsearch import Database
 
 DIM, VALUE_DIM = 8, 4

@@ -1,4 +1,4 @@
-"""One copy of each embedding, in the store's chunks (kvsearch.chunks): what is read back, by the writer after a
+"""One copy of each embedding, in the store's chunks (kvsearch.storage.chunks): what is read back, by the writer after a
 reopen and by a second handle catching up, is what a reference dict holds, through adds, in-place replacements,
 deletes that empty whole chunks and repacks; and the bytes on disk stay near the raw embeddings."""
 
@@ -146,10 +146,10 @@ def test_a_reserved_mirror_grows_without_a_copy(tmp_path, monkeypatch, reserved)
     """Past RESERVE_FROM_BYTES the in-memory keys / values are views of reserved memory: appends, by the writer or
     by a reader catching up, write the new rows in place, and what is read equals what was written (also when
     only the wider keys pass the threshold and the values grow as a plain buffer)."""
-    import kvsearch.buffers
+    import kvsearch.storage.buffers
 
     threshold = 0 if reserved == "keys and values" else DIM * 4 * 1_000  # a buffer of 1,000+ rows of keys
-    monkeypatch.setattr(kvsearch.buffers, "RESERVE_FROM_BYTES", threshold)
+    monkeypatch.setattr(kvsearch.storage.buffers, "RESERVE_FROM_BYTES", threshold)
     gen = torch.Generator().manual_seed(0)
     path = tmp_path / "db"
     writer = kvsearch.Database(path, dim=DIM, value_dim=VALUE_DIM, score="dot")

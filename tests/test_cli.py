@@ -22,14 +22,14 @@ import pytest
 import torch
 
 import kvsearch
-from kvsearch import sharding
-from kvsearch.cli import build_parser, main
-from kvsearch.cli_format import human_size
-from kvsearch.demo import AUTHORS
+from kvsearch.cli.demo import AUTHORS
+from kvsearch.cli.printing import human_size
+from kvsearch.cli.program import build_parser, main
 from kvsearch.distributed import ShardedDatabase
+from kvsearch.distributed import layout as sharding
 
 SCRIPT = Path(sys.executable).with_name("kvsearch")  # the console script pip installs next to python
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli.program"]
 SUBCOMMANDS = ["build", "query", "info", "delete", "finetune", "rollback", "demo"]
 
 
@@ -561,7 +561,7 @@ def test_sharded_build_adds_to_an_existing_sharded_database(sharded, tmp_path, c
     assert capsys.readouterr().err == (
         f"kvsearch build: error: '{again}' has 1 bad row, nothing was written (1 with a key already stored: to add "
         "the new records and replace the changed ones, upsert with 'kvsearch build --upsert' or "
-        "kvsearch.ingest.upsert_file): line 3: key 'Smola' is already stored in the database\n"
+        "kvsearch.cli.ingest.upsert_file): line 3: key 'Smola' is already stored in the database\n"
     )
     assert main(["build", str(db), "--from", str(more), "--shards", "2", "--quiet"]) == 1
     assert capsys.readouterr().err == f"kvsearch build: error: {db} was created with num_shards=4; got num_shards=2\n"

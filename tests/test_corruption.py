@@ -24,7 +24,7 @@ import torch
 
 import kvsearch
 from kvsearch import CorruptDatabaseError
-from kvsearch.folder import GENERATIONS_DIR, current_generation_dir
+from kvsearch.storage.folder import GENERATIONS_DIR, current_generation_dir
 
 DIM = 16
 
@@ -244,7 +244,7 @@ CHUNK_DAMAGE = {
 
 @pytest.mark.parametrize("kind", list(CHUNK_DAMAGE))
 def test_damaged_embedding_chunks_are_refused(tmp_path, kind):
-    """The embeddings live once, in the store's chunks (kvsearch.chunks): a chunk of the wrong size, counts that
+    """The embeddings live once, in the store's chunks (kvsearch.storage.chunks): a chunk of the wrong size, counts that
     disagree with its ids, or records naming other slots are reported as damage at open, never served."""
     folder = tmp_path / "db"
     gen = torch.Generator().manual_seed(0)

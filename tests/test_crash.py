@@ -35,8 +35,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvsearch import folder as folder_module
 from kvsearch.database import Database
+from kvsearch.storage import folder as folder_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _crash_writer import MODES, batch_records, open_db, reencode  # noqa: E402
@@ -225,7 +225,7 @@ def test_sigkill_writer_300_times(tmp_path):
 
 
 def without_version_check():
-    """``kvsearch.folder.saved_index_path`` with its comparison of the manifest's version removed (a mutant)."""
+    """``kvsearch.storage.folder.saved_index_path`` with its comparison of the manifest's version removed (a mutant)."""
     source = textwrap.dedent(inspect.getsource(folder_module.saved_index_path))
     check = 'manifest.get("version") == version'
     assert source.count(check) == 1, "the version check is not where the mutant expects it: update the mutant"

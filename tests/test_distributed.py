@@ -33,7 +33,7 @@ import torch
 
 import kvsearch
 from kvsearch.distributed import ShardedDatabase
-from kvsearch.sharding import ID_SHIFT, SHARDS_FILE, shard_dir, shard_of_id, shard_of_key
+from kvsearch.distributed.layout import ID_SHIFT, SHARDS_FILE, shard_dir, shard_of_id, shard_of_key
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _distributed_ranks as ranks  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 import kvsearch
 from kvsearch import Database
 from kvsearch.distributed import ShardedDatabase
-from kvsearch.sharding import shard_dir
+from kvsearch.distributed.layout import shard_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _distributed_ranks as ranks  # noqa: E402

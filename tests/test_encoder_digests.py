@@ -1,7 +1,7 @@
 """Encoder files carry a SHA-256 recorded in the store: every load checks it; a new generation switches whole.
 
 A commit (``save_encoders``, ``refresh``, a fine-tuning run) writes the new encoder files into
-``generations/<G>`` (``kvsearch.folder.write_generation``: a staging folder renamed into place), replaces the key /
+``generations/<G>`` (``kvsearch.storage.folder.write_generation``: a staging folder renamed into place), replaces the key /
 value embeddings and records the generation's digests in ONE store transaction (``kvsearch.generations.switch``),
 then removes the generations other than the current and the previous one (``remove_old``). These tests stop a
 commit at each point — an exception raised by a patched step (the half-committed database object is then
@@ -31,10 +31,10 @@ import pytest
 import torch
 
 import kvsearch
-import kvsearch.folder
 import kvsearch.generations
+import kvsearch.storage.folder
 from kvsearch import CorruptDatabaseError, NothingToRollBackError
-from kvsearch.folder import (
+from kvsearch.storage.folder import (
     ENCODER_FILES_META,
     GENERATIONS_DIR,
     current_generation_dir,
@@ -42,7 +42,7 @@ from kvsearch.folder import (
     load_encoder,
     save_encoder,
 )
-from kvsearch.store import Store
+from kvsearch.storage.store import Store
 
 DIM = 16
 KEYS = [f"key{i}word" for i in range(60)]
@@ -192,13 +192,13 @@ def test_a_commit_stopped_at_each_point_opens_with_the_old_or_the_new_generation
     nudge(db.encoder, 0.5)
     new = weights(db)
     if stop == "after write_generation":
-        real_write = kvsearch.folder.write_generation
+        real_write = kvsearch.storage.folder.write_generation
 
         def write_then_stop(*args, **kwargs):
             real_write(*args, **kwargs)
             raise Crash("stopped after the new generation's files were written")
 
-        monkeypatch.setattr(kvsearch.folder, "write_generation", write_then_stop)
+        monkeypatch.setattr(kvsearch.storage.folder, "write_generation", write_then_stop)
     elif stop == "inside the switch, before COMMIT":
 
         def bump_version(self):
@@ -270,15 +270,15 @@ import os, signal, sys
 from pathlib import Path
 import torch
 import kvsearch
-import kvsearch.folder
+import kvsearch.storage.folder
 import kvsearch.generations
-from kvsearch.store import Store
+from kvsearch.storage.store import Store
 
 folder, point = Path(sys.argv[1]), sys.argv[2]
 db = kvsearch.Database(folder)
 with torch.no_grad():
     next(db.encoder.parameters()).add_(0.5)
-real_replace, real_write = os.replace, kvsearch.folder.write_generation
+real_replace, real_write = os.replace, kvsearch.storage.folder.write_generation
 real_bump, real_switch = Store.bump_version, kvsearch.generations.switch
 
 def die():
@@ -305,7 +305,7 @@ def switch(*args, **kwargs):
     if point == "after the switch":
         die()
 
-os.replace, kvsearch.folder.write_generation = replace, write_generation
+os.replace, kvsearch.storage.folder.write_generation = replace, write_generation
 Store.bump_version, kvsearch.generations.switch = bump_version, switch
 db.save_encoders()
 sys.exit(3)  # not reached: killed inside the commit

@@ -10,8 +10,8 @@ import torch
 
 import kvsearch
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.exact_path import ENV_VAR, choose_path, fast_half_dtypes, forced_path, set_exact_path
-from kvsearch.index import make_index
+from kvsearch.index.exact_path import ENV_VAR, choose_path, fast_half_dtypes, forced_path, set_exact_path
+from kvsearch.index.factory import make_index
 
 PATHS = ["float32", "bfloat16", "float16", "faiss", "auto"]
 

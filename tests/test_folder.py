@@ -1,4 +1,4 @@
-"""Tests of kvsearch.folder: the file names of a database folder, the rollback of a failed creation, the index
+"""Tests of kvsearch.storage.folder: the file names of a database folder, the rollback of a failed creation, the index
 manifest, and the encoder files with their digests in the store."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import kvsearch
-from kvsearch import folder
 from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError
-from kvsearch.folder import (
+from kvsearch.generations import switch
+from kvsearch.storage import folder
+from kvsearch.storage.folder import (
     ENCODER_FILES_META,
     GENERATIONS_DIR,
     INDEX_FILE,
@@ -32,8 +33,7 @@ from kvsearch.folder import (
     write_generation,
     write_index,
 )
-from kvsearch.generations import switch
-from kvsearch.store import Store
+from kvsearch.storage.store import Store
 
 DIM = 8
 

@@ -32,8 +32,8 @@ from kvsearch import (
     KVSearchError,
 )
 from kvsearch.checks import MAX_K
-from kvsearch.cli import CommandError, main
-from kvsearch.folder import save_encoder
+from kvsearch.cli.program import CommandError, main
+from kvsearch.storage.folder import save_encoder
 
 DIM = 16
 VALUE_DIM = 16

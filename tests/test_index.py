@@ -14,8 +14,8 @@ from kvsearch.errors import (
     MemoryLimitError,
     UnknownOptionError,
 )
-from kvsearch.index import MAX_K, Index, SearchResult, load_index, make_index
-from kvsearch.torch_index import TorchIndex
+from kvsearch.index.factory import MAX_K, Index, SearchResult, load_index, make_index
+from kvsearch.index.torch_index import TorchIndex
 
 
 class KeyTable:

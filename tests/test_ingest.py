@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvsearch
+from kvsearch.cli.ingest import ingest_file, read_rows
 from kvsearch.errors import BadFileError, InvalidArgumentError, UnknownOptionError
-from kvsearch.ingest import ingest_file, read_rows
 
 RECORDS = [("Zhang", "Aston"), ("Lipton", "Zachary"), ("Li", "Mu"), ("Smola", "Alex"), ("Hu", "Rachel")]
 
@@ -208,7 +208,7 @@ def test_a_quoted_field_over_several_lines_and_a_last_line_without_newline_still
 
 
 def test_the_cli_build_reports_extra_fields_and_quotes_on_one_line(tmp_path, capsys):
-    from kvsearch.cli import main
+    from kvsearch.cli.program import main
 
     path = tmp_path / "a.csv"
     path.write_text('last,first\nZhang,Aston\nSmith,John, Jr.\nLi,Mu\nHu,"Rachel\n')

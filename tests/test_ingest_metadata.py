@@ -8,8 +8,8 @@ import json
 import pytest
 
 import kvsearch
+from kvsearch.cli.ingest import IngestCounts, csv_scalar, ingest_file, read_rows, upsert_file
 from kvsearch.errors import BadFileError, InvalidArgumentError
-from kvsearch.ingest import IngestCounts, csv_scalar, ingest_file, read_rows, upsert_file
 
 
 def small_db() -> kvsearch.Database:
@@ -131,7 +131,7 @@ def test_add_onto_stored_keys_suggests_upsert(tmp_path):
         ingest_file(db, path, progress=False)
     assert str(error.value) == (
         f"'{path}' has 1 bad row, nothing was written (1 with a key already stored: to add the new records and "
-        "replace the changed ones, upsert with 'kvsearch build --upsert' or kvsearch.ingest.upsert_file): line 2: "
+        "replace the changed ones, upsert with 'kvsearch build --upsert' or kvsearch.cli.ingest.upsert_file): line 2: "
         "key 'Li' is already stored in the database"
     )
     assert len(db) == 1

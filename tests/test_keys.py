@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvsearch
+from kvsearch.cli.ingest import ingest_file
 from kvsearch.errors import DuplicateKeyError, EmptyKeyError, KeyNotFoundError
-from kvsearch.ingest import ingest_file
 
 NFC = unicodedata.normalize("NFC", "Müller")
 NFD = unicodedata.normalize("NFD", "Müller")
@@ -89,7 +89,7 @@ def test_surrounding_whitespace_is_not_part_of_a_key():
 
 
 def test_keys_stored_by_an_earlier_version_are_found_by_their_normalised_text(tmp_path):
-    # A store written by a version before key normalisation (and before kvsearch.chunks): see tests/data.
+    # A store written by a version before key normalisation (and before kvsearch.storage.chunks): see tests/data.
     shutil.copytree(LEGACY / "unnormalised_keys", tmp_path / "db")
     ids = [1, 2, 3, 4, 5]  # "Zhang", " padded ", NFD, "42", " 42"
     with pytest.warns(RuntimeWarning, match=rf"'42': ids \[{ids[3]}, {ids[4]}\]"):
@@ -107,7 +107,7 @@ def test_keys_stored_by_an_earlier_version_are_found_by_their_normalised_text(tm
 
 
 def test_ingest_and_the_cli_normalise_keys(tmp_path, capsys):
-    from kvsearch.cli import main
+    from kvsearch.cli.program import main
 
     path = tmp_path / "a.csv"
     path.write_text(f"key,value\n{NFD},Hans\n 42 ,x\n{NFC},Again\n", encoding="utf-8")
@@ -169,7 +169,7 @@ def test_an_exact_query_by_embedding_with_the_ngram_encoder_that_lowercases():
 
 
 def test_training_and_evaluation_queries_are_normalised_too():
-    from kvsearch.metrics import evaluate
+    from kvsearch.training.metrics import evaluate
 
     def run(pairs):
         db = names_db()

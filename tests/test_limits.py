@@ -2,7 +2,7 @@
 
 - An add, or an index build, whose estimated memory exceeds the budget (a share of MemAvailable, or
   ``KVSEARCH_MEMORY_LIMIT``) raises MemoryLimitError before anything is written.
-- ``kvsearch.ingest.ingest_file`` on a file much larger than one batch: the peak Python heap (tracemalloc)
+- ``kvsearch.cli.ingest.ingest_file`` on a file much larger than one batch: the peak Python heap (tracemalloc)
   and the growth of the peak resident set (ru_maxrss) stay far below the file size. Measured in a
   subprocess; the figures are printed (run with ``-s``) and quoted in docs/RELIABILITY.md.
 """
@@ -71,7 +71,7 @@ import json, os, resource, sys, time, tracemalloc
 import torch
 torch.set_num_threads(1)
 import kvsearch
-from kvsearch.ingest import ingest_file
+from kvsearch.cli.ingest import ingest_file
 
 path, rows, batch, trace = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "heap"
 csv_path = os.path.join(path, "big.csv")
@@ -118,7 +118,7 @@ def run_ingest(tmp_path, rows: int, batch: int, measure: str) -> dict:
 
 
 def test_ingest_streams_a_big_file_with_bounded_memory(tmp_path):
-    pytest.importorskip("kvsearch.ingest")
+    pytest.importorskip("kvsearch.cli.ingest")
     heap = run_ingest(tmp_path / "heap", rows=8_000, batch=512, measure="heap")
     rss = run_ingest(tmp_path / "rss", rows=8_000, batch=512, measure="rss")
     print("ingest:", heap, rss)

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 import kvsearch
-from kvsearch.attention import KVAttention, attend, compute_scores, pool
 from kvsearch.errors import NonFiniteError
-from kvsearch.streaming import streaming_attend, streaming_attention
+from kvsearch.nn.attention import KVAttention, attend, compute_scores, pool
+from kvsearch.nn.streaming import streaming_attend, streaming_attention
 
 OFFSETS = (0.0, 2e3, 1e4)
 

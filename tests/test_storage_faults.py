@@ -37,9 +37,9 @@ import torch
 
 import kvsearch
 from kvsearch import CorruptDatabaseError, DiskFullError, KVSearchError, MissingFileError, ReadOnlyDatabaseError
-from kvsearch.cli import main
+from kvsearch.cli.program import main
 from kvsearch.errors import StoreChangedError
-from kvsearch.folder import current_generation_dir
+from kvsearch.storage.folder import current_generation_dir
 
 DIM = 16
 REAL_CONNECT = sqlite3.connect

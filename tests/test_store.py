@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvsearch.errors import CorruptDatabaseError, KeyNotFoundError
-from kvsearch.store import Store
+from kvsearch.storage.store import Store
 
 
 def make(path=None, n=5, dim=3, value_dim=2):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvsearch import Database
-from kvsearch.attention import attend
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
-from kvsearch.streaming import STREAMING_SCORES, streaming_attention
+from kvsearch.nn.attention import attend
+from kvsearch.nn.streaming import STREAMING_SCORES, streaming_attention
 
 
 def inputs(batch, m, dim, value_dim, dtype=torch.float64, seed=0):

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from kvsearch import Database
 from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError, InvalidArgumentError, UnknownOptionError
-from kvsearch.index import Index, SearchResult
-from kvsearch.torch_index import TorchIndex, parse_torch_spec
+from kvsearch.index.factory import Index, SearchResult
+from kvsearch.index.torch_index import TorchIndex, parse_torch_spec
 
 
 def assert_same_as_flat(ours: SearchResult, flat: SearchResult, atol=1e-4):
@@ -70,7 +70,7 @@ def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound)
     chunked scan. Both give the dense ``torch.topk`` ids (random data: no ties), standalone and bound to a store."""
     import faiss
 
-    import kvsearch.torch_index as torch_index_module
+    import kvsearch.index.torch_index as torch_index_module
 
     monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 128_000)  # as FAISS starts
     calls = []

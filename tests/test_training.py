@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-import kvsearch.losses
-import kvsearch.metrics
-import kvsearch.training
+import kvsearch.training.loop
+import kvsearch.training.losses
+import kvsearch.training.metrics
 from kvsearch import Database, FinetuneConfig, GaussianKernel, NgramEncoder, evaluate, finetune
-from kvsearch.attention import compute_scores
 from kvsearch.checks import MAX_K
 from kvsearch.errors import (
     DimensionMismatchError,
@@ -29,8 +28,9 @@ from kvsearch.errors import (
     NonFiniteError,
     UnknownOptionError,
 )
-from kvsearch.losses import LOSS_FNS, LOSSES, get_loss
-from kvsearch.training import Batch, History, answer_loss, answer_mse_loss, retrieval_loss
+from kvsearch.nn.attention import compute_scores
+from kvsearch.training.loop import Batch, History, answer_loss, answer_mse_loss, retrieval_loss
+from kvsearch.training.losses import LOSS_FNS, LOSSES, get_loss
 
 names = pytest.importorskip("names")
 
@@ -477,7 +477,7 @@ def test_finetune_with_a_config_equals_finetune_with_the_same_options(directory,
     assert other_seed.losses != by_options.losses  # the seed is not ignored
 
 
-TRAINING_MODULES = ("kvsearch.training", "kvsearch.losses", "kvsearch.metrics")
+TRAINING_MODULES = ("kvsearch.training.loop", "kvsearch.training.losses", "kvsearch.training.metrics")
 
 
 class NoStoreDatabase(Database):
@@ -499,7 +499,7 @@ def test_training_never_touches_the_store(directory, loss):
     db = NoStoreDatabase(None, encoder=small_encoder(), device="cpu")
     db.add(keys=directory["keys"], values=directory["values"])
     with pytest.raises(AssertionError, match="store"):
-        eval("db.store", {"__name__": "kvsearch.training", "db": db})  # as training code would read it
+        eval("db.store", {"__name__": "kvsearch.training.loop", "db": db})  # as training code would read it
     value_of = directory["value_of"]
     pairs, held = directory["train"][:60], directory["held"][:30]
     if loss == "answer":
@@ -531,7 +531,7 @@ def test_training_never_touches_the_store(directory, loss):
     db.close()
 
 
-@pytest.mark.parametrize("module", [kvsearch.training, kvsearch.losses, kvsearch.metrics])
+@pytest.mark.parametrize("module", [kvsearch.training.loop, kvsearch.training.losses, kvsearch.training.metrics])
 def test_training_modules_use_public_names_only(module):
     """No private name of another module is imported, and no ``.store`` or private attribute is read."""
     tree = ast.parse(inspect.getsource(module))

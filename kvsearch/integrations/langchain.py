@@ -29,8 +29,8 @@ from torch import Tensor
 
 from kvsearch.database import Database
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError, MissingDependencyError, MissingEncoderError
-from kvsearch.folder import is_database
 from kvsearch.results import Hit
+from kvsearch.storage.folder import is_database
 
 try:
     from langchain_core.documents import Document

@@ -1,8 +1,8 @@
 """FAISS candidate search: :class:`Index`, built from an ``index_factory`` spec, behind the torch protocol.
 
-An implementation of :class:`kvsearch.index.CandidateIndex`: add / remove by id, search, save / load,
+An implementation of :class:`kvsearch.index.factory.CandidateIndex`: add / remove by id, search, save / load,
 normalisation for cosine, and filtered search with a guaranteed number of results (an exact top-up from the
-key source, :mod:`kvsearch.topk`). The boundary is torch; numpy and FAISS's ``D`` / ``I`` names stay inside
+key source, :mod:`kvsearch.index.topk`). The boundary is torch; numpy and FAISS's ``D`` / ``I`` names stay inside
 this module. Ids are the store's global integer ids, never row positions. It knows nothing of SQLite, text
 or autograd.
 
@@ -30,9 +30,7 @@ from kvsearch.errors import (
     InvalidArgumentError,
     UnknownOptionError,
 )
-from kvsearch.fileio import write_atomic
-from kvsearch.limits import check_fits, index_bytes
-from kvsearch.topk import (
+from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
     KeySource,
     Metric,
@@ -44,6 +42,8 @@ from kvsearch.topk import (
     check_queries,
     exact_search,
 )
+from kvsearch.limits import check_fits, index_bytes
+from kvsearch.storage.fileio import write_atomic
 
 __all__ = [
     "Index",

@@ -11,7 +11,7 @@
 One step: the query texts go through the (trainable) query encoder with grad; the index picks ``k``
 candidates for the detached queries (``Database.candidates``; for the retrieval loss the target record is
 forced in when the index missed it, RAG/REALM style); ``attend`` scores and pools them in torch; the loss
-(:mod:`kvsearch.losses`) is taken on the scores or on the pooled answer, and the gradient flows back into the
+(:mod:`kvsearch.training.losses`) is taken on the scores or on the pooled answer, and the gradient flows back into the
 query encoder (and, with ``train="query+keys"``, through the re-encoded candidate keys into the key encoder;
 with ``train_values=True`` into the value embeddings).
 
@@ -32,12 +32,12 @@ Targets. A pair is ``(query text, target text)``; ``targets="key"`` reads the ta
 record, ``targets="value"`` as the value text of the answer (no label of which record is right: several
 records may share it). The default follows the loss: ``"key"`` for ``"retrieval"``, ``"value"`` for the
 answer losses. ``train_pairs`` may also be ``(queries, values)``, two tensors (n, dim) and (n, value_dim), for
-databases without text (kernel regression, see :class:`~kvsearch.attention.GaussianKernel`). Target texts
+databases without text (kernel regression, see :class:`~kvsearch.nn.attention.GaussianKernel`). Target texts
 that match nothing (no stored key, no stored value text) are refused before any step; the message says when
 the other ``targets=`` would match them.
 
 This module owns the loop and its options (:class:`FinetuneConfig`, :class:`History`). The losses live in
-:mod:`kvsearch.losses`, the metrics in :mod:`kvsearch.metrics`. It talks to the database through the facade's
+:mod:`kvsearch.training.losses`, the metrics in :mod:`kvsearch.training.metrics`. It talks to the database through the facade's
 public methods only (``begin_generation`` and the draft's ``refresh`` / ``candidates`` / ``commit`` /
 ``discard``, ``ids``, ``embeddings``, ``key_texts``, ``ids_of_keys``, ``values_present``, ``generation``, the
 encoders): it knows nothing of the store, the index or the file formats.
@@ -54,18 +54,31 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from kvsearch.attention import (
+from kvsearch.checks import all_finite
+from kvsearch.database import Database
+from kvsearch.encoders.base import Encoder
+from kvsearch.encoders.ngram import NgramEncoder
+from kvsearch.encoders.sentence import SentenceEncoder
+from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError, NotSupportedError
+from kvsearch.inputs import normalize_key
+from kvsearch.nn.attention import (
     GaussianKernel,
     ScoreFn,
     attend,
     compute_scores,
 )
-from kvsearch.checks import all_finite
-from kvsearch.database import Database
-from kvsearch.encoders import Encoder, NgramEncoder, SentenceEncoder
-from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError, NotSupportedError
-from kvsearch.inputs import normalize_key
-from kvsearch.losses import (
+from kvsearch.training.config import (
+    KEEPS,
+    OPTIMIZERS,
+    TRAIN_MODES,
+    FinetuneConfig,
+    History,
+    KeepName,
+    OptimizerSpec,
+    TrainMode,
+    make_config,
+)
+from kvsearch.training.losses import (
     ANSWER_LOSSES,
     LOSSES,
     Batch,
@@ -76,7 +89,7 @@ from kvsearch.losses import (
     get_loss,
     retrieval_loss,
 )
-from kvsearch.metrics import (
+from kvsearch.training.metrics import (
     METRICS,
     MetricName,
     Pairs,
@@ -88,18 +101,7 @@ from kvsearch.metrics import (
     higher_is_better,
     is_tensor_pairs,
 )
-from kvsearch.team import SOLO, average_gradients, batches, team_of
-from kvsearch.training_config import (
-    KEEPS,
-    OPTIMIZERS,
-    TRAIN_MODES,
-    FinetuneConfig,
-    History,
-    KeepName,
-    OptimizerSpec,
-    TrainMode,
-    make_config,
-)
+from kvsearch.training.team import SOLO, average_gradients, batches, team_of
 
 if TYPE_CHECKING:
     from kvsearch.generations import Draft

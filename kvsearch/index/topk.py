@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.attention import compute_scores
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_dim, check_finite, check_real_tensor
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.nn.attention import compute_scores
 
 __all__ = [
     "Metric",
@@ -39,7 +39,7 @@ Metric = Literal["ip", "l2"]
 
 #: A filtered search whose admitted set (live allowed ids) is at most ``max(8 k, EXACT_FILTER_MAX)`` ids scans
 #: those rows exactly instead of searching the index with a selector: the default of
-#: :attr:`kvsearch.index.CandidateIndex.exact_filter_max`.
+#: :attr:`kvsearch.index.factory.CandidateIndex.exact_filter_max`.
 EXACT_FILTER_MAX = 4096
 
 
@@ -57,14 +57,14 @@ class SearchResult(NamedTuple):
 
 
 class KeySource(Protocol):
-    """What an index may read its keys from: the store (:class:`kvsearch.store.Store` offers all of it).
+    """What an index may read its keys from: the store (:class:`kvsearch.storage.store.Store` offers all of it).
 
     Attributes:
         ids: (n,) int64 ids on the CPU, sorted.
         keys: (n, dim) float32 raw keys (not normalised) on the database's device, or None when empty.
 
     A source may also have ``loaded_version`` (the version its tensors reflect); a
-    :class:`~kvsearch.torch_index.TorchIndex` prefers it to :attr:`version`, which may cost a read.
+    :class:`~kvsearch.index.torch_index.TorchIndex` prefers it to :attr:`version`, which may cost a read.
     """
 
     ids: Tensor

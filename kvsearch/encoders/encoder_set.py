@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from kvsearch.encoders import Encoder
+from kvsearch.encoders.base import Encoder
 from kvsearch.errors import ConfigMismatchError, DimensionMismatchError, InvalidArgumentError
-from kvsearch.folder import EncoderFiles
+from kvsearch.storage.folder import EncoderFiles
 
 __all__ = ["EncoderSet", "value_encoder_kind"]
 
@@ -75,7 +75,7 @@ class EncoderSet:
 
         An encoder passed in must have the stored configuration; it gets the stored (possibly fine-tuned)
         weights. When the current generation's ``{prefix}.json`` is missing, the one passed in rewrites it if its
-        configuration has the recorded digest (see :meth:`~kvsearch.folder.EncoderFiles.restore_config`).
+        configuration has the recorded digest (see :meth:`~kvsearch.storage.folder.EncoderFiles.restore_config`).
 
         Raises:
             ConfigMismatchError: a given encoder differs from the stored one, or is given where none is stored.

@@ -3,7 +3,7 @@
 This module owns :func:`half_candidates` (scan a bfloat16 / float16 copy of the keys for the best ``k'`` rows,
 rescore those in float32, check per query that nothing left out can belong to the top k),
 :func:`half_error` (the proven bound that check uses) and :func:`best_by_score_then_id` (equal scores ordered
-by id, so that every exact path returns the same ids). :class:`kvsearch.torch_index.TorchIndex` drives them; this
+by id, so that every exact path returns the same ids). :class:`kvsearch.index.torch_index.TorchIndex` drives them; this
 module knows nothing of sources, ids' storage, FAISS or autograd.
 """
 
@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvsearch.topk import Metric, chunked_topk
+from kvsearch.index.topk import Metric, chunked_topk
 
 __all__ = ["UNIT_ROUNDOFF", "FP16_SAFE", "half_error", "half_candidates", "best_by_score_then_id", "settled"]
 
@@ -26,7 +26,7 @@ FP16_SAFE = 3.0e4
 
 def half_error(q: Tensor, dtype: torch.dtype, max_norm: float, max_abs: float, metric: Metric) -> Tensor:
     """A proven bound (batch,) on |half-precision score - float32 score| of any key (see
-    :meth:`kvsearch.torch_index.TorchIndex.half_error_bound` for the derivation).
+    :meth:`kvsearch.index.torch_index.TorchIndex.half_error_bound` for the derivation).
 
     Args:
         q: (batch, dim) float32 queries as scored (normalised for cosine), on the keys' device.

@@ -5,7 +5,7 @@ Ids are global integers from SQLite's AUTOINCREMENT: never reused, so a deleted 
 ``key`` and ``value`` are text or None (records given directly as embeddings have no text).
 
 Every embedding is stored once, in the same SQLite file: in chunks of slots that are read whole at open
-(:mod:`kvsearch.chunks`; ``records.slot`` names a record's slot). A store written by an earlier version, which kept
+(:mod:`kvsearch.storage.chunks`; ``records.slot`` names a record's slot). A store written by an earlier version, which kept
 the embeddings in the records rows, is moved to chunks the first time it is opened for writing.
 
 Every write is one SQLite transaction that also bumps a version counter; the in-memory tensors are
@@ -40,8 +40,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch import changelog, chunks, fileio
-from kvsearch.buffers import row_buffer
 from kvsearch.errors import (
     CorruptDatabaseError,
     DatabaseLockedError,
@@ -53,7 +51,9 @@ from kvsearch.errors import (
 )
 from kvsearch.filters import where_sql
 from kvsearch.inputs import normalize_key
-from kvsearch.locking import LOCK_FILE, WriteLock
+from kvsearch.storage import changelog, chunks, fileio
+from kvsearch.storage.buffers import row_buffer
+from kvsearch.storage.locking import LOCK_FILE, WriteLock
 
 __all__ = ["Record", "Store", "CatchUp", "connect_read_only"]
 
@@ -82,8 +82,8 @@ _METADATA_PLAIN_SQL = "SELECT id, metadata FROM records WHERE id IN ({}) AND met
 #: Bits of ``given.side``: the record's key / value text came with its own embedding (never re-encoded).
 GIVEN_KEY, GIVEN_VALUE = 1, 2
 
-_SCHEMA += chunks.SCHEMA  # the embeddings (see kvsearch.chunks)
-_SCHEMA += changelog.SCHEMA  # the change log: written in every write transaction (see kvsearch.changelog)
+_SCHEMA += chunks.SCHEMA  # the embeddings (see kvsearch.storage.chunks)
+_SCHEMA += changelog.SCHEMA  # the change log: written in every write transaction (see kvsearch.storage.changelog)
 
 _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_CANTOPEN = 5, 6, 14
 #: SQLite errors of a file that cannot be reached, as opposed to one that is damaged.
@@ -166,7 +166,7 @@ class Store:
         full_loads: how many times the mirror was read whole (:meth:`load`: the open, and catch-ups that could not
             use the change log) — a counter to observe, e.g. in tests.
         catch_ups: how many times the mirror caught up on another process's commits row by row (:meth:`catch_up`).
-        changelog_keep: versions the change log keeps (see :mod:`kvsearch.changelog`); each write drops older ones.
+        changelog_keep: versions the change log keeps (see :mod:`kvsearch.storage.changelog`); each write drops older ones.
 
     Raises:
         CorruptDatabaseError: the file is not a SQLite database or lacks our tables.
@@ -233,7 +233,7 @@ class Store:
         self.given_values: set[int] = set()
 
     def _is_legacy(self) -> bool:
-        """Whether the records table still holds the embeddings (the format before :mod:`kvsearch.chunks`)."""
+        """Whether the records table still holds the embeddings (the format before :mod:`kvsearch.storage.chunks`)."""
         return "key_emb" in {row[1] for row in self._conn.execute("PRAGMA table_info(records)")}
 
     def _still_legacy(self) -> bool:
@@ -613,7 +613,7 @@ class Store:
     def _append(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
         """Append rows to the mirror: ids (a,), keys (a, dim), values (a, value_dim), copied.
 
-        The key / value tensors are views of buffers with room to grow (:func:`kvsearch.buffers.row_buffer`: an
+        The key / value tensors are views of buffers with room to grow (:func:`kvsearch.storage.buffers.row_buffer`: an
         eighth more rows, or a reservation for as many as memory holds), so an append copies the new rows, not the
         whole mirror. Ids larger than every stored one keep the mirror
         sorted (new ids always are); otherwise it is sorted again.
@@ -1077,7 +1077,7 @@ def _select_in(conn: sqlite3.Connection, sql: str, values: Sequence[Any]) -> lis
 def _room_for(buffer: Tensor | None, rows: Tensor, a: int) -> Tensor:
     """The buffer ``rows`` (n, width) is a view of, if it has room for ``a`` more rows, else a new one holding them.
 
-    A new buffer has an eighth more rows than needed, or is reserved (:func:`kvsearch.buffers.row_buffer`).
+    A new buffer has an eighth more rows than needed, or is reserved (:func:`kvsearch.storage.buffers.row_buffer`).
     """
     n = rows.shape[0]
     if buffer is not None and buffer.shape[0] >= n + a and buffer.data_ptr() == rows.data_ptr():

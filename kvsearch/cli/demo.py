@@ -1,6 +1,6 @@
 """The quickstart: build the authors database in ``indexes/names`` and answer the example queries.
 
-    python -m kvsearch.demo [--path indexes/names]
+    python -m kvsearch.cli.demo [--path indexes/names]
 
 Runs offline with the default encoders: a character n-gram encoder for the names, and the packaged
 all-MiniLM-L6-v2 sentence encoder to show why spelling needs a lexical encoder.
@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from kvsearch.database import Database
-from kvsearch.encoders import NgramEncoder, SentenceEncoder
+from kvsearch.encoders.ngram import NgramEncoder
+from kvsearch.encoders.sentence import SentenceEncoder
 from kvsearch.errors import KeyNotFoundError
 
 __all__ = ["AUTHORS", "build_names", "main"]
@@ -48,7 +49,7 @@ def build_names(path: str | Path | None = "indexes/names", encoder: NgramEncoder
 
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
     """Run the quickstart and print what each step answers. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m kvsearch.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvsearch.cli.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--path", default="indexes/names", help="database folder (default: indexes/names)")
     args = parser.parse_args(argv)
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from kvsearch.errors import DatabaseLockedError, ReadOnlyDatabaseError
-from kvsearch.fileio import storage_errors
+from kvsearch.storage.fileio import storage_errors
 
 try:  # POSIX only; elsewhere the lock degrades to SQLite's own write lock
     import fcntl

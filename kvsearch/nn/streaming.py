@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.attention import Candidates, ScoreFn, attend, compute_scores
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 from kvsearch.limits import check_fits
+from kvsearch.nn.attention import Candidates, ScoreFn, attend, compute_scores
 
 __all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
 

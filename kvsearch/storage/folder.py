@@ -4,8 +4,8 @@ of the files a failed creation made.
 A database folder holds:
 
 - ``store.sqlite`` (+ SQLite's ``-wal``, ``-shm``, ``-journal``, and the store's embeddings side files
-  ``store.sqlite.emb*``) — the records, the single source of truth (:mod:`kvsearch.store`);
-- ``write.lock`` — the inter-process write lock (:mod:`kvsearch.locking`);
+  ``store.sqlite.emb*``) — the records, the single source of truth (:mod:`kvsearch.storage.store`);
+- ``write.lock`` — the inter-process write lock (:mod:`kvsearch.storage.locking`);
 - ``generations/<G>/`` — the encoder files of generation G (the current one and the previous one, kept once for
   a rollback): for each encoder prefix (``encoder``, ``value_encoder``, ``query_encoder``) ``{prefix}.json``, and
   ``{prefix}.safetensors`` (a trained n-gram encoder) or the folder ``{prefix}_model`` (a fine-tuned sentence
@@ -40,9 +40,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from kvsearch import fileio
 from kvsearch.checks import check_path
-from kvsearch.encoders import ENCODER_KINDS, Encoder, SentenceEncoder
+from kvsearch.encoders.base import Encoder
+from kvsearch.encoders.registry import ENCODER_KINDS
+from kvsearch.encoders.sentence import SentenceEncoder
 from kvsearch.errors import (
     CorruptDatabaseError,
     DatabaseLockedError,
@@ -50,10 +51,11 @@ from kvsearch.errors import (
     MissingFileError,
     UnknownOptionError,
 )
-from kvsearch.locking import LOCK_FILE
+from kvsearch.storage import fileio
+from kvsearch.storage.locking import LOCK_FILE
 
 if TYPE_CHECKING:
-    from kvsearch.store import Store
+    from kvsearch.storage.store import Store
 
 __all__ = [
     "STORE_FILE",
@@ -545,7 +547,7 @@ def current_generation_dir(path: str | os.PathLike[str]) -> Path:
     Raises:
         CorruptDatabaseError: the store cannot be read.
     """
-    from kvsearch.store import connect_read_only
+    from kvsearch.storage.store import connect_read_only
 
     store = Path(path) / STORE_FILE
     try:
@@ -739,7 +741,7 @@ class EncoderFiles:
 
     def _latest_record(self) -> dict[str, Any]:
         """The record as last committed, read on a fresh connection (outside this view's read snapshot)."""
-        from kvsearch.store import connect_read_only
+        from kvsearch.storage.store import connect_read_only
 
         path = self.folder / STORE_FILE
         try:

@@ -2,7 +2,7 @@
 
 :class:`ShardedDraft` is a fine-tuning run's draft generation on every shard (made by
 :meth:`~kvsearch.distributed.ShardedDatabase.begin_generation`); :class:`ShardTeam` is the database's ranks as the
-:class:`~kvsearch.team.Team` a training loop works with; :func:`one_generation` checks a switch's outcome.
+:class:`~kvsearch.training.team.Team` a training loop works with; :func:`one_generation` checks a switch's outcome.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from torch import Tensor
 
 from kvsearch import errors
-from kvsearch.attention import Candidates
-from kvsearch.collectives import Comm
+from kvsearch.distributed.collectives import Comm
 from kvsearch.errors import NotSupportedError
+from kvsearch.nn.attention import Candidates
 
 if TYPE_CHECKING:
     from kvsearch.distributed import ShardedDatabase
@@ -30,7 +30,7 @@ class ShardedDraft:
     Draft`): nothing on disk changes until :meth:`commit`, which switches every shard together. Collective.
 
     Made by :meth:`ShardedDatabase.begin_generation`. The shards of a rank share one encoder object, which the run
-    trains (with its gradients averaged over the ranks: :mod:`kvsearch.team`), so every shard's draft sees it.
+    trains (with its gradients averaged over the ranks: :mod:`kvsearch.training.team`), so every shard's draft sees it.
     """
 
     def __init__(self, sdb: ShardedDatabase, drafts: dict[int, Any]) -> None:
@@ -84,7 +84,7 @@ class ShardedDraft:
 
 
 class ShardTeam:
-    """The ranks of a sharded database as a :class:`~kvsearch.team.Team`."""
+    """The ranks of a sharded database as a :class:`~kvsearch.training.team.Team`."""
 
     def __init__(self, comm: Comm) -> None:
         self._comm = comm

@@ -1,6 +1,6 @@
 """Streaming ingest of CSV, TSV and JSONL files into a database, batch by batch, all or nothing.
 
-    from kvsearch.ingest import ingest_file, upsert_file
+    from kvsearch.cli.ingest import ingest_file, upsert_file
     n = ingest_file(db, "authors.csv", key="last", value="first", metadata=["year", "lang"])   # records added
     counts = upsert_file(db, "authors.csv", key="last", value="first", metadata="all")  # added / replaced / unchanged
 
@@ -54,7 +54,7 @@ from kvsearch.inputs import normalize_key
 if TYPE_CHECKING:
     from kvsearch.database import Database
     from kvsearch.distributed import ShardedDatabase
-    from kvsearch.store import Record
+    from kvsearch.storage.store import Record
 
 __all__ = [
     "FORMATS",
@@ -391,7 +391,7 @@ def _validate(
         if stored:
             hint = (
                 f" ({stored} with a key already stored: to add the new records and replace the changed ones, "
-                "upsert with 'kvsearch build --upsert' or kvsearch.ingest.upsert_file)"
+                "upsert with 'kvsearch build --upsert' or kvsearch.cli.ingest.upsert_file)"
             )
         raise BadFileError(
             f"{os.fspath(path)!r} has {total_bad} bad row{'s' if total_bad > 1 else ''}, nothing was written"

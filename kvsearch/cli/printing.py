@@ -1,7 +1,7 @@
 """What the ``kvsearch`` command prints: answer tables, ``info`` lines, fine-tuning tables, sizes.
 
-Pure formatting of plain values (dicts, a :class:`~kvsearch.training.History`); it knows nothing of opening
-databases or of argparse (that is :mod:`kvsearch.cli`).
+Pure formatting of plain values (dicts, a :class:`~kvsearch.training.loop.History`); it knows nothing of opening
+databases or of argparse (that is :mod:`kvsearch.cli.program`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvsearch.training_config import History
+    from kvsearch.training.config import History
 
 __all__ = [
     "answer_table",

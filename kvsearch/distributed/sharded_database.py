@@ -7,7 +7,7 @@
     sdb = ShardedDatabase("indexes/people")          # rank r opens the shards s with s % world_size == r
     answer = sdb.query(my_queries, k=32)             # collective: every rank calls, with its own queries
 
-Each shard is an ordinary kvsearch database folder (:mod:`kvsearch.sharding` has the layout, the ids and the key
+Each shard is an ordinary kvsearch database folder (:mod:`kvsearch.distributed.layout` has the layout, the ids and the key
 routing), so it keeps the store, the write lock, crash safety and the index checks. With a process group every
 public method is *collective*: every rank calls it, with its own arguments (an empty batch is fine).
 
@@ -24,7 +24,7 @@ raised on every rank, so nobody hangs; a dead or silent peer raises :class:`~kvs
 within ``timeout`` seconds.
 
 Fine-tuning (:func:`kvsearch.finetune` on a sharded database, every rank with its own pairs) loops with the ranks
-(:attr:`ShardedDatabase.team`, :mod:`kvsearch.team`) in a :class:`~kvsearch.sharded_generations.ShardedDraft`, and
+(:attr:`ShardedDatabase.team`, :mod:`kvsearch.training.team`) in a :class:`~kvsearch.distributed.generations.ShardedDraft`, and
 the kept encoders become every shard's generation at once (:meth:`ShardedDatabase.switch_generation`). Not
 supported across shards yet (a typed :class:`~kvsearch.errors.NotSupportedError`): ``k="all"`` attention and
 ``train_values=True``.
@@ -48,11 +48,20 @@ import torch
 from torch import Tensor
 
 from kvsearch import errors
-from kvsearch.attention import POOLINGS, Candidates, ScoreFn, attend, check_score, compute_scores
 from kvsearch.checks import check_device, check_finite, check_k, check_temperature
-from kvsearch.collectives import DEFAULT_TIMEOUT, Comm
 from kvsearch.database import Database
-from kvsearch.encoders import Encoder
+from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm
+from kvsearch.distributed.generations import ShardedDraft, ShardTeam, one_generation
+from kvsearch.distributed.layout import (
+    ID_SHIFT,
+    ShardLayout,
+    is_sharded,
+    shard_dir,
+    shard_of_id,
+    shard_of_key,
+    shards_of_rank,
+)
+from kvsearch.encoders.base import Encoder
 from kvsearch.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
@@ -60,13 +69,12 @@ from kvsearch.errors import (
     UnknownOptionError,
 )
 from kvsearch.filters import check_where
+from kvsearch.index.topk import merge_candidates
 from kvsearch.inputs import KeysIn, Queries, check_metadata, delete_items, query_tensor, query_texts, record_side
+from kvsearch.nn.attention import POOLINGS, Candidates, ScoreFn, attend, check_score, compute_scores
 from kvsearch.results import Answer, Hit, make_answer, make_hits
-from kvsearch.sharded_generations import ShardedDraft, ShardTeam, one_generation
-from kvsearch.sharding import ID_SHIFT, ShardLayout, is_sharded, shard_dir, shard_of_id, shard_of_key, shards_of_rank
-from kvsearch.store import Record
-from kvsearch.team import Team
-from kvsearch.topk import merge_candidates
+from kvsearch.storage.store import Record
+from kvsearch.training.team import Team
 
 __all__ = ["ShardedDatabase"]
 
@@ -235,12 +243,12 @@ class ShardedDatabase:
 
     @property
     def comm(self) -> Comm:
-        """The collectives of this database's ranks (see :class:`~kvsearch.collectives.Comm`)."""
+        """The collectives of this database's ranks (see :class:`~kvsearch.distributed.collectives.Comm`)."""
         return self._comm
 
     @property
     def team(self) -> Team:
-        """The ranks serving this database, as a fine-tuning run loops with them (see :mod:`kvsearch.team`)."""
+        """The ranks serving this database, as a fine-tuning run loops with them (see :mod:`kvsearch.training.team`)."""
         return ShardTeam(self._comm)
 
     @property
@@ -713,7 +721,7 @@ class ShardedDatabase:
             where: a metadata filter, applied on the shards.
 
         Returns:
-            :class:`~kvsearch.attention.Candidates`: ids (batch, t), keys (batch, t, dim), values
+            :class:`~kvsearch.nn.attention.Candidates`: ids (batch, t), keys (batch, t, dim), values
             (batch, t, value_dim), mask, match — t = min(k, records), best first by the database's score
             recomputed in torch, ties by id.
 
@@ -733,7 +741,7 @@ class ShardedDatabase:
         where: Mapping[str, Any] | None = None,
     ) -> Candidates:
         """:meth:`candidates`, each shard's part picked by ``sources[shard].candidates`` — the shard, or a draft
-        generation of it (:class:`~kvsearch.sharded_generations.ShardedDraft`). Collective."""
+        generation of it (:class:`~kvsearch.distributed.generations.ShardedDraft`). Collective."""
         self._check_open()
 
         def check() -> int:

@@ -1,11 +1,11 @@
 """Exact candidate search in torch: chunked matmul + top-k merge over the store's key tensor, on its device.
 
-This module owns :class:`TorchIndex`, an implementation of :class:`kvsearch.index.CandidateIndex` (make one
-with :func:`kvsearch.index.make_index` and a ``"torch"``, ``"torch:float16"`` or ``"torch:bfloat16"`` spec),
+This module owns :class:`TorchIndex`, an implementation of :class:`kvsearch.index.factory.CandidateIndex` (make one
+with :func:`kvsearch.index.factory.make_index` and a ``"torch"``, ``"torch:float16"`` or ``"torch:bfloat16"`` spec),
 and :func:`parse_torch_spec`. It knows nothing of SQLite, text or autograd (no search takes a gradient). It is
 exact, like FAISS's ``Flat``, but:
 
-- bound to a *source* (the :class:`~kvsearch.store.Store`), it searches the store's own key tensor: no second
+- bound to a *source* (the :class:`~kvsearch.storage.store.Store`), it searches the store's own key tensor: no second
   copy of the keys, no CPU round trip on a GPU (results are made on the keys' device and moved to the queries'
   device only if it differs). It keeps only one (n,) vector beside it: the inverse key norms for cosine, the
   squared key norms for L2. ``build`` / ``add`` / ``remove`` / ``rebuild`` only mark that vector stale;
@@ -19,11 +19,11 @@ exact, like FAISS's ``Flat``, but:
   half-precision speed (:attr:`TorchIndex.last_widened`, :attr:`TorchIndex.last_rechecked` count them);
 - made from the spec ``"Flat"`` (the default index, ``dtype="auto"``) it picks the path of each call -- float32
   scan, half-precision scan + exact rescoring, FAISS's BLAS search -- by batch size, device and what the
-  hardware runs fast (:mod:`kvsearch.exact_path`); the half copy is made at the first call that takes it;
+  hardware runs fast (:mod:`kvsearch.index.exact_path`); the half copy is made at the first call that takes it;
 - every path returns the same ids and scores: keys whose scores tie are ordered by id (smaller first);
 - without a source (standalone) it holds the vectors given to ``build`` / ``add`` itself.
 
-Scores are computed a chunk of keys at a time by :func:`kvsearch.index.chunked_topk` (memory O(batch x chunk)).
+Scores are computed a chunk of keys at a time by :func:`kvsearch.index.factory.chunked_topk` (memory O(batch x chunk)).
 On the CPU the float32 matmul goes through numpy's BLAS (OpenBLAS), which runs at full speed on every x86 vendor;
 half precision and CUDA go through torch. A batch of at least ``FAISS_MIN_BATCH`` float32 inner-product queries on
 the CPU, unfiltered, is handed to FAISS's exhaustive search (``faiss.knn``) over the same key memory.
@@ -43,10 +43,10 @@ from torch import Tensor
 
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.exact_path import FAISS_MIN_BATCH, choose_path, forced_path
-from kvsearch.faiss_index import check_search_param, tune_faiss
-from kvsearch.half_scan import best_by_score_then_id, half_candidates, half_error, settled
-from kvsearch.topk import (
+from kvsearch.index.exact_path import FAISS_MIN_BATCH, choose_path, forced_path
+from kvsearch.index.faiss_index import check_search_param, tune_faiss
+from kvsearch.index.half_scan import best_by_score_then_id, half_candidates, half_error, settled
+from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
     KeySource,
     Metric,
@@ -61,7 +61,7 @@ from kvsearch.topk import (
 
 __all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES", "FAISS_MIN_BATCH", "parse_torch_spec"]
 
-# FAISS_MIN_BATCH (kvsearch.exact_path): from this many queries per call, a float32 inner-product search on the CPU
+# FAISS_MIN_BATCH (kvsearch.index.exact_path): from this many queries per call, a float32 inner-product search on the CPU
 # without a filter runs in FAISS's exhaustive kernels (``faiss.knn``, blocked sgemm + heaps) over the same key
 # memory, no copy: its BLAS blocks ran batches of 64 and 1,024 queries 1.5-2x faster here than numpy's matmul per
 # chunk (benchmarks/RESULTS.md). One query (a matrix-vector product) stays in the chunked scan.
@@ -129,18 +129,18 @@ class DerivedKeys:
 class TorchIndex:
     """Exact top-k search in torch over a store's key tensor (or over vectors it is given).
 
-    Implements :class:`kvsearch.index.CandidateIndex`.
+    Implements :class:`kvsearch.index.factory.CandidateIndex`.
 
     Args:
         dim: key dimension.
         metric: ``"ip"`` (inner product, larger is better) or ``"l2"`` (squared distance, smaller is better).
-        source: the store (:class:`~kvsearch.index.KeySource`): the index searches its ``keys`` under its ``ids``.
+        source: the store (:class:`~kvsearch.index.factory.KeySource`): the index searches its ``keys`` under its ``ids``.
             Without one, the index holds the vectors passed to ``build`` / ``add``.
         normalize: score unit keys and unit queries (cosine); both are normalised here. With a source this costs
             an (n,) vector of inverse norms, not a normalised copy.
         dtype: ``"float32"``, or ``"bfloat16"`` / ``"float16"`` to also keep a half-precision copy that is
             scanned first; the results stay those of the float32 search (checked per query, see above); or
-            ``"auto"`` (spec ``"Flat"``): the path is chosen per call (:mod:`kvsearch.exact_path`).
+            ``"auto"`` (spec ``"Flat"``): the path is chosen per call (:mod:`kvsearch.index.exact_path`).
         chunk_elements: how many scores (batch x chunk) are computed at once.
 
     Raises:
@@ -329,7 +329,7 @@ class TorchIndex:
                 gathered and scanned in float32; more: the whole key tensor is scanned with a mask.
 
         Returns:
-            :class:`~kvsearch.index.SearchResult` on ``queries.device`` (computed on the keys' device): inner
+            :class:`~kvsearch.index.factory.SearchResult` on ``queries.device`` (computed on the keys' device): inner
             product, or squared L2 distance, NaN where ids are -1.
 
         Raises:
@@ -452,7 +452,7 @@ class TorchIndex:
     # ------------------------------------------------------------------ the scans
 
     def _path(self, batch: int, device: torch.device, d: DerivedKeys, filtered: bool) -> str:
-        """The path of this call: the spec's dtype, or for ``"Flat"`` :func:`~kvsearch.exact_path.choose_path`."""
+        """The path of this call: the spec's dtype, or for ``"Flat"`` :func:`~kvsearch.index.exact_path.choose_path`."""
         faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
         if self.dtype is None:
             path = choose_path(batch, device, faiss_ok=faiss_ok)

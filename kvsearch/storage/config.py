@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvsearch.checks import check_dim
-from kvsearch.encoders import Encoder
+from kvsearch.encoders.base import Encoder
 from kvsearch.errors import ConfigMismatchError, DimensionMismatchError, InvalidArgumentError
 from kvsearch.retrieval import check_db_score
 

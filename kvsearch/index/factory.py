@@ -1,9 +1,9 @@
 """Candidate search behind one protocol that speaks torch: :class:`CandidateIndex`, and where indexes are made.
 
-This module owns the protocol every index implements — FAISS :class:`~kvsearch.faiss_index.Index` and exact
-:class:`~kvsearch.torch_index.TorchIndex` — and :func:`make_index` / :func:`load_index`, the one place where a
+This module owns the protocol every index implements — FAISS :class:`~kvsearch.index.faiss_index.Index` and exact
+:class:`~kvsearch.index.torch_index.TorchIndex` — and :func:`make_index` / :func:`load_index`, the one place where a
 spec string becomes an index class; nothing outside the index modules dispatches on index types. The boundary
-is torch: ids and keys come in as tensors and a :class:`~kvsearch.topk.SearchResult` ``(scores, ids)`` goes
+is torch: ids and keys come in as tensors and a :class:`~kvsearch.index.topk.SearchResult` ``(scores, ids)`` goes
 back on the queries' device. It knows nothing of SQLite, text or autograd.
 
 Where to add an index type: a class with the methods of :class:`CandidateIndex` in a module of its own, and a
@@ -20,9 +20,9 @@ from torch import Tensor
 
 from kvsearch.checks import MAX_K
 from kvsearch.errors import InvalidArgumentError
-from kvsearch.faiss_index import Index, check_search_param, default_search_params, tune_faiss
-from kvsearch.topk import EXACT_FILTER_MAX, KeySource, Metric, SearchResult
-from kvsearch.torch_index import TorchIndex, parse_torch_spec
+from kvsearch.index.faiss_index import Index, check_search_param, default_search_params, tune_faiss
+from kvsearch.index.topk import EXACT_FILTER_MAX, KeySource, Metric, SearchResult
+from kvsearch.index.torch_index import TorchIndex, parse_torch_spec
 
 __all__ = [
     "CandidateIndex",
@@ -44,7 +44,7 @@ __all__ = [
 class CandidateIndex(Protocol):
     """Candidate search over ``(id, key)`` pairs: the one interface the retrieval code uses.
 
-    Implemented by :class:`Index` (FAISS) and :class:`~kvsearch.torch_index.TorchIndex` (exact, in torch); make
+    Implemented by :class:`Index` (FAISS) and :class:`~kvsearch.index.torch_index.TorchIndex` (exact, in torch); make
     one with :func:`make_index`. Keys and queries come in raw: a ``normalize`` (cosine) index normalises both.
     An index bound to a :class:`KeySource` can :meth:`rebuild` itself from it and guarantees filtered results
     by reading its keys.
@@ -157,9 +157,9 @@ def make_index(
     """An empty index of ``spec``: the one place that maps a spec string to an index class.
 
     Args:
-        spec: ``"Flat"`` (the default: exact, the path chosen per call by :mod:`kvsearch.exact_path`),
+        spec: ``"Flat"`` (the default: exact, the path chosen per call by :mod:`kvsearch.index.exact_path`),
             ``"torch"``, ``"torch:float16"`` or ``"torch:bfloat16"`` for exact search in torch on a fixed path
-            (all :class:`~kvsearch.torch_index.TorchIndex`), anything else an ``index_factory`` string for
+            (all :class:`~kvsearch.index.torch_index.TorchIndex`), anything else an ``index_factory`` string for
             :class:`Index` (``"HNSW32"``, ``"IVF256,Flat"``...; ``Index(dim, "Flat")`` is FAISS's flat index).
         dim: key dimension.
         metric: ``"ip"`` or ``"l2"``.

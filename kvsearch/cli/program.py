@@ -20,7 +20,7 @@ ones left alone) and prints the three counts: re-running it finishes a build tha
 whether the database switched to a new generation of encoders or kept its old retriever; ``rollback``
 returns once to the generation before the last switch.
 
-A sharded database (``build --shards N``, see :mod:`kvsearch.distributed`) is served by this one process, which
+A sharded database (``build --shards N``, see :mod:`kvsearch.distributed.sharded_database`) is served by this one process, which
 opens every shard: ``build`` adds to it, ``query``, ``info`` and ``delete`` work on it with the same output and
 exit statuses as on a plain folder; ``finetune`` and ``rollback`` are not supported across shards yet.
 
@@ -42,9 +42,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvsearch import folder as folders
-from kvsearch import sharding
-from kvsearch.cli_format import answer_table, history_table, info_text
+from kvsearch.cli.printing import answer_table, history_table, info_text
+from kvsearch.distributed import layout as sharding
+from kvsearch.storage import folder as folders
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
@@ -333,7 +333,7 @@ def _check_paths(args: argparse.Namespace) -> None:
 def _loads_a_sentence_model(args: argparse.Namespace) -> bool:
     """Whether the command will load a sentence-transformers model: ``--encoder`` names one, or the encoder
     files of the database's current generation (``{prefix}.json`` for each of
-    :data:`kvsearch.folder.ENCODER_PREFIXES`, in :func:`kvsearch.folder.current_generation_dir`) do."""
+    :data:`kvsearch.storage.folder.ENCODER_PREFIXES`, in :func:`kvsearch.storage.folder.current_generation_dir`) do."""
     from kvsearch.errors import KVSearchError
 
     encoder = getattr(args, "encoder", None)
@@ -467,8 +467,8 @@ def _is_sharded_db(db: object) -> bool:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from kvsearch.encoders import encoder_from_name
-    from kvsearch.ingest import ingest_file, upsert_file
+    from kvsearch.cli.ingest import ingest_file, upsert_file
+    from kvsearch.encoders.registry import encoder_from_name
 
     path = Path(args.db)
     source = Path(args.source)
@@ -677,9 +677,11 @@ def _cmd_delete(args: argparse.Namespace) -> int:
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
     try:
-        from kvsearch.training import finetune
+        from kvsearch.training.loop import finetune
     except ImportError:
-        raise CommandError("fine-tuning is not available: this kvsearch has no kvsearch.training.finetune") from None
+        raise CommandError(
+            "fine-tuning is not available: this kvsearch has no kvsearch.training.loop.finetune"
+        ) from None
 
     pairs = _read_pairs(args.pairs, args)
     eval_pairs = None if args.eval is None else _read_pairs(args.eval, args)
@@ -717,8 +719,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
 
 def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
     """(query, target) pairs from a CSV, TSV or JSONL file; bad rows reported with their line numbers."""
+    from kvsearch.cli.ingest import read_rows
     from kvsearch.errors import BadFileError
-    from kvsearch.ingest import read_rows
 
     pairs: list[tuple[str, str]] = []
     problems: list[tuple[int, str]] = []
@@ -746,10 +748,10 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvsearch.demo import main as demo_main
+    from kvsearch.cli.demo import main as demo_main
 
     return demo_main(["--path", args.path])
 
 
-if __name__ == "__main__":  # python -m kvsearch.cli
+if __name__ == "__main__":  # python -m kvsearch.cli.program
     raise SystemExit(main())

@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import torch
 from torch import Tensor
 
-from kvsearch.attention import Candidates, ScoreFn, compute_scores
 from kvsearch.checks import all_finite, check_int, check_k, check_real_tensor, check_unicode
-from kvsearch.encoders import Encoder
+from kvsearch.encoders.base import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
     InvalidArgumentError,
@@ -34,11 +33,12 @@ from kvsearch.errors import (
     UnknownOptionError,
 )
 from kvsearch.inputs import normalize_key
-from kvsearch.team import batches, team_of
+from kvsearch.nn.attention import Candidates, ScoreFn, compute_scores
+from kvsearch.training.team import batches, team_of
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
-    from kvsearch.encoders import Encoder
+    from kvsearch.encoders.base import Encoder
 
 __all__ = [
     "TargetKind",

@@ -6,7 +6,7 @@ This module owns the rule that picks, for one search call, between
   reads the keys at full memory bandwidth;
 - ``"bfloat16"`` / ``"float16"``: a half-precision scan of a half-size copy of the keys, then the best ``k'``
   candidates rescored exactly in float32 and checked against a proven error bound (see
-  :class:`kvsearch.torch_index.TorchIndex`): float32's ids at half precision's speed;
+  :class:`kvsearch.index.torch_index.TorchIndex`): float32's ids at half precision's speed;
 - ``"faiss"``: FAISS's exhaustive BLAS search (``faiss.knn``: blocked sgemm + heaps) over the same key memory,
 
 from the batch size, the device and what the hardware runs fast. It knows nothing of the keys themselves.

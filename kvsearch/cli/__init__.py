@@ -1,0 +1,15 @@
+"""The cli wing: the ``kvsearch`` command.
+
+It owns the program (``program``: parse, run, one-line errors and exit statuses), the argument parser
+(``parser``), the commands (``commands``), what they print (``printing``), streaming CSV / TSV / JSONL ingest
+(``ingest``: :func:`~kvsearch.cli.ingest.ingest_file`, :func:`~kvsearch.cli.ingest.upsert_file`) and the
+quickstart (``demo``).
+
+It sits above everything and is imported by nothing in the package.
+"""
+
+from __future__ import annotations
+
+from kvsearch.cli.program import main
+
+__all__ = ["main"]

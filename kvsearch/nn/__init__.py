@@ -1,0 +1,10 @@
+"""The nn wing: pure torch attention over candidates, as functions and modules.
+
+It owns the score functions (``scores``: dot, scaled dot, cosine, gaussian, the learned additive score), pooling
+(``pooling``: softmax, normalize, hard, exact, average, with masks), :func:`~kvsearch.nn.attend.attend` and
+:class:`~kvsearch.nn.attend.Candidates` (``attend``), the :class:`~kvsearch.nn.kv_attention.KVAttention` layer
+(``kv_attention``) and dense streaming attention over every record (``streaming``).
+
+It knows nothing of FAISS, SQLite, text or files: it takes already-gathered tensors (a layer takes an object with a
+``candidates`` method) and gives back tensors that gradients flow through.
+"""
