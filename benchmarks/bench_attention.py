@@ -76,7 +76,7 @@ def w_dense(m: int, nq: int, kind: str, backward: bool, max_gib: float) -> dict:
     """Softmax attention of nq queries over all m keys: dense torch, SDPA, or ours streaming."""
     import torch.nn.functional as F
 
-    from kvsearch.nn.attention import attend
+    from kvsearch.nn.attend import attend
     from kvsearch.nn.streaming import streaming_attention
 
     gib = nq * m * 4 / 2**30

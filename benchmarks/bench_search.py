@@ -147,7 +147,7 @@ def w_ann(dataset: str, m: int, nq: int, hnsw: bool = True) -> dict:
     import faiss
     import numpy as np
 
-    from kvsearch.index.factory import default_search_params, tune_faiss
+    from kvsearch.index.faiss_spec import default_search_params, tune_faiss
 
     tune_faiss()
     if dataset == "clustered":

@@ -38,11 +38,14 @@ from kvsearch.errors import (
     StoreChangedError,
     UnknownOptionError,
 )
-from kvsearch.index.factory import Index
+from kvsearch.index.faiss_index import Index
 from kvsearch.index.torch_index import TorchIndex
-from kvsearch.nn.attention import AdditiveScore, Candidates, KVAttention, attend, compute_scores, pool
+from kvsearch.nn.attend import Candidates, attend
+from kvsearch.nn.kv_attention import KVAttention
+from kvsearch.nn.pooling import pool
+from kvsearch.nn.scores import AdditiveScore, compute_scores
 from kvsearch.nn.streaming import streaming_attention
-from kvsearch.storage.folder import load_encoder
+from kvsearch.storage.encoder_files import load_encoder
 from kvsearch.storage.store import Record
 from kvsearch.training.loop import FinetuneConfig, GaussianKernel, History, finetune
 from kvsearch.training.metrics import evaluate

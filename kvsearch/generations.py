@@ -5,7 +5,8 @@ Whatever changes them — a fine-tuning run, ``refresh()``, trained values, ``ro
 new generation beside the old one and switches to it in one store transaction:
 
 1. :func:`write_files`: the new encoders go into ``generations/<G+1>/`` (whole or not at all, see
-   :func:`kvsearch.storage.folder.write_generation`); until step 2 commits, that folder is not part of the database;
+   :func:`kvsearch.storage.encoder_files.write_generation`); until step 2 commits, that folder is not part of the
+   database;
 2. the keys (and, where their encoder changed, the values) are re-encoded in memory, and the weights and
    embeddings checked finite — a non-finite generation is refused here, before anything is recorded;
 3. :func:`switch`: ONE SQLite transaction replaces the key / value embeddings and records the new generation
@@ -21,7 +22,8 @@ keys re-encoded in memory (:meth:`Draft.refresh`), and ends with one :meth:`Draf
 :meth:`~kvsearch.Database.commit_generation`) or :meth:`Draft.discard` (nothing on disk changed; the encoders
 are put back).
 
-This module knows nothing of training loops, search internals or file formats (those are :mod:`kvsearch.storage.folder`).
+This module knows nothing of training loops, search internals or file formats (those are
+:mod:`kvsearch.storage.encoder_files`).
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from kvsearch.checks import all_finite, check_finite
 from kvsearch.encoders.base import Encoder
 from kvsearch.encoders.encoder_set import EncoderSet
 from kvsearch.errors import InvalidArgumentError, NonFiniteError, NothingToRollBackError
-from kvsearch.nn.attention import Candidates
+from kvsearch.nn.attend import Candidates
 from kvsearch.retrieval import Retriever
-from kvsearch.storage import folder as folders
+from kvsearch.storage import encoder_files
 from kvsearch.storage.store import Store
 
 if TYPE_CHECKING:
@@ -79,7 +81,7 @@ def write_files(
     tensors: Mapping[str, Mapping[str, Tensor]] | None,
 ) -> dict[str, str]:
     """Step 1: write generation ``generation``'s encoder files; returns file name -> SHA-256."""
-    return folders.write_generation(folder, generation, encoders, tensors=tensors)
+    return encoder_files.write_generation(folder, generation, encoders, tensors=tensors)
 
 
 def switch(store: Store, *, keys: Tensor | None, values: Tensor | None, meta: Mapping[str, Any]) -> None:
@@ -89,7 +91,7 @@ def switch(store: Store, *, keys: Tensor | None, values: Tensor | None, meta: Ma
 
 def remove_old(folder: Path, keep: set[int]) -> None:
     """Step 4: remove the generation folders not in ``keep`` (the current and the previous one)."""
-    folders.remove_generations(folder, keep)
+    encoder_files.remove_generations(folder, keep)
 
 
 # ---------------------------------------------------------------------- encoding the stored texts
@@ -182,7 +184,7 @@ def _check_weights(encoders: Iterable[Encoder | None]) -> None:
 
 def commit(
     store: Store,
-    files: folders.EncoderFiles,
+    files: encoder_files.EncoderFiles,
     encoders: EncoderSet,
     config: dict[str, Any],
     *,
@@ -243,7 +245,12 @@ def commit(
     new_config = {**config, **flags, "generation": new, "encoders_version": int(config.get("encoders_version", 0)) + 1}
     meta = {
         "config": new_config,
-        folders.ENCODER_FILES_META: {"generation": new, "current": digests, "previous": previous, "pending": None},
+        encoder_files.ENCODER_FILES_META: {
+            "generation": new,
+            "current": digests,
+            "previous": previous,
+            "pending": None,
+        },
         "last_run": dict(summary) if summary is not None else None,
     }
     switch(store, keys=keys, values=new_values, meta=meta)
@@ -253,7 +260,9 @@ def commit(
     return new_config
 
 
-def rollback(store: Store, files: folders.EncoderFiles, encoders: EncoderSet, config: dict[str, Any]) -> dict[str, Any]:
+def rollback(
+    store: Store, files: encoder_files.EncoderFiles, encoders: EncoderSet, config: dict[str, Any]
+) -> dict[str, Any]:
     """Switch back to the previous generation (once): its encoders, keys re-encoded with them, values restored.
 
     Raises:
@@ -286,7 +295,11 @@ def rollback(store: Store, files: folders.EncoderFiles, encoders: EncoderSet, co
     new_config["encoders_version"] = int(config.get("encoders_version", 0)) + 1
     meta = {
         "config": new_config,
-        folders.ENCODER_FILES_META: {"generation": old, "current": previous.get("current") or {}, "previous": None},
+        encoder_files.ENCODER_FILES_META: {
+            "generation": old,
+            "current": previous.get("current") or {},
+            "previous": None,
+        },
         "last_run": None,
     }
     switch(store, keys=keys, values=restored, meta=meta)
@@ -295,7 +308,7 @@ def rollback(store: Store, files: folders.EncoderFiles, encoders: EncoderSet, co
     return new_config
 
 
-def describe(files: folders.EncoderFiles, encoders: EncoderSet, config: Mapping[str, Any]) -> dict[str, Any]:
+def describe(files: encoder_files.EncoderFiles, encoders: EncoderSet, config: Mapping[str, Any]) -> dict[str, Any]:
     """What a database's generation is: ``{"generation", "previous", "encoder", "value_encoder", "query_encoder",
     "last_run"}`` — an encoder's configuration, ``"key"`` for a value encoder that is the key encoder, None where
     there is none; ``previous`` the generation a rollback returns to (or None); ``last_run`` the summary of the
@@ -398,7 +411,8 @@ class Draft:
 
     Args:
         db: the database.
-        snapshot: the encoders as they were at the start (see :meth:`~kvsearch.encoders.encoder_set.EncoderSet.snapshot`).
+        snapshot: the encoders as they were at the start (see
+            :meth:`~kvsearch.encoders.encoder_set.EncoderSet.snapshot`).
         restore: puts a snapshot back.
     """
 

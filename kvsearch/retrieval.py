@@ -1,4 +1,4 @@
-"""The retrieval seam: query tensors in, :class:`~kvsearch.nn.attention.Candidates` out.
+"""The retrieval seam: query tensors in, :class:`~kvsearch.nn.attend.Candidates` out.
 
     retriever = Retriever(store, dim=256, spec="Flat", score="cosine", folder=path)
     retriever.open()                                   # the saved index if it is this store version's, else rebuilt
@@ -24,28 +24,16 @@ import torch
 from torch import Tensor
 
 from kvsearch.checks import CHUNK_ELEMENTS, check_k
-from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError, UnknownOptionError
-from kvsearch.index.factory import CandidateIndex, load_index, make_index
+from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError
+from kvsearch.index.base import CandidateIndex
+from kvsearch.index.factory import load_index, make_index
 from kvsearch.limits import check_fits
-from kvsearch.nn.attention import Candidates
+from kvsearch.nn.attend import Candidates
+from kvsearch.nn.scores import check_db_score
 from kvsearch.storage import folder as folders
 from kvsearch.storage.store import Store
 
-__all__ = ["Retriever", "DB_SCORES", "metric_of", "check_db_score"]
-
-#: Score functions a database can use as its default (they decide the index metric).
-DB_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
-
-
-def check_db_score(score: object) -> str:
-    """``score`` if a database can use it as its default score.
-
-    Raises:
-        UnknownOptionError: anything else.
-    """
-    if score not in DB_SCORES:
-        raise UnknownOptionError(f"expected a database score among {DB_SCORES}, got {score!r}")
-    return score
+__all__ = ["Retriever", "metric_of"]
 
 
 def metric_of(score: str) -> Literal["ip", "l2"]:
@@ -60,7 +48,8 @@ class Retriever:
         store: the record store (the single source of truth; its in-memory ids and key / value tensors).
         dim: the key dimension.
         spec: the index spec (a FAISS ``index_factory`` string or ``"torch[:dtype]"``).
-        score: the database's score (one of :data:`DB_SCORES`): it decides the metric, and cosine normalises.
+        score: the database's score (one of :data:`~kvsearch.nn.scores.DB_SCORES`): it decides the metric, and
+            cosine normalises.
         params: search parameters (``nprobe``, ``efSearch``...).
         folder: the database folder whose saved index :meth:`open` may serve and :meth:`save` writes; None in memory.
 
@@ -191,7 +180,7 @@ class Retriever:
             where: a metadata filter (see :mod:`kvsearch.filters`): only matching records are candidates.
 
         Returns:
-            :class:`~kvsearch.nn.attention.Candidates` with ids (batch, t), keys (batch, t, dim), values
+            :class:`~kvsearch.nn.attend.Candidates` with ids (batch, t), keys (batch, t, dim), values
             (batch, t, value_dim), mask (batch, t), where t = min(k, records) (no more candidates than records
             are gathered); for ``k="all"`` ids (m,), keys (m, dim), values (m, value_dim), mask None.
 

@@ -38,8 +38,8 @@ torch.set_num_threads(1)  # no OpenMP pool in the server: fork() stays safe
 faiss.omp_set_num_threads(1)
 
 import kvsearch  # noqa: E402
-from kvsearch.storage import chunks  # noqa: E402
 from kvsearch.index import factory as index_module  # noqa: E402
+from kvsearch.storage import chunks  # noqa: E402
 from kvsearch.storage import store as store_module  # noqa: E402
 
 DIM, SPEC = 8, "IVF4,Flat"

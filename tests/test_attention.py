@@ -1,4 +1,4 @@
-"""Tests of kvsearch.nn.attention against brute-force references."""
+"""Tests of kvsearch.nn (scores, pooling, attend, KVAttention) against brute-force references."""
 
 from __future__ import annotations
 
@@ -14,16 +14,10 @@ from torch.autograd import gradcheck
 from torch.func import functional_call
 
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
-from kvsearch.nn.attention import (
-    POOLINGS,
-    SCORES,
-    AdditiveScore,
-    Candidates,
-    KVAttention,
-    attend,
-    compute_scores,
-    pool,
-)
+from kvsearch.nn.attend import Candidates, attend
+from kvsearch.nn.kv_attention import KVAttention
+from kvsearch.nn.pooling import POOLINGS, pool
+from kvsearch.nn.scores import SCORES, AdditiveScore, compute_scores
 
 BUILTIN_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
 LAYOUTS = ("2d", "gathered", "3d")

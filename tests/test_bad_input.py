@@ -24,7 +24,7 @@ from kvsearch import (
     UnknownOptionError,
 )
 from kvsearch.checks import MAX_BATCH, MAX_K
-from kvsearch.storage.folder import load_encoder, save_encoder
+from kvsearch.storage.encoder_files import load_encoder, save_encoder
 
 DIM = 16
 NAN, INF = float("nan"), float("inf")

@@ -23,8 +23,9 @@ import torch
 
 import kvsearch
 from kvsearch.cli.demo import AUTHORS
+from kvsearch.cli.parser import build_parser
 from kvsearch.cli.printing import human_size
-from kvsearch.cli.program import build_parser, main
+from kvsearch.cli.program import main
 from kvsearch.distributed import ShardedDatabase
 from kvsearch.distributed import layout as sharding
 

@@ -24,7 +24,8 @@ import torch
 
 import kvsearch
 from kvsearch import CorruptDatabaseError
-from kvsearch.storage.folder import GENERATIONS_DIR, current_generation_dir
+from kvsearch.storage.encoder_files import current_generation_dir
+from kvsearch.storage.folder import GENERATIONS_DIR
 
 DIM = 16
 

@@ -1,13 +1,13 @@
 """Encoder files carry a SHA-256 recorded in the store: every load checks it; a new generation switches whole.
 
-A commit (``save_encoders``, ``refresh``, a fine-tuning run) writes the new encoder files into
-``generations/<G>`` (``kvsearch.storage.folder.write_generation``: a staging folder renamed into place), replaces the key /
-value embeddings and records the generation's digests in ONE store transaction (``kvsearch.generations.switch``),
-then removes the generations other than the current and the previous one (``remove_old``). These tests stop a
-commit at each point — an exception raised by a patched step (the half-committed database object is then
-abandoned, as a killed process would leave it), or a real writer SIGKILLed — and reopen: the database opens with
-the old or the new generation whole (its stored key embeddings are its key encoder applied to its keys, with no
-repair on open, and every key is found).
+A commit (``save_encoders``, ``refresh``, a fine-tuning run) writes the new encoder files into ``generations/<G>``
+(``kvsearch.storage.encoder_files.write_generation``: a staging folder renamed into place), replaces the key / value
+embeddings and records the generation's digests in ONE store transaction (``kvsearch.generations.switch``), then
+removes the generations other than the current and the previous one (``remove_old``). These tests stop a commit at
+each point — an exception raised by a patched step (the half-committed database object is then abandoned, as a
+killed process would leave it), or a real writer SIGKILLed — and reopen: the database opens with the old or the new
+generation whole (its stored key embeddings are its key encoder applied to its keys, with no repair on open, and
+every key is found).
 
 A database written before generations is generation 0: its encoder files at the top of the folder, recorded
 with digests (possibly with the *pending* digests of a save that stopped), or with none at all (older still).
@@ -32,16 +32,16 @@ import torch
 
 import kvsearch
 import kvsearch.generations
-import kvsearch.storage.folder
+import kvsearch.storage.encoder_files
 from kvsearch import CorruptDatabaseError, NothingToRollBackError
-from kvsearch.storage.folder import (
+from kvsearch.storage.encoder_files import (
     ENCODER_FILES_META,
-    GENERATIONS_DIR,
     current_generation_dir,
     generation_dir,
     load_encoder,
     save_encoder,
 )
+from kvsearch.storage.folder import GENERATIONS_DIR
 from kvsearch.storage.store import Store
 
 DIM = 16
@@ -192,13 +192,13 @@ def test_a_commit_stopped_at_each_point_opens_with_the_old_or_the_new_generation
     nudge(db.encoder, 0.5)
     new = weights(db)
     if stop == "after write_generation":
-        real_write = kvsearch.storage.folder.write_generation
+        real_write = kvsearch.storage.encoder_files.write_generation
 
         def write_then_stop(*args, **kwargs):
             real_write(*args, **kwargs)
             raise Crash("stopped after the new generation's files were written")
 
-        monkeypatch.setattr(kvsearch.storage.folder, "write_generation", write_then_stop)
+        monkeypatch.setattr(kvsearch.storage.encoder_files, "write_generation", write_then_stop)
     elif stop == "inside the switch, before COMMIT":
 
         def bump_version(self):
@@ -270,7 +270,7 @@ import os, signal, sys
 from pathlib import Path
 import torch
 import kvsearch
-import kvsearch.storage.folder
+import kvsearch.storage.encoder_files
 import kvsearch.generations
 from kvsearch.storage.store import Store
 
@@ -278,7 +278,7 @@ folder, point = Path(sys.argv[1]), sys.argv[2]
 db = kvsearch.Database(folder)
 with torch.no_grad():
     next(db.encoder.parameters()).add_(0.5)
-real_replace, real_write = os.replace, kvsearch.storage.folder.write_generation
+real_replace, real_write = os.replace, kvsearch.storage.encoder_files.write_generation
 real_bump, real_switch = Store.bump_version, kvsearch.generations.switch
 
 def die():
@@ -305,7 +305,7 @@ def switch(*args, **kwargs):
     if point == "after the switch":
         die()
 
-os.replace, kvsearch.storage.folder.write_generation = replace, write_generation
+os.replace, kvsearch.storage.encoder_files.write_generation = replace, write_generation
 Store.bump_version, kvsearch.generations.switch = bump_version, switch
 db.save_encoders()
 sys.exit(3)  # not reached: killed inside the commit

@@ -1,5 +1,5 @@
 """Tests of kvsearch.encoders: the n-gram encoder (fast) and the MiniLM sentence encoder (loaded once), and their
-files (kvsearch.storage.folder.save_encoder / load_encoder)."""
+files (kvsearch.storage.encoder_files.save_encoder / load_encoder)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvsearch.encoders.ngram import NgramEncoder
 from kvsearch.encoders.registry import ENCODER_KINDS, encoder_from_name
 from kvsearch.encoders.sentence import SentenceEncoder
 from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError, UnknownOptionError
-from kvsearch.storage.folder import load_encoder, save_encoder
+from kvsearch.storage.encoder_files import load_encoder, save_encoder
 
 NAMES = ["Zhang", "Lipton", "Smola", "Hu", "Werness"]
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -14,23 +14,25 @@ import kvsearch
 from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError
 from kvsearch.generations import switch
 from kvsearch.storage import folder
-from kvsearch.storage.folder import (
+from kvsearch.storage.encoder_files import (
     ENCODER_FILES_META,
+    EncoderFiles,
+    current_generation_dir,
+    generation_dir,
+    remove_generations,
+    save_encoder,
+    write_generation,
+)
+from kvsearch.storage.folder import (
     GENERATIONS_DIR,
     INDEX_FILE,
     MANIFEST_FILE,
     STORE_FILE,
     Creation,
-    EncoderFiles,
-    current_generation_dir,
     files_of_database,
-    generation_dir,
     is_database,
-    remove_generations,
-    save_encoder,
     saved_index_path,
     sha256_file,
-    write_generation,
     write_index,
 )
 from kvsearch.storage.store import Store

@@ -12,7 +12,7 @@ import torch
 
 from kvsearch import Database, NgramEncoder
 from kvsearch.errors import InconsistentDatabaseError, NonFiniteError, NothingToRollBackError
-from kvsearch.storage.folder import current_generation_dir
+from kvsearch.storage.encoder_files import current_generation_dir
 
 KEYS = ["Zhang", "Lipton", "Li", "Smola", "Hu", "Werness", "Lippmann", "Smolensky"]
 VALUES = ["Aston", "Zachary", "Mu", "Alex", "Rachel", "Brent", "Walter", "Paul"]

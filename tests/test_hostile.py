@@ -32,8 +32,9 @@ from kvsearch import (
     KVSearchError,
 )
 from kvsearch.checks import MAX_K
-from kvsearch.cli.program import CommandError, main
-from kvsearch.storage.folder import save_encoder
+from kvsearch.cli.parser import CommandError
+from kvsearch.cli.program import main
+from kvsearch.storage.encoder_files import save_encoder
 
 DIM = 16
 VALUE_DIM = 16

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvsearch.checks import MAX_K
 from kvsearch.errors import (
     CorruptDatabaseError,
     DimensionMismatchError,
@@ -14,7 +15,9 @@ from kvsearch.errors import (
     MemoryLimitError,
     UnknownOptionError,
 )
-from kvsearch.index.factory import MAX_K, Index, SearchResult, load_index, make_index
+from kvsearch.index.factory import load_index, make_index
+from kvsearch.index.faiss_index import Index
+from kvsearch.index.topk import SearchResult
 from kvsearch.index.torch_index import TorchIndex
 
 

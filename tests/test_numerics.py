@@ -14,7 +14,10 @@ from torch import Tensor
 
 import kvsearch
 from kvsearch.errors import NonFiniteError
-from kvsearch.nn.attention import KVAttention, attend, compute_scores, pool
+from kvsearch.nn.attend import attend
+from kvsearch.nn.kv_attention import KVAttention
+from kvsearch.nn.pooling import pool
+from kvsearch.nn.scores import compute_scores
 from kvsearch.nn.streaming import streaming_attend, streaming_attention
 
 OFFSETS = (0.0, 2e3, 1e4)

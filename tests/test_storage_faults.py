@@ -39,7 +39,7 @@ import kvsearch
 from kvsearch import CorruptDatabaseError, DiskFullError, KVSearchError, MissingFileError, ReadOnlyDatabaseError
 from kvsearch.cli.program import main
 from kvsearch.errors import StoreChangedError
-from kvsearch.storage.folder import current_generation_dir
+from kvsearch.storage.encoder_files import current_generation_dir
 
 DIM = 16
 REAL_CONNECT = sqlite3.connect

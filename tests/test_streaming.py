@@ -7,7 +7,7 @@ import torch
 
 from kvsearch import Database
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
-from kvsearch.nn.attention import attend
+from kvsearch.nn.attend import attend
 from kvsearch.nn.streaming import STREAMING_SCORES, streaming_attention
 
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kvsearch import Database
 from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError, InvalidArgumentError, UnknownOptionError
-from kvsearch.index.factory import Index, SearchResult
+from kvsearch.index.faiss_index import Index
+from kvsearch.index.topk import SearchResult
 from kvsearch.index.torch_index import TorchIndex, parse_torch_spec
 
 

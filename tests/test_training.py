@@ -28,7 +28,7 @@ from kvsearch.errors import (
     NonFiniteError,
     UnknownOptionError,
 )
-from kvsearch.nn.attention import compute_scores
+from kvsearch.nn.scores import compute_scores
 from kvsearch.training.loop import Batch, History, answer_loss, answer_mse_loss, retrieval_loss
 from kvsearch.training.losses import LOSS_FNS, LOSSES, get_loss
 

@@ -5,7 +5,8 @@ It owns the program (``program``: parse, run, one-line errors and exit statuses)
 (``ingest``: :func:`~kvsearch.cli.ingest.ingest_file`, :func:`~kvsearch.cli.ingest.upsert_file`) and the
 quickstart (``demo``).
 
-It sits above everything and is imported by nothing in the package.
+It drives the facades (:class:`~kvsearch.database.Database`, :class:`~kvsearch.distributed.ShardedDatabase`) and
+knows nothing of how they store or search; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the ``kvsearch`` command prints: answer tables, ``info`` lines, fine-tuning tables, sizes.
 
 Pure formatting of plain values (dicts, a :class:`~kvsearch.training.loop.History`); it knows nothing of opening
-databases or of argparse (that is :mod:`kvsearch.cli.program`).
+databases or of argparse (that is :mod:`kvsearch.cli.parser`).
 """
 
 from __future__ import annotations

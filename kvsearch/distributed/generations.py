@@ -2,25 +2,34 @@
 
 :class:`ShardedDraft` is a fine-tuning run's draft generation on every shard (made by
 :meth:`~kvsearch.distributed.ShardedDatabase.begin_generation`); :class:`ShardTeam` is the database's ranks as the
-:class:`~kvsearch.training.team.Team` a training loop works with; :func:`one_generation` checks a switch's outcome.
+:class:`~kvsearch.training.team.Team` a training loop works with; :func:`switch_every_shard` moves every
+shard to a new generation together (two phases, :func:`one_generation` checks the outcome), and
+:func:`check_generations` rolls back, on opening, the shards a crashed switch left one generation ahead.
+
+It knows nothing of a shard's internals (each shard's public :class:`~kvsearch.database.Database` methods only) nor
+of the training loop that uses the team.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from torch import Tensor
 
 from kvsearch import errors
 from kvsearch.distributed.collectives import Comm
+from kvsearch.distributed.layout import ShardLayout
 from kvsearch.errors import NotSupportedError
-from kvsearch.nn.attention import Candidates
 
 if TYPE_CHECKING:
-    from kvsearch.distributed import ShardedDatabase
+    from kvsearch.database import Database
+    from kvsearch.distributed.sharded_database import ShardedDatabase
+    from kvsearch.nn.attend import Candidates
 
-__all__ = ["ShardTeam", "ShardedDraft", "one_generation"]
+__all__ = ["ShardTeam", "ShardedDraft", "check_generations", "one_generation", "switch_every_shard"]
 
 T = TypeVar("T")
 
@@ -100,6 +109,32 @@ class ShardTeam:
         return self._comm.agree(fn)
 
 
+def switch_every_shard(sdb: ShardedDatabase, step: Callable[[int, Database], Any]) -> int:
+    """Move every shard of ``sdb`` to a new generation together; the new generation (see
+    :meth:`~kvsearch.distributed.ShardedDatabase.switch_generation`). Collective."""
+    comm = sdb.comm
+    before = sdb.generation
+    moved: list[Database] = []
+
+    def phase_one() -> None:
+        for s, db in sdb.shards.items():
+            step(s, db)
+            moved.append(db)
+
+    try:
+        comm.agree(phase_one)
+    except BaseException:
+        for db in moved:
+            db.rollback_encoders()
+        raise
+    after = {db.generation for db in sdb.shards.values()}
+    new = comm.agree(lambda: one_generation(comm.gather_objects(sorted(after)), before))
+    if sdb.rank == 0:
+        replace(ShardLayout.read(sdb.path), generation=new).write(sdb.path)
+    comm.barrier()
+    return new
+
+
 def one_generation(per_rank: list[list[int]], before: int) -> int:
     """The generation every shard moved to, or InconsistentDatabaseError."""
     seen = {g for gens in per_rank for g in gens}
@@ -108,3 +143,26 @@ def one_generation(per_rank: list[list[int]], before: int) -> int:
             f"expected every shard at one new generation after {before}, got {sorted(seen)}"
         )
     return next(iter(seen))
+
+
+def check_generations(layout: ShardLayout, shards: dict[int, Database]) -> None:
+    """Roll back shards a crashed switch left one generation ahead of ``shards.json`` (with a warning).
+
+    Raises:
+        InconsistentDatabaseError: a shard is at another generation than ``shards.json`` (and not one ahead).
+    """
+    if layout.generation is None:
+        return
+    for s, db in shards.items():
+        if db.generation == layout.generation + 1:
+            warnings.warn(
+                f"shard {s} is at generation {db.generation}, shards.json at {layout.generation} (a switch "
+                "was interrupted): rolling the shard back",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            db.rollback_encoders()
+        if db.generation != layout.generation:
+            raise errors.InconsistentDatabaseError(
+                f"expected shard {s} at generation {layout.generation} (shards.json), got {db.generation}"
+            )

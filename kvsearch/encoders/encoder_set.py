@@ -13,13 +13,15 @@ of the store's records, search or attention.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvsearch.encoders.base import Encoder
 from kvsearch.errors import ConfigMismatchError, DimensionMismatchError, InvalidArgumentError
-from kvsearch.storage.folder import EncoderFiles
+
+if TYPE_CHECKING:  # handed in by the facade: the encoders wing knows nothing of the folder's files
+    from kvsearch.storage.encoder_files import EncoderFiles
 
 __all__ = ["EncoderSet", "value_encoder_kind"]
 
@@ -75,7 +77,7 @@ class EncoderSet:
 
         An encoder passed in must have the stored configuration; it gets the stored (possibly fine-tuned)
         weights. When the current generation's ``{prefix}.json`` is missing, the one passed in rewrites it if its
-        configuration has the recorded digest (see :meth:`~kvsearch.storage.folder.EncoderFiles.restore_config`).
+        configuration has the recorded digest (see :meth:`~kvsearch.storage.encoder_files.EncoderFiles.restore_config`).
 
         Raises:
             ConfigMismatchError: a given encoder differs from the stored one, or is given where none is stored.
@@ -129,6 +131,20 @@ class EncoderSet:
         if encoder is not None and encoder.dim != dim:
             raise DimensionMismatchError(f"expected a query encoder of dim {dim}, got dim {encoder.dim}")
         self.query = None if encoder is None else encoder.to(self.device)
+
+    def set_value(self, encoder: Encoder | None, value_dim: int) -> None:
+        """Install (or with None remove) the value encoder, as given (it may be the key encoder itself).
+
+        Raises:
+            InvalidArgumentError: not an Encoder or None.
+            DimensionMismatchError: its dim is not ``value_dim``.
+        """
+        if encoder is not None and not isinstance(encoder, Encoder):
+            got = type(encoder).__name__
+            raise InvalidArgumentError(f"expected a kvsearch Encoder or None as value_encoder, got {got}")
+        if encoder is not None and encoder.dim != value_dim:
+            raise DimensionMismatchError(f"expected a value encoder of dim {value_dim}, got dim {encoder.dim}")
+        self.value = encoder
 
     @property
     def for_queries(self) -> Encoder | None:

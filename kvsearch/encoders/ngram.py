@@ -71,7 +71,7 @@ class NgramEncoder(Encoder):
 
     Persistence rule: :meth:`needs_weights` is True only when the weights differ from the
     seeded initialisation (see :meth:`weights_changed`), i.e. after training; otherwise the
-    config alone rebuilds the encoder exactly (:func:`kvsearch.storage.folder.save_encoder` then writes
+    config alone rebuilds the encoder exactly (:func:`kvsearch.storage.encoder_files.save_encoder` then writes
     only ``{prefix}.json``).
 
     Args:

@@ -54,7 +54,7 @@ class SentenceEncoder(Encoder):
 
     Persistence rule: :meth:`needs_weights` is True only when ``self.trained`` is True (the
     trainer sets it after fine-tuning) or when the model was given as an instance (whose source
-    cannot be named): then :func:`kvsearch.storage.folder.save_encoder` writes the model folder
+    cannot be named): then :func:`kvsearch.storage.encoder_files.save_encoder` writes the model folder
     ``{prefix}_model`` (safetensors) beside ``{prefix}.json``, which names it.
 
     Raises:

@@ -1,10 +1,10 @@
 """FAISS candidate search: :class:`Index`, built from an ``index_factory`` spec, behind the torch protocol.
 
-An implementation of :class:`kvsearch.index.factory.CandidateIndex`: add / remove by id, search, save / load,
+An implementation of :class:`kvsearch.index.base.CandidateIndex`: add / remove by id, search, save / load,
 normalisation for cosine, and filtered search with a guaranteed number of results (an exact top-up from the
 key source, :mod:`kvsearch.index.topk`). The boundary is torch; numpy and FAISS's ``D`` / ``I`` names stay inside
-this module. Ids are the store's global integer ids, never row positions. It knows nothing of SQLite, text
-or autograd.
+this module. Ids are the store's global integer ids, never row positions. What a spec may be and the search /
+build parameters are :mod:`kvsearch.index.faiss_spec`'s. It knows nothing of SQLite, text or autograd.
 
 Every FAISS index type supports removal. Types that FAISS can remove from (Flat, IVF*) remove for real; graph
 indexes that cannot (HNSW) keep tombstones that a search excludes with an ``IDSelector``, so a deleted record
@@ -30,6 +30,17 @@ from kvsearch.errors import (
     InvalidArgumentError,
     UnknownOptionError,
 )
+from kvsearch.index.faiss_spec import (
+    METRICS,
+    can_remove,
+    check_search_param,
+    check_supported,
+    default_search_params,
+    inner_index,
+    min_train,
+    parse_spec,
+    tune_faiss,
+)
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
     KeySource,
@@ -45,137 +56,10 @@ from kvsearch.index.topk import (
 from kvsearch.limits import check_fits, index_bytes
 from kvsearch.storage.fileio import write_atomic
 
-__all__ = [
-    "Index",
-    "tune_faiss",
-    "check_search_param",
-    "default_search_params",
-    "DEFAULT_EF_SEARCH",
-    "BUILD_PARAMS",
-]
+__all__ = ["Index"]
 
-_METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
-_SEARCH_PARAMS = ("nprobe", "efSearch", "efConstruction", "quantizer_efSearch", "ht", "train_size")
-#: Build parameters among them: ``efConstruction`` (HNSW: candidates kept while linking a new vector; FAISS's
-#: default 40) applies to the vectors added after it is set; ``train_size`` (types that train: IVF, PQ, OPQ) is
-#: how many vectors, sampled with a fixed seed, the index trains on (default: every stored vector, which FAISS's
-#: k-means subsamples to 256 per centroid). kvsearch handles ``train_size``; FAISS never sees it.
-BUILD_PARAMS = ("efConstruction", "train_size")
 #: Seed of the training sample (``train_size``): the same vectors give the same index.
 _TRAIN_SEED = 1234
-
-
-# ---------------------------------------------------------------------- FAISS
-
-
-def tune_faiss() -> None:
-    """Set FAISS's global BLAS threshold so small query batches use the BLAS path.
-
-    FAISS compares ``nq * d`` with ``distance_compute_blas_threshold`` (128,000 by default): at d=384 every
-    batch under ~334 queries takes a scalar loop that is ~10x slower than BLAS. 20 sends every batch of
-    two or more queries to BLAS. Called when an index is created and before each ``faiss.knn`` a torch index
-    runs (an assignment: cheap, and idempotent).
-    """
-    faiss.cvar.distance_compute_blas_threshold = 20
-
-
-def check_search_param(name: object, value: object) -> int:
-    """A search parameter's value, checked: a known name and an integer >= 1 (``ht``: >= 0).
-
-    Raises:
-        UnknownOptionError: an unknown name.
-        InvalidArgumentError: a value that is not such an integer (bool, float with a fraction, NaN, str...).
-    """
-    if name not in _SEARCH_PARAMS:
-        raise UnknownOptionError(f"expected search parameters among {_SEARCH_PARAMS}, got {name!r}")
-    low = 0 if name == "ht" else 1
-    ok = isinstance(value, (int, np.integer, float)) and not isinstance(value, bool)
-    if ok and isinstance(value, float):
-        ok = value.is_integer()
-    if not ok or not low <= int(value) <= 1 << 30:
-        raise InvalidArgumentError(f"expected {name} as an integer in [{low}, 2^30], got {value!r}")
-    return int(value)
-
-
-#: kvsearch's search parameters where the user sets none: FAISS's own defaults (efSearch 16, nprobe 1) trade
-#: most of the recall away (recall@10 0.88 and 0.43 on clustered data in benchmarks/RESULTS.md).
-DEFAULT_EF_SEARCH = 64
-
-
-def default_search_params(index: faiss.Index) -> dict[str, int]:
-    """kvsearch's default search parameters for an index of this type (empty for exact types).
-
-    HNSW: ``efSearch`` 64. IVF with ``nlist`` lists: ``nprobe`` = min(nlist, max(8, nlist // 16)), a sixteenth
-    of the lists (every list for small ``nlist``). Measured against recall@10 in benchmarks/RESULTS.md.
-    """
-    inner = _inner(index)
-    if isinstance(inner, faiss.IndexHNSW):
-        return {"efSearch": DEFAULT_EF_SEARCH}
-    if isinstance(inner, faiss.IndexIVF):
-        return {"nprobe": min(inner.nlist, max(8, inner.nlist // 16))}
-    return {}
-
-
-#: The longest index_factory string accepted (real ones are a few dozen characters).
-MAX_SPEC = 256
-
-
-def _parse_spec(dim: int, spec: str, metric: Metric) -> faiss.Index:
-    if not isinstance(spec, str) or not spec.strip():
-        raise UnknownOptionError(f"expected an index_factory string such as 'Flat' or 'HNSW32', got {spec!r}")
-    if len(spec) > MAX_SPEC or not spec.isascii() or not spec.isprintable():  # FAISS's parser crashes on long ones
-        shown = spec if len(spec) <= 80 else f"{spec[:80]}... ({len(spec):,} characters)"
-        raise UnknownOptionError(
-            f"expected an index_factory string of at most {MAX_SPEC} printable ASCII characters, got {shown!r}"
-        )
-    if "IDMap" in spec:
-        raise UnknownOptionError(f"index spec {spec!r}: leave out IDMap, kvsearch maps ids itself")
-    try:
-        return faiss.index_factory(dim, spec, _METRICS[metric])
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-        raise UnknownOptionError(
-            f"FAISS cannot build an index from the spec {spec!r} (dim {dim}); expected an index_factory string "
-            f"such as 'Flat', 'HNSW32', 'IVF256,Flat' or 'IVF256,PQ16'. FAISS said: {first}"
-        ) from None
-
-
-def _inner(index: faiss.Index) -> faiss.Index:
-    """The index under a pre-transform (PCA, OPQ...), or the index itself."""
-    return faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
-
-
-def _check_supported(index: faiss.Index, spec: str) -> None:
-    """Refuse index types that cannot grow by id and lose records (NSG is built once; refine wrappers cannot
-    add by id or remove); a database adds and deletes records one batch at a time.
-
-    Raises:
-        UnknownOptionError: the type is not one of the flat-coded (Flat, PQ, SQ, RQ), IVF or HNSW families.
-    """
-    if not isinstance(_inner(index), (faiss.IndexFlatCodes, faiss.IndexIVF, faiss.IndexHNSW)):
-        raise UnknownOptionError(
-            f"index spec {spec!r} builds a {type(_inner(index)).__name__}, which cannot add and delete records by "
-            "id; expected a flat-coded, IVF or HNSW spec such as 'Flat', 'PQ16', 'IVF256,Flat', 'IVF256,PQ16', "
-            "'OPQ16,IVF256,PQ16' or 'HNSW32'"
-        )
-
-
-def _can_remove(index: faiss.Index) -> bool:
-    return not isinstance(_inner(index), faiss.IndexHNSW)
-
-
-def _min_train(index: faiss.Index, spec: str) -> int:
-    """How many vectors an index needs before training is sensible (0 when it needs none)."""
-    if index.is_trained:
-        return 0
-    need = 2 * index.d  # a PCA / OPQ rotation needs more points than dimensions
-    try:
-        need = max(need, 39 * faiss.extract_index_ivf(index).nlist)  # FAISS warns below 39 points per centroid
-    except RuntimeError:
-        pass
-    if "PQ" in spec.upper():
-        need = max(need, 39 * 256)  # 256 centroids per PQ sub-quantizer
-    return need
 
 
 #: Flat-coded types whose search takes an ``IDSelector`` (PQ, RQ, LSH codes refuse one).
@@ -185,7 +69,7 @@ _SELECTOR_FLAT = (faiss.IndexFlat, faiss.IndexScalarQuantizer)
 class Index:
     """A FAISS index over ``(id, key)`` pairs with removal, tombstones, a flat fallback and guaranteed filters.
 
-    Implements :class:`CandidateIndex`.
+    Implements :class:`~kvsearch.index.base.CandidateIndex`.
 
     Args:
         dim: key dimension.
@@ -223,11 +107,11 @@ class Index:
         #: searched again exactly (0 when the admitted set was small enough to be scanned exactly outright).
         self.last_redone = 0
         self.params: dict[str, int] = {}
-        template = _parse_spec(dim, spec, metric)
-        _check_supported(template, spec)
+        template = parse_spec(dim, spec, metric)
+        check_supported(template, spec)
         self._template = template  # what search parameters are checked against (never holds vectors)
-        self.removable = _can_remove(template)
-        self.min_train = _min_train(template, spec)
+        self.removable = can_remove(template)
+        self.min_train = min_train(template, spec)
         self._faiss: faiss.Index = template
         self._labels = np.empty(0, dtype=np.int64)  # label -> id, used where FAISS cannot remove (graphs)
         self._dead = np.zeros(0, dtype=bool)  # label is a tombstone
@@ -279,7 +163,7 @@ class Index:
     # ------------------------------------------------------------------ writing
 
     def _new_faiss(self, vectors: np.ndarray) -> faiss.Index:
-        index = _parse_spec(self.dim, self.spec, self.metric)
+        index = parse_spec(self.dim, self.spec, self.metric)
         self._fallback = False
         if not index.is_trained:
             if len(vectors) >= self.min_train and len(vectors) > 0:
@@ -290,9 +174,9 @@ class Index:
                 else:
                     index.train(vectors)
             else:
-                index = faiss.IndexFlat(self.dim, _METRICS[self.metric])
+                index = faiss.IndexFlat(self.dim, METRICS[self.metric])
                 self._fallback = True
-        if (self.removable or self._fallback) and not isinstance(_inner(index), faiss.IndexIVF):
+        if (self.removable or self._fallback) and not isinstance(inner_index(index), faiss.IndexIVF):
             # Flat / PQ / SQ codes (pre-transformed or not) renumber on removal, which is what IndexIDMap2
             # expects; IVF indexes (pre-transformed or not) store ids themselves.
             index = faiss.IndexIDMap2(index)
@@ -537,7 +421,7 @@ class Index:
             index = self._faiss
             if isinstance(index, faiss.IndexIDMap):
                 index = faiss.downcast_index(index.index)
-            self._core_of = (self._faiss, faiss.downcast_index(_inner(index)))
+            self._core_of = (self._faiss, faiss.downcast_index(inner_index(index)))
         return self._core_of[1]
 
     def _allowed_parameters(self, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
@@ -681,7 +565,7 @@ class Index:
             loaded = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
         except Exception as exc:  # numpy and FAISS raise many types on damaged input
             raise CorruptDatabaseError(f"index file {path} cannot be read: {exc}".splitlines()[0]) from None
-        if loaded.d != dim or loaded.metric_type != _METRICS[metric] or len(labels) != len(dead):
+        if loaded.d != dim or loaded.metric_type != METRICS[metric] or len(labels) != len(dead):
             raise CorruptDatabaseError(f"index file {path} does not match dim {dim} and metric {metric!r}")
         index._faiss = loaded
         index._fallback = fallback

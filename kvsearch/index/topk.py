@@ -18,7 +18,7 @@ from torch import Tensor
 
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_dim, check_finite, check_real_tensor
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
-from kvsearch.nn.attention import compute_scores
+from kvsearch.nn.scores import compute_scores
 
 __all__ = [
     "Metric",
@@ -39,7 +39,7 @@ Metric = Literal["ip", "l2"]
 
 #: A filtered search whose admitted set (live allowed ids) is at most ``max(8 k, EXACT_FILTER_MAX)`` ids scans
 #: those rows exactly instead of searching the index with a selector: the default of
-#: :attr:`kvsearch.index.factory.CandidateIndex.exact_filter_max`.
+#: :attr:`kvsearch.index.base.CandidateIndex.exact_filter_max`.
 EXACT_FILTER_MAX = 4096
 
 

@@ -1,6 +1,6 @@
 """Exact candidate search in torch: chunked matmul + top-k merge over the store's key tensor, on its device.
 
-This module owns :class:`TorchIndex`, an implementation of :class:`kvsearch.index.factory.CandidateIndex` (make one
+This module owns :class:`TorchIndex`, an implementation of :class:`kvsearch.index.base.CandidateIndex` (make one
 with :func:`kvsearch.index.factory.make_index` and a ``"torch"``, ``"torch:float16"`` or ``"torch:bfloat16"`` spec),
 and :func:`parse_torch_spec`. It knows nothing of SQLite, text or autograd (no search takes a gradient). It is
 exact, like FAISS's ``Flat``, but:
@@ -23,7 +23,7 @@ exact, like FAISS's ``Flat``, but:
 - every path returns the same ids and scores: keys whose scores tie are ordered by id (smaller first);
 - without a source (standalone) it holds the vectors given to ``build`` / ``add`` itself.
 
-Scores are computed a chunk of keys at a time by :func:`kvsearch.index.factory.chunked_topk` (memory O(batch x chunk)).
+Scores are computed a chunk of keys at a time by :func:`kvsearch.index.topk.chunked_topk` (memory O(batch x chunk)).
 On the CPU the float32 matmul goes through numpy's BLAS (OpenBLAS), which runs at full speed on every x86 vendor;
 half precision and CUDA go through torch. A batch of at least ``FAISS_MIN_BATCH`` float32 inner-product queries on
 the CPU, unfiltered, is handed to FAISS's exhaustive search (``faiss.knn``) over the same key memory.
@@ -44,7 +44,7 @@ from torch import Tensor
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.index.exact_path import FAISS_MIN_BATCH, choose_path, forced_path
-from kvsearch.index.faiss_index import check_search_param, tune_faiss
+from kvsearch.index.faiss_spec import check_search_param, tune_faiss
 from kvsearch.index.half_scan import best_by_score_then_id, half_candidates, half_error, settled
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
@@ -61,8 +61,8 @@ from kvsearch.index.topk import (
 
 __all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES", "FAISS_MIN_BATCH", "parse_torch_spec"]
 
-# FAISS_MIN_BATCH (kvsearch.index.exact_path): from this many queries per call, a float32 inner-product search on the CPU
-# without a filter runs in FAISS's exhaustive kernels (``faiss.knn``, blocked sgemm + heaps) over the same key
+# FAISS_MIN_BATCH (kvsearch.index.exact_path): from this many queries per call, a float32 inner-product search on the
+# CPU without a filter runs in FAISS's exhaustive kernels (``faiss.knn``, blocked sgemm + heaps) over the same key
 # memory, no copy: its BLAS blocks ran batches of 64 and 1,024 queries 1.5-2x faster here than numpy's matmul per
 # chunk (benchmarks/RESULTS.md). One query (a matrix-vector product) stays in the chunked scan.
 
@@ -129,12 +129,12 @@ class DerivedKeys:
 class TorchIndex:
     """Exact top-k search in torch over a store's key tensor (or over vectors it is given).
 
-    Implements :class:`kvsearch.index.factory.CandidateIndex`.
+    Implements :class:`kvsearch.index.base.CandidateIndex`.
 
     Args:
         dim: key dimension.
         metric: ``"ip"`` (inner product, larger is better) or ``"l2"`` (squared distance, smaller is better).
-        source: the store (:class:`~kvsearch.index.factory.KeySource`): the index searches its ``keys`` under its ``ids``.
+        source: the store (:class:`~kvsearch.index.topk.KeySource`): the index searches its ``keys`` under its ``ids``.
             Without one, the index holds the vectors passed to ``build`` / ``add``.
         normalize: score unit keys and unit queries (cosine); both are normalised here. With a source this costs
             an (n,) vector of inverse norms, not a normalised copy.
@@ -329,7 +329,7 @@ class TorchIndex:
                 gathered and scanned in float32; more: the whole key tensor is scanned with a mask.
 
         Returns:
-            :class:`~kvsearch.index.factory.SearchResult` on ``queries.device`` (computed on the keys' device): inner
+            :class:`~kvsearch.index.topk.SearchResult` on ``queries.device`` (computed on the keys' device): inner
             product, or squared L2 distance, NaN where ids are -1.
 
         Raises:

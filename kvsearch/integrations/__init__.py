@@ -3,7 +3,8 @@
 - :mod:`kvsearch.integrations.langchain`: ``KVSearchVectorStore``, a LangChain vector store and retriever over a
   kvsearch database (``pip install 'kvsearch[langchain]'``).
 
-Importing :mod:`kvsearch` never imports these modules or their libraries.
+Importing :mod:`kvsearch` never imports these modules or their libraries. An adapter uses the facade's public
+methods only and knows nothing of the store, the index or the encoders' internals.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The nn wing: pure torch attention over candidates, as functions and modules.
 
-It owns the score functions (``scores``: dot, scaled dot, cosine, gaussian, the learned additive score), pooling
-(``pooling``: softmax, normalize, hard, exact, average, with masks), :func:`~kvsearch.nn.attend.attend` and
+It owns the score functions (``scores``: dot, scaled dot, cosine, gaussian, the learned additive score and Gaussian
+kernel, and ``DB_SCORES``, those a database can search by), pooling (``pooling``: softmax, normalize, nonnegative,
+hard, exact, average, with masks), :func:`~kvsearch.nn.attend.attend` and
 :class:`~kvsearch.nn.attend.Candidates` (``attend``), the :class:`~kvsearch.nn.kv_attention.KVAttention` layer
 (``kv_attention``) and dense streaming attention over every record (``streaming``).
 

@@ -24,7 +24,8 @@ from torch import Tensor
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 from kvsearch.limits import check_fits
-from kvsearch.nn.attention import Candidates, ScoreFn, attend, compute_scores
+from kvsearch.nn.attend import Candidates, attend
+from kvsearch.nn.scores import ScoreFn, compute_scores
 
 __all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
 

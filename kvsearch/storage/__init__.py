@@ -2,10 +2,10 @@
 
 It owns the records and their transactions (``store``: SQLite, the single source of truth, and its version), the
 in-memory key / value tensors gathered by id and their catch-up from the change log (``mirror``), the move of an
-earlier version's store (``legacy``), the embeddings on disk (``chunks``), the change log (``changelog``), row
-buffers with room to grow (``buffers``), files written whole or not at all (``fileio``), the write lock
-(``locking``), the database folder with its index manifest (``folder``), the encoders' files and generation
-folders (``encoder_files``) and the stored configuration (``config``).
+earlier version's store (``legacy``), the SQLite file's tables and connections (``schema``), the embeddings on disk
+(``chunks``), the change log (``changelog``), row buffers with room to grow (``buffers``), files written whole or
+not at all (``fileio``), the write lock (``locking``), the database folder with its index manifest (``folder``), the
+encoders' files and generation folders (``encoder_files``) and the stored configuration (``config``).
 
 It knows nothing of candidate indexes, attention, autograd, training or torch.distributed: it stores and hands
 back tensors and texts by id.

@@ -13,7 +13,7 @@ from typing import Any
 from kvsearch.checks import check_dim
 from kvsearch.encoders.base import Encoder
 from kvsearch.errors import ConfigMismatchError, DimensionMismatchError, InvalidArgumentError
-from kvsearch.retrieval import check_db_score
+from kvsearch.nn.scores import check_db_score
 
 __all__ = ["FORMAT", "new_config", "check_reopen"]
 

@@ -22,7 +22,8 @@ import torch
 
 from kvsearch.checks import check_int, check_k, check_temperature
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.nn.attention import POOLINGS, PoolingName, ScoreFn, check_score
+from kvsearch.nn.pooling import POOLINGS, PoolingName
+from kvsearch.nn.scores import ScoreFn, check_score
 from kvsearch.training.losses import ANSWER_LOSSES, LossFn, LossName, get_loss
 from kvsearch.training.metrics import METRICS, TARGET_KINDS, MetricName, TargetKind, higher_is_better
 
@@ -63,7 +64,8 @@ class FinetuneConfig:
         loss: ``"retrieval"`` (cross-entropy over the candidates' scores, the target record forced among
             the candidates), ``"answer"`` (1 - cosine between the pooled answer and the target value's
             embedding; the gradient reaches the query only through the attention weights), ``"answer_mse"``
-            (mean squared error instead), or a callable ``(Batch) -> 0-dim tensor`` (see :mod:`kvsearch.training.losses`).
+            (mean squared error instead), or a callable ``(Batch) -> 0-dim tensor`` (see
+            :mod:`kvsearch.training.losses`).
         targets: ``"key"`` (the target text is the right record's key) or ``"value"`` (the target text is
             the answer's value text, encoded with the value encoder); None follows the loss (see
             :attr:`target_kind`). Ignored for tensor pairs (values).
@@ -76,9 +78,9 @@ class FinetuneConfig:
             a value encoder that was the key encoder is kept, untrained, as the value encoder.
         train_values: make the value embeddings trainable; they are written to the database at the end.
         score: the score function, default (None) the database's; an ``nn.Module`` (e.g.
-            :class:`~kvsearch.nn.attention.GaussianKernel`) trains along: it ends with the kept epoch's weights,
+            :class:`~kvsearch.nn.scores.GaussianKernel`) trains along: it ends with the kept epoch's weights,
             or its weights at the start when nothing is committed.
-        pooling: the pooling of the answer (see ``kvsearch.nn.attention.pool``); not ``"exact"``, which has no
+        pooling: the pooling of the answer (see ``kvsearch.nn.pooling.pool``); not ``"exact"``, which has no
             gradient.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or a callable ``(param groups) -> Optimizer``.
         lr: the learning rate; default (None) per part: 1e-2 for n-gram encoders, score modules and values,

@@ -32,14 +32,15 @@ Targets. A pair is ``(query text, target text)``; ``targets="key"`` reads the ta
 record, ``targets="value"`` as the value text of the answer (no label of which record is right: several
 records may share it). The default follows the loss: ``"key"`` for ``"retrieval"``, ``"value"`` for the
 answer losses. ``train_pairs`` may also be ``(queries, values)``, two tensors (n, dim) and (n, value_dim), for
-databases without text (kernel regression, see :class:`~kvsearch.nn.attention.GaussianKernel`). Target texts
+databases without text (kernel regression, see :class:`~kvsearch.nn.scores.GaussianKernel`). Target texts
 that match nothing (no stored key, no stored value text) are refused before any step; the message says when
 the other ``targets=`` would match them.
 
-This module owns the loop and its options (:class:`FinetuneConfig`, :class:`History`). The losses live in
-:mod:`kvsearch.training.losses`, the metrics in :mod:`kvsearch.training.metrics`. It talks to the database through the facade's
-public methods only (``begin_generation`` and the draft's ``refresh`` / ``candidates`` / ``commit`` /
-``discard``, ``ids``, ``embeddings``, ``key_texts``, ``ids_of_keys``, ``values_present``, ``generation``, the
+This module owns the loop (its options, :class:`FinetuneConfig` and :class:`History`, are in
+:mod:`kvsearch.training.config`). The losses live in :mod:`kvsearch.training.losses`, the metrics in
+:mod:`kvsearch.training.metrics`. It talks to the database through the facade's public methods only
+(``begin_generation`` and the draft's ``refresh`` / ``candidates`` / ``commit`` / ``discard``, ``ids``,
+``embeddings``, ``key_texts``, ``ids_of_keys``, ``values_present``, ``generation``, the
 encoders): it knows nothing of the store, the index or the file formats.
 """
 
@@ -61,12 +62,8 @@ from kvsearch.encoders.ngram import NgramEncoder
 from kvsearch.encoders.sentence import SentenceEncoder
 from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError, NotSupportedError
 from kvsearch.inputs import normalize_key
-from kvsearch.nn.attention import (
-    GaussianKernel,
-    ScoreFn,
-    attend,
-    compute_scores,
-)
+from kvsearch.nn.attend import attend
+from kvsearch.nn.scores import GaussianKernel, ScoreFn, compute_scores
 from kvsearch.training.config import (
     KEEPS,
     OPTIMIZERS,

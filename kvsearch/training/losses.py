@@ -150,7 +150,7 @@ def answer_mse_loss(batch: Batch) -> Tensor:
 
     Relations:
         With the gaussian score and softmax pooling this is Nadaraya-Watson kernel regression fitted by least
-        squares (see ``kvsearch.nn.attention.GaussianKernel``). :func:`answer_loss` ignores the norm.
+        squares (see ``kvsearch.nn.scores.GaussianKernel``). :func:`answer_loss` ignores the norm.
 
     Args:
         batch: a :class:`Batch`.

@@ -33,7 +33,8 @@ from kvsearch.errors import (
     UnknownOptionError,
 )
 from kvsearch.inputs import normalize_key
-from kvsearch.nn.attention import Candidates, ScoreFn, compute_scores
+from kvsearch.nn.attend import Candidates
+from kvsearch.nn.scores import ScoreFn, compute_scores
 from kvsearch.training.team import batches, team_of
 
 if TYPE_CHECKING:

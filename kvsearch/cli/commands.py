@@ -1,0 +1,392 @@
+"""The ``kvsearch`` commands: build, query, info, delete, finetune, rollback and demo, each on parsed arguments.
+
+Each ``cmd_*`` function takes the :class:`argparse.Namespace` of :func:`kvsearch.cli.parser.build_parser`, opens
+the database it names (a plain folder or a sharded one, never created by accident except by ``build``), does its
+work through the facades' public methods, prints its result on stdout and returns the exit status;
+:data:`COMMANDS` maps each command's name to its function. A failure raises (a :class:`KVSearchError` or a
+:class:`~kvsearch.cli.parser.CommandError`); ``build`` removes what a failed build created.
+
+It knows nothing of argument parsing, of how errors are shown or of exit statuses on errors
+(:mod:`kvsearch.cli.program`), nor of how the databases store or search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvsearch.cli.parser import PROG, CommandError
+from kvsearch.cli.printing import answer_table, history_table, info_text
+from kvsearch.distributed import layout as sharding
+from kvsearch.storage import folder as folders
+
+if TYPE_CHECKING:
+    from kvsearch.database import Database
+    from kvsearch.distributed import ShardedDatabase
+    from kvsearch.results import Answer
+
+__all__ = [
+    "COMMANDS",
+    "cmd_build",
+    "cmd_query",
+    "cmd_info",
+    "cmd_delete",
+    "cmd_finetune",
+    "cmd_rollback",
+    "cmd_demo",
+]
+
+
+# ---------------------------------------------------------------------- opening
+
+
+def _open_existing(path_text: str, *, unsharded_for: str | None = None) -> Database | ShardedDatabase:
+    """Open a database that must exist (never create one by accident): a plain folder, or a sharded one with every
+    shard opened by this process.
+
+    Args:
+        path_text: the folder.
+        unsharded_for: what the command does, when it cannot work on a sharded database (that raises).
+
+    Raises:
+        CommandError: no database at ``path_text``.
+        NotSupportedError: a sharded database and ``unsharded_for`` is given.
+    """
+    path = Path(path_text)
+    if sharding.is_sharded(path):
+        from kvsearch.distributed import ShardedDatabase
+        from kvsearch.errors import NotSupportedError
+
+        if unsharded_for is not None:
+            raise NotSupportedError(
+                f"{path_text!r} is a sharded database: {unsharded_for} is not supported across shards yet"
+            )
+        return ShardedDatabase(path)
+    if not folders.is_database(path):
+        folders.check_store_present(path)  # MissingFileError: what is left of a database whose store is gone
+        raise CommandError(f"no kvsearch database at {path_text!r} (expected a folder with {folders.STORE_FILE})")
+    from kvsearch.database import Database
+
+    return Database(path)
+
+
+def _is_sharded_db(db: object) -> bool:
+    """Whether an opened database is a :class:`~kvsearch.distributed.ShardedDatabase`."""
+    from kvsearch.distributed import ShardedDatabase
+
+    return isinstance(db, ShardedDatabase)
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Create a database (or add to one) from a CSV, TSV or JSONL file; a failed build leaves nothing new."""
+    from kvsearch.cli.ingest import ingest_file, upsert_file
+    from kvsearch.encoders.registry import encoder_from_name
+
+    path = Path(args.db)
+    source = Path(args.source)
+    if not source.is_file():
+        raise CommandError(f"no file at {args.source!r}")
+    metadata = args.metadata
+    if metadata is not None and "all" in metadata:
+        if len(metadata) > 1:
+            raise CommandError(f"expected --metadata all alone or column names, got {' '.join(metadata)}")
+        metadata = "all"
+    sharded = args.shards is not None or sharding.is_sharded(path)
+    if sharded and folders.is_database(path):
+        raise CommandError(
+            f"{args.db!r} holds a database that is not sharded: --shards creates a new sharded database "
+            "(choose another folder)"
+        )
+    created = not (sharding.is_sharded(path) if sharded else folders.is_database(path))
+    folder_existed = path.exists()
+    shards_before = _existing_shard_dirs(path, args.shards) if sharded and created else set()
+    creation = folders.Creation(path) if created and not sharded else None  # what the build makes, and only that
+    encoder = encoder_from_name(args.encoder) if args.encoder else None
+    if created and encoder is None:
+        encoder = encoder_from_name("ngram")
+    db: Database | ShardedDatabase | None = None
+    try:
+        if sharded:  # this one process opens (or creates) every shard
+            from kvsearch.distributed import ShardedDatabase
+
+            db = ShardedDatabase(path, num_shards=args.shards, encoder=encoder, index=args.index, score=args.score)
+        else:
+            from kvsearch.database import Database
+
+            db = Database(path, encoder=encoder, index=args.index, score=args.score)
+        ingest = upsert_file if args.upsert else ingest_file
+        done = ingest(
+            db,
+            source,
+            key=args.key,
+            value=args.value,
+            format=args.format,
+            batch_size=args.batch_size,
+            progress=not args.quiet,
+            metadata=metadata,
+        )
+        total = len(db)
+    except BaseException:
+        if db is not None:
+            with contextlib.suppress(Exception):  # the first error is the one to report (a full disk fails here too)
+                db.close()
+        if created and sharded:  # nothing half-written stays behind: not even an empty new database
+            _remove_new_sharded_database(path, folder_existed, args.shards, shards_before)
+        elif creation is not None:
+            creation.rollback()  # only what this build made: never a file that was there before
+        raise
+    db.close()  # saves the index: a failure here leaves every record committed (the next open rebuilds the index)
+    if args.upsert:
+        print(
+            f"upserted {args.source} into {args.db}: {done.added} added, {done.replaced} replaced, "
+            f"{done.unchanged} unchanged ({total} records in all)"
+        )
+    else:
+        print(f"added {done} records from {args.source} to {args.db} ({total} records in all)")
+    return 0
+
+
+def _existing_shard_dirs(path: Path, num_shards: int) -> set[int]:
+    """The shard folders (``shard-0000`` ...) already in ``path`` before a sharded build creates its own."""
+    return {s for s in range(num_shards) if sharding.shard_dir(path, s).exists()}
+
+
+def _remove_new_sharded_database(path: Path, folder_existed: bool, num_shards: int, before: set[int]) -> None:
+    """Undo a sharded build that created the database: the folder if it was new, else only what the build wrote
+    (``shards.json``, its temporary file, and the shard folders that were not there before)."""
+    if not folder_existed:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for s in range(num_shards):
+        if s not in before:
+            shutil.rmtree(sharding.shard_dir(path, s), ignore_errors=True)
+    (path / sharding.SHARDS_FILE).unlink(missing_ok=True)
+    for leftover in path.glob(f".{sharding.SHARDS_FILE}.*.tmp"):
+        leftover.unlink(missing_ok=True)
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    """Answer the queries: a table or JSON per query; exit status 1 when one finds nothing."""
+    with _open_existing(args.db) as db:
+        if _is_sharded_db(db) and len(db) == 0:  # as a plain Database says (a ShardedDatabase answers "not found")
+            from kvsearch.errors import EmptyDatabaseError
+
+            raise EmptyDatabaseError("expected a database with records to search, got an empty one")
+        answer = db.query(
+            list(args.texts),
+            k=args.k,
+            pooling=args.pooling,
+            temperature=args.temperature,
+            score=args.score,
+            where=args.where,
+        )
+        results = _answer_rows(db, args.texts, answer, only_weighted=args.pooling == "exact")
+    if args.json:
+        print(json.dumps(results, ensure_ascii=False, indent=2))
+    else:
+        print(answer_table(results, args.pooling))
+    missing = [r["query"] for r in results if not r["found"]]
+    if missing:
+        why = "no record has the key" if args.pooling == "exact" else "no candidate for"
+        among = " among the records that match --where" if args.where is not None else ""
+        print(f"{PROG} query: not found: {why} " + ", ".join(repr(m) for m in missing) + among, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _answer_rows(
+    db: Database | ShardedDatabase, texts: Sequence[str], answer: Answer, *, only_weighted: bool = False
+) -> list[dict[str, Any]]:
+    """One dict per query: its answer and its candidates (best weight first), JSON-ready.
+
+    With ``only_weighted`` (exact mode) the candidates of weight 0 are left out: they are not answers.
+    """
+    ids = answer.ids.tolist()  # (batch, k)
+    weights = answer.weights.detach().cpu().tolist()  # (batch, k)
+    wanted = sorted({i for row in ids for i in row if i >= 0})
+    value_texts = db.value_texts(wanted)
+    metadata = _metadata_of(db, wanted)
+    results = []
+    for b, text in enumerate(texts):
+        rows = [
+            {
+                "id": i,
+                "key": answer.keys[b][j],
+                "value": value_texts.get(i),  # None for a value stored as an embedding
+                "weight": round(float(weights[b][j]), 6),
+                "metadata": metadata.get(i, {}),
+            }
+            for j, i in enumerate(ids[b])
+            if i >= 0 and (weights[b][j] > 0 or not only_weighted)
+        ]
+        rows.sort(key=lambda r: -r["weight"])
+        value = answer.value[b]
+        results.append(
+            {
+                "query": text,
+                "found": bool(answer.found[b]),
+                "value": value if isinstance(value, str) or value is None else "<embedding>",
+                "candidates": rows,
+            }
+        )
+    return results
+
+
+def _metadata_of(db: Database | ShardedDatabase, ids: list[int]) -> dict[int, dict[str, Any]]:
+    """id -> the record's metadata ({} for none), read from the shard that holds it."""
+    parts = [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
+    out: dict[int, dict[str, Any]] = {}
+    for part in parts:
+        out.update((i, record.metadata) for i, record in part.store.fetch(ids).items())
+    return out
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Describe a database: counts, dims, encoders, generation, last run, index, score, size."""
+    path = Path(args.db)
+    with _open_existing(args.db) as db:
+        shards = [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
+        encoders = shards[0].encoders_info()  # every shard has the same encoders
+        value_encoder = encoders.get("value_encoder")
+        info: dict[str, Any] = {"path": str(path)}
+        if _is_sharded_db(db):
+            info["shards"] = db.num_shards
+            info["records_per_shard"] = [len(shard) for shard in shards]
+        info |= {
+            "records": sum(len(shard) for shard in shards),
+            "dim": db.dim,
+            "value_dim": db.value_dim,
+            "encoder": encoders.get("encoder"),
+            "query_encoder": encoders.get("query_encoder"),
+            "value_encoder": "the key encoder" if value_encoder == "key" else value_encoder,
+            "index": db.index_spec,
+            "indexed": sum(shard.index.ntotal for shard in shards),
+            "score": db.score,
+        }
+        if not _is_sharded_db(db):
+            info |= {
+                "store_version": db.store.version,
+                "generation": encoders["generation"],
+                "previous_generation": encoders.get("previous"),
+                "last_run": encoders.get("last_run"),
+            }
+    info["size_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(json.dumps(info, indent=2) if args.json else info_text(info))
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    """Delete the records with these keys: all of them, or none if one is not stored."""
+    with _open_existing(args.db) as db:
+        if _is_sharded_db(db):  # all or nothing: a ShardedDatabase checks each shard's keys only as it deletes
+            from kvsearch.errors import KeyNotFoundError
+
+            missing = next((key for key in args.keys if key not in db), None)
+            if missing is not None:
+                raise KeyNotFoundError(f"expected a stored key, got {missing!r}; nothing was deleted")
+        ids = db.delete(list(args.keys))
+        left = len(db)
+    print(f"deleted {len(ids)} record{'s' if len(ids) != 1 else ''} from {args.db} ({left} left)")
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune the database's encoder on (query, target) pairs and say what was committed."""
+    try:
+        from kvsearch.training.loop import finetune
+    except ImportError:
+        raise CommandError(
+            "fine-tuning is not available: this kvsearch has no kvsearch.training.loop.finetune"
+        ) from None
+
+    pairs = _read_pairs(args.pairs, args)
+    eval_pairs = None if args.eval is None else _read_pairs(args.eval, args)
+    options: dict[str, Any] = {
+        "epochs": args.epochs,
+        "k": args.k,
+        "loss": args.loss,
+        "train": args.train,
+        "seed": args.seed,
+        "keep": args.keep,
+        "metric": args.metric,
+        "verbose": not args.quiet,
+    }
+    for name in ("targets", "lr", "batch_size"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    with _open_existing(args.db, unsharded_for="fine-tuning") as db:
+        before = db.generation
+        history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
+        after = db.generation
+    evaluated = f", evaluated on {len(eval_pairs)} held-out pairs" if eval_pairs is not None else ""
+    print(f"fine-tuned {args.db} on {len(pairs)} pairs for {args.epochs} epochs{evaluated} ({history.seconds:.1f} s)")
+    if history.metrics:
+        print(history_table(history))
+    print(history.summary())
+    if history.committed:
+        print(
+            f"{args.db} now answers with the fine-tuned retriever: generation {before} -> {after} "
+            f"('kvsearch rollback {args.db}' returns to generation {before})"
+        )
+    else:
+        print(f"nothing was committed: {args.db} keeps its old retriever (generation {after} unchanged)")
+    return 0
+
+
+def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(query, target) pairs from a CSV, TSV or JSONL file; bad rows reported with their line numbers."""
+    from kvsearch.cli.ingest import read_rows
+    from kvsearch.errors import BadFileError
+
+    pairs: list[tuple[str, str]] = []
+    problems: list[tuple[int, str]] = []
+    for row in read_rows(path, (args.query, args.target), format=args.format):
+        if row.problem is not None:
+            problems.append((row.line, row.problem))
+        elif not row.fields[0].strip() or not row.fields[1].strip():
+            problems.append((row.line, "empty query or target"))
+        else:
+            pairs.append((row.fields[0], row.fields[1]))
+    if problems:
+        shown = "; ".join(f"line {line}: {problem}" for line, problem in problems[:5])
+        raise BadFileError(f"{path!r} has {len(problems)} bad rows, nothing was trained: {shown}", problems)
+    if not pairs:
+        raise CommandError(f"{path!r} holds no pairs")
+    return pairs
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    """Return once to the generation of encoders before the last switch."""
+    with _open_existing(args.db, unsharded_for="rolling back the encoders") as db:
+        before = db.generation
+        after = db.rollback_encoders()
+    print(f"rolled back {args.db}: generation {before} -> {after}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The quickstart (:mod:`kvsearch.cli.demo`)."""
+    from kvsearch.cli.demo import main as demo_main
+
+    return demo_main(["--path", args.path])
+
+
+#: Each command's function, by the command's name (``args.command``).
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "build": cmd_build,
+    "query": cmd_query,
+    "info": cmd_info,
+    "delete": cmd_delete,
+    "finetune": cmd_finetune,
+    "rollback": cmd_rollback,
+    "demo": cmd_demo,
+}

@@ -1,0 +1,256 @@
+"""The ``kvsearch`` command's argument parser: its commands, options, argument types and one-line usage errors.
+
+:func:`build_parser` describes every command (build, query, info, delete, finetune, rollback, demo) and its options;
+the argument types (a positive integer, ``--k`` as a number or ``all``, a positive float, ``--where`` as a checked
+JSON filter) refuse a bad value as a usage error (exit status 2). :class:`CommandError` is the failure a command
+reports on one line with exit status 1.
+
+It knows nothing of what the commands do (that is :mod:`kvsearch.cli.commands`) nor of how they are run
+(:mod:`kvsearch.cli.program`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any, NoReturn
+
+__all__ = ["PROG", "CommandError", "OneLineParser", "build_parser"]
+
+PROG = "kvsearch"
+
+
+class CommandError(Exception):
+    """A failure to report on one line with exit status 1 (raised by the commands, caught in main)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _k(text: str) -> int | str:
+    return "all" if text == "all" else _positive_int(text)
+
+
+def _where(text: str) -> dict[str, Any]:
+    """``--where``: a JSON object checked as a metadata filter (:func:`kvsearch.filters.check_where`)."""
+    from kvsearch.errors import KVSearchError
+    from kvsearch.filters import check_where
+
+    try:
+        where = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object such as \'{{"year": {{"$gte": 2000}}}}\', got {text!r} '
+            f"({exc.msg} at column {exc.colno})"
+        ) from None
+    try:
+        check_where(where)
+    except KVSearchError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return where
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvsearch")
+    except Exception:  # not installed (run from a checkout)
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``kvsearch`` command (build, query, info, delete, finetune, rollback, demo)."""
+    parser = OneLineParser(
+        prog=PROG,
+        description="A differentiable key-value search engine: FAISS candidates, attention pooling in torch.",
+        epilog=f"Run '{PROG} COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    sub.required = True
+
+    scores = ("dot", "scaled_dot", "cosine", "gaussian")
+    p = sub.add_parser(
+        "build",
+        help="create a database (or add to one) from a CSV, TSV or JSONL file",
+        description="Create the database DB (or add to it) from FILE, validated first, then encoded and indexed "
+        "in batches. Bad rows are reported with their line numbers and nothing is written.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder (created if missing)")
+    p.add_argument("--from", dest="source", metavar="FILE", required=True, help="a .csv, .tsv or .jsonl file")
+    p.add_argument("--key", default="key", metavar="COL", help="the column holding the keys (default: key)")
+    p.add_argument("--value", default="value", metavar="COL", help="the column holding the values (default: value)")
+    p.add_argument("--format", choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)")
+    p.add_argument(
+        "--metadata",
+        nargs="+",
+        metavar="COL",
+        help='columns stored as metadata for query --where, or "all" (every column but the key and the value); '
+        "a CSV field that reads as a number is stored as one, an empty one is left out, JSON keeps its types",
+    )
+    p.add_argument(
+        "--upsert",
+        action="store_true",
+        help="add the new keys, replace the records whose value or metadata changed, leave equal ones alone "
+        "(prints the counts); re-running it finishes a build that was interrupted",
+    )
+    p.add_argument(
+        "--encoder",
+        metavar="ngram|minilm|PATH",
+        help="key and value encoder for a new database: ngram (character n-grams, the default), minilm "
+        "(all-MiniLM-L6-v2, offline) or a sentence-transformers model folder",
+    )
+    p.add_argument("--index", metavar="SPEC", help='a FAISS index_factory string for a new database (default "Flat")')
+    p.add_argument("--score", choices=scores, help="the default score of a new database (default cosine)")
+    p.add_argument("--batch-size", type=_positive_int, default=1024, metavar="N", help="records per batch")
+    p.add_argument(
+        "--shards",
+        type=_positive_int,
+        metavar="N",
+        help="create a sharded database of N shards (fixed for its life; torchrun ranks serve them, N a multiple "
+        "of the world size); an existing sharded database is added to without it",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    p = sub.add_parser(
+        "query",
+        help="answer queries: the candidates and their attention weights",
+        description="Query DB with each TEXT: the index picks K candidates, attention pooling weighs them. "
+        "Prints a table (key, value, weight) per query, or JSON. In exact mode (--pooling exact) a key "
+        "that is not stored is reported as not found, with exit status 1.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="one or more queries")
+    p.add_argument("--k", type=_k, default=5, metavar="N", help='candidates per query, or "all" (default 5)')
+    p.add_argument(
+        "--pooling",
+        choices=("softmax", "normalize", "nonnegative", "hard", "exact", "average"),
+        default="softmax",
+        help="how scores become weights (default softmax)",
+    )
+    p.add_argument("--temperature", type=_positive_float, default=1.0, metavar="T", help="softmax temperature")
+    p.add_argument("--score", choices=scores, help="rescore the candidates with this score (default: the DB's)")
+    p.add_argument(
+        "--where",
+        type=_where,
+        metavar="JSON",
+        help='a metadata filter: only matching records are candidates, e.g. \'{"year": {"$gte": 2000}, '
+        '"lang": "en"}\' (operators $eq $ne $gt $gte $lt $lte $in $nin)',
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(quiet=True)
+
+    p = sub.add_parser(
+        "info",
+        help="what a database holds: counts, dims, encoders, generation, last fine-tuning, index, size",
+        description="Describe the database DB: record count, dimensions, encoders (key, query-side, value), "
+        "the generation of the encoders (and the previous one, if a rollback can return to it), the last "
+        "fine-tuning run, index type, score, size. For a sharded database: the shard count and the records "
+        "of each shard instead of the generation and the last run.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(quiet=True)
+
+    p = sub.add_parser(
+        "delete",
+        help="delete records by key",
+        description="Delete the records with these keys from DB: all of them, or none if one is not stored.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("keys", nargs="+", metavar="KEY", help="the keys to delete")
+    p.set_defaults(quiet=True)
+
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune the query encoder on (query, target key) pairs",
+        description="Fine-tune DB's encoder end to end on the pairs of FILE (a CSV, TSV or JSONL file with a "
+        "query column and a target column naming a stored key), with kvsearch.finetune. Prints the eval "
+        "metrics before training (epoch 0) and after each epoch, marks the epoch that was kept, and says "
+        "whether the database switched to the fine-tuned encoders (a new generation, which 'kvsearch "
+        "rollback' undoes) or kept its old retriever because the run did not improve the metric.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("--pairs", metavar="FILE", required=True, help="a .csv, .tsv or .jsonl file of training pairs")
+    p.add_argument("--eval", metavar="FILE", help="held-out pairs (same columns), measured before and after each epoch")
+    p.add_argument("--query", default="query", metavar="COL", help="the query column (default: query)")
+    p.add_argument("--target", default="target", metavar="COL", help="the target column (default: target)")
+    p.add_argument(
+        "--targets",
+        choices=("key", "value"),
+        help="the target column holds the right record's key, or the answer's value text "
+        "(default: key for the retrieval loss, value for the answer losses)",
+    )
+    p.add_argument("--format", choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)")
+    p.add_argument(
+        "--loss", choices=("retrieval", "answer", "answer_mse"), default="retrieval", help="default retrieval"
+    )
+    p.add_argument(
+        "--train",
+        choices=("query", "query+keys"),
+        default="query",
+        help="train a query-side copy of the encoder (default), or the shared encoder with index refreshes",
+    )
+    p.add_argument("--epochs", type=_positive_int, default=3, metavar="N", help="passes over the pairs (default 3)")
+    p.add_argument("--k", type=_positive_int, default=32, metavar="N", help="candidates per query (default 32)")
+    p.add_argument("--lr", type=_positive_float, default=None, metavar="LR", help="learning rate")
+    p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N", help="pairs per step (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the shuffling (default 0)")
+    p.add_argument(
+        "--keep",
+        choices=("best", "last"),
+        default="best",
+        help="keep the epoch with the best eval metric, the start included (default), or the last epoch",
+    )
+    p.add_argument(
+        "--metric",
+        choices=("recall@1", "recall@k", "mrr"),
+        default="recall@1",
+        help="the eval metric that --keep best compares (default recall@1)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    p = sub.add_parser(
+        "rollback",
+        help="return to the encoders before the last fine-tuning (once)",
+        description="Switch DB back to the previous generation of its encoders and embeddings (the one before "
+        "the last fine-tuning run). Possible once: with nothing to roll back, it says so and exits with "
+        "status 1.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.set_defaults(quiet=True)
+
+    p = sub.add_parser(
+        "demo",
+        help="the quickstart: build indexes/names and answer the example queries",
+        description="Build the authors database in PATH (default indexes/names) and answer the example queries.",
+    )
+    p.add_argument("--path", default="indexes/names", help="database folder (default: indexes/names)")
+    return parser

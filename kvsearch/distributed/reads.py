@@ -1,0 +1,217 @@
+"""Reads by global id or exact key across the shards of a sharded database, each answered by the owner shard.
+
+:class:`ShardReads` is what :class:`~kvsearch.distributed.ShardedDatabase` delegates its reads by id or key to:
+``get``, the ids of exact keys (``exact_ids``: a key text on its owner shard, an equal key embedding on any), the
+key texts, values and metadata of ids (``texts``), ``values_present`` and ``embeddings``. Every method is
+collective: the ranks gather what each asked, each rank answers from its own shards, then every rank gathers the
+answers and keeps its own part.
+
+It knows nothing of search, candidates or writes, nor of a shard's internals: it uses each shard's public
+:class:`~kvsearch.database.Database` methods.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvsearch.distributed.layout import ID_SHIFT, shard_of_id
+from kvsearch.errors import InvalidArgumentError, KeyNotFoundError
+from kvsearch.inputs import query_tensor
+
+if TYPE_CHECKING:
+    from kvsearch.distributed.sharded_database import ShardedDatabase
+    from kvsearch.storage.store import Record
+
+__all__ = ["ShardReads", "texts_list"]
+
+
+class ShardReads:
+    """The collective reads by global id or exact key of a :class:`~kvsearch.distributed.ShardedDatabase`.
+
+    Each method is collective (every rank calls it, with its own arguments) and assumes the database is open.
+    """
+
+    def __init__(self, sdb: ShardedDatabase) -> None:
+        self.sdb = sdb
+
+    def get(self, id: int) -> Record:
+        """The record with this global id, read on its owner; KeyNotFoundError where none has it."""
+        sdb, comm = self.sdb, self.sdb.comm
+
+        def check() -> int:
+            if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
+                raise InvalidArgumentError(f"expected an int id, got {type(id).__name__}")
+            return int(id)
+
+        wanted = comm.gather_objects(comm.agree(check))  # every rank's id
+
+        def local() -> dict[int, Record]:
+            found: dict[int, Record] = {}
+            for i in set(wanted):
+                s = shard_of_id(i) if i >= 0 else -1
+                if s in sdb.shards:
+                    try:
+                        found[i] = sdb.shards[s].get(i)
+                    except KeyNotFoundError:
+                        pass
+            return found
+
+        mine = wanted[sdb.rank]
+        for part in comm.gather_objects(comm.agree(local)):
+            if mine in part:
+                return part[mine]
+        raise KeyNotFoundError(f"expected a stored id, got {mine}")
+
+    def one_key(self, key: object) -> tuple[list[str] | None, Tensor]:
+        """A single key as ([text], (1, dim) placeholder) or (None, (1, dim) embedding). Not collective."""
+        dim = self.sdb.dim
+        if isinstance(key, str):
+            return [key], torch.zeros(1, dim)
+        if isinstance(key, (Tensor, np.ndarray)):
+            q, _ = query_tensor(key, dim)
+            if q.shape[0] != 1:
+                raise InvalidArgumentError(f"expected one key embedding (dim,), got shape {tuple(q.shape)}")
+            return None, q
+        raise InvalidArgumentError(f"expected a key text or a key embedding, got {type(key).__name__}")
+
+    def exact_ids(self, texts: list[str] | None, q: Tensor) -> Tensor:
+        """The global id of the record whose key equals each query — text equality for texts, else an equal
+        embedding —, -1 where none. An embedding that several stored keys share (on one shard or on several) is
+        ambiguous: -1, as in a single :class:`~kvsearch.Database`. Collective.
+
+        Args:
+            texts: this rank's query texts, or None to match the embeddings.
+            q: (b, dim) this rank's query embeddings.
+
+        Returns:
+            (b,) int64 CPU ids.
+        """
+        sdb, comm = self.sdb, self.sdb.comm
+        asked = comm.gather_objects(texts if texts is not None else q.detach().to("cpu", torch.float32))
+
+        def local() -> list[tuple[Tensor, Tensor]]:
+            found = []
+            for wanted in asked:
+                ids = torch.full((len(wanted),), -1, dtype=torch.long)  # (n,) one matching id
+                count = torch.zeros(len(wanted), dtype=torch.long)  # (n,) how many keys match
+                for db in sdb.shards.values():
+                    if not len(wanted):
+                        break
+                    if isinstance(wanted, list):  # only the owner shard can hold a key text
+                        hit = db.ids_of_keys(wanted)
+                        hits = (hit >= 0).long()
+                    elif len(db):
+                        hit, hits = db.retriever.key_matches(wanted)
+                    else:
+                        continue
+                    ids, count = torch.where(hit >= 0, hit, ids), count + hits
+                found.append((ids, count))
+            return found
+
+        mine = torch.full((len(asked[sdb.rank]),), -1, dtype=torch.long)  # (b,)
+        count = torch.zeros(len(asked[sdb.rank]), dtype=torch.long)  # (b,)
+        for part in comm.gather_objects(comm.agree(local)):
+            hit, hits = part[sdb.rank]
+            mine, count = torch.where(hit >= 0, hit, mine), count + hits
+        return torch.where(count == 1, mine, -1)
+
+    def texts(
+        self, ids: Sequence[int], *, encoded_only: bool = False
+    ) -> tuple[dict[int, str | None], dict[int, Any], dict[int, str]]:
+        """Key texts, values (text, or a CPU tensor) and metadata (JSON) of global ids, from their owners.
+
+        Collective.
+        """
+        sdb, comm = self.sdb, self.sdb.comm
+        wanted = comm.gather_objects(sorted({int(i) for i in ids if i >= 0}))
+
+        def local() -> tuple[dict[int, str | None], dict[int, Any], dict[int, str]]:
+            keys: dict[int, str | None] = {}
+            values: dict[int, Any] = {}
+            metadata: dict[int, str] = {}
+            everything = sorted({i for w in wanted for i in w})
+            for s, db in sdb.shards.items():
+                own = [i for i in everything if shard_of_id(i) == s]
+                if own:
+                    keys.update(zip(own, db.key_texts(own, encoded_only=encoded_only)))
+                    values.update(db.values_of(own))  # text, or the embedding for a value given as one
+                    metadata.update((i, json.dumps(m)) for i, m in db.metadata_of(own).items() if m)
+            return keys, values, metadata
+
+        keys: dict[int, str | None] = {}
+        values: dict[int, Any] = {}
+        metadata: dict[int, str] = {}
+        for part_keys, part_values, part_metadata in comm.gather_objects(comm.agree(local)):
+            keys.update(part_keys)
+            values.update(part_values)
+            metadata.update(part_metadata)
+        return keys, values, metadata
+
+    def values_present(self, texts: Sequence[str]) -> Tensor:
+        """(n,) bool: whether some record of some shard holds each value text. Collective."""
+        sdb, comm = self.sdb, self.sdb.comm
+        asked = comm.gather_objects(comm.agree(lambda: texts_list(texts)))
+
+        def local() -> list[Tensor]:
+            return [
+                torch.stack([db.values_present(wanted) for db in sdb.shards.values()]).any(0)
+                if wanted
+                else torch.zeros(0, dtype=torch.bool)
+                for wanted in asked
+            ]
+
+        present = torch.zeros(len(asked[sdb.rank]), dtype=torch.bool)  # (n,)
+        for part in comm.gather_objects(comm.agree(local)):
+            present |= part[sdb.rank]
+        return present
+
+    def embeddings(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Key and value embeddings gathered by global id (any shape, -1 allowed), from their owners. Collective.
+
+        Returns:
+            keys (*ids.shape, dim), values (*ids.shape, value_dim) — zeros where an id is -1 or not stored — and
+            the mask (*ids.shape) of the stored ones, on the database's device.
+        """
+        sdb, comm = self.sdb, self.sdb.comm
+        dim, value_dim = sdb.dim, sdb.value_dim
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        asked = comm.gather_objects(ids.reshape(-1))
+
+        def local() -> list[tuple[Tensor, Tensor, Tensor]]:
+            out = []
+            for wanted in asked:  # (n,)
+                keys, values = torch.zeros(len(wanted), dim), torch.zeros(len(wanted), value_dim)
+                mask = torch.zeros(len(wanted), dtype=torch.bool)
+                for s, db in sdb.shards.items():
+                    own = (wanted >= 0) & ((wanted >> ID_SHIFT) == s)  # (n,)
+                    if own.any():
+                        k, v, m = db.embeddings(wanted[own])
+                        keys[own], values[own], mask[own] = k.cpu().float(), v.cpu().float(), m.cpu()
+                out.append((keys, values, mask))
+            return out
+
+        keys, values = torch.zeros(ids.numel(), dim), torch.zeros(ids.numel(), value_dim)
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        for part in comm.gather_objects(comm.agree(local)):
+            k, v, m = part[sdb.rank]
+            keys[m], values[m] = k[m], v[m]
+            mask |= m
+        device = sdb.device
+        return (
+            keys.reshape(*ids.shape, dim).to(device),
+            values.reshape(*ids.shape, value_dim).to(device),
+            mask.reshape(ids.shape).to(device),
+        )
+
+
+def texts_list(texts: Sequence[str]) -> list[str]:
+    """A sequence of key or value texts, checked (InvalidArgumentError for a lone string or a non-text)."""
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise InvalidArgumentError(f"expected a list of texts, got {type(texts).__name__}")
+    return list(texts)

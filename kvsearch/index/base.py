@@ -1,0 +1,124 @@
+"""The protocol every candidate index implements: :class:`CandidateIndex`, search over ``(id, key)`` pairs.
+
+The one interface the retrieval code uses — FAISS :class:`~kvsearch.index.faiss_index.Index` and exact
+:class:`~kvsearch.index.torch_index.TorchIndex` implement it. The boundary is torch: ids and keys come in as tensors
+and a :class:`~kvsearch.index.topk.SearchResult` ``(scores, ids)`` goes back on the queries' device.
+
+It knows nothing of any index type, of SQLite, text or autograd; :mod:`kvsearch.index.factory` makes indexes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+from torch import Tensor
+
+from kvsearch.index.topk import Metric, SearchResult
+
+__all__ = ["CandidateIndex"]
+
+
+class CandidateIndex(Protocol):
+    """Candidate search over ``(id, key)`` pairs: the one interface the retrieval code uses.
+
+    Implemented by :class:`~kvsearch.index.faiss_index.Index` (FAISS) and
+    :class:`~kvsearch.index.torch_index.TorchIndex` (exact, in torch); make one with
+    :func:`~kvsearch.index.factory.make_index`. Keys and queries come in raw: a ``normalize`` (cosine) index
+    normalises both. An index bound to a :class:`~kvsearch.index.topk.KeySource` can :meth:`rebuild` itself from it
+    and guarantees filtered results by reading its keys.
+
+    Attributes:
+        spec: what the index was made from (``"Flat"``, ``"HNSW32"``, ``"torch:bfloat16"``...).
+        dim: key dimension.
+        metric: ``"ip"`` (inner product, larger is better) or ``"l2"`` (squared distance, smaller is better).
+        normalize: keys and queries are scored as unit vectors (cosine; metric ``"ip"``).
+        exact_filter_max: a filtered search whose admitted set holds at most ``max(8 k, exact_filter_max)`` live
+            ids scans exactly those rows; above, the index searches with the filter and redoes exactly the
+            queries that got too few. Public to tune, and for tests to force either path. Default 4096.
+        params: the search parameters set by the user (empty for exact indexes).
+    """
+
+    spec: str
+    dim: int
+    metric: Metric
+    normalize: bool
+    exact_filter_max: int
+    params: dict[str, int]
+
+    @property
+    def ntotal(self) -> int:
+        """The number of live (searchable) vectors."""
+        ...
+
+    @property
+    def needs_rebuild(self) -> bool:
+        """True when a :meth:`rebuild` would pay off (tombstones piled up, or an untrained spec can now train)."""
+        ...
+
+    @property
+    def is_fallback(self) -> bool:
+        """True while an untrained spec is served by an exact flat index."""
+        ...
+
+    @property
+    def persisted(self) -> bool:
+        """True when :meth:`save` is worth it (trained or graph FAISS types); False where rebuilding from the
+        source is as fast as reading a file ("Flat", every torch index)."""
+        ...
+
+    @property
+    def search_params(self) -> dict[str, int]:
+        """The search parameters in effect: the defaults for this type, overridden by those set."""
+        ...
+
+    def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None) -> SearchResult:
+        """The ``k`` best ids for each query, best first.
+
+        Args:
+            queries: (batch, dim) raw float queries on any device; no gradient is taken.
+            k: candidates per query, 1 <= k <= MAX_K; where fewer exist, ids are -1.
+            allowed: (m,) int64 ids, sorted, on any device: only these may come back, and every query gets
+                ``min(k, live allowed ids)`` results (exactly scanned where the index alone would give fewer).
+
+        Returns:
+            :class:`~kvsearch.index.topk.SearchResult` on ``queries.device``.
+
+        Raises:
+            InvalidArgumentError: k is out of range, or queries are not a tensor.
+            DimensionMismatchError: queries are not (batch, dim).
+        """
+        ...
+
+    def add(self, ids: Tensor, keys: Tensor) -> None:
+        """Add raw ``keys`` (n, dim) under new ``ids`` (n,)."""
+        ...
+
+    def remove(self, ids: Tensor) -> None:
+        """Remove ``ids`` (n,); absent ids are ignored."""
+        ...
+
+    def build(self, ids: Tensor, keys: Tensor) -> None:
+        """Replace everything with raw ``keys`` (n, dim) under ``ids`` (n,)."""
+        ...
+
+    def rebuild(self) -> None:
+        """Replace everything with what the source holds now.
+
+        Raises:
+            InvalidArgumentError: the index has no source.
+            MemoryLimitError: the rebuilt index would not fit in memory.
+        """
+        ...
+
+    def set_params(self, **params: float) -> None:
+        """Set search parameters (``nprobe``, ``efSearch``...); every one is checked before any is kept."""
+        ...
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the index to ``path`` atomically (only where :attr:`persisted`)."""
+        ...
+
+    def ids(self) -> Tensor:
+        """The live ids, sorted: (n,) int64 on the CPU."""
+        ...

@@ -1,0 +1,258 @@
+"""The functional ``attend``: score queries against keys, pool the scores and blend the values.
+
+    output, weights = attend(queries, keys, values, score="scaled_dot", pooling="softmax", mask=mask)
+
+It owns :class:`Candidates` (the gathered tensors a database hands over), the layouts ``attend`` accepts (shared
+keys, gathered candidates, batched), valid lengths, dropout, the score / pooling pairing check and the overflow
+checks of scores and output. Scores come from :mod:`kvsearch.nn.scores`, weights from :mod:`kvsearch.nn.pooling`.
+
+It knows nothing of FAISS, SQLite or text: it takes already-gathered tensors and gives back tensors that gradients
+flow through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvsearch.checks import all_finite, check_finite, check_temperature
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError
+from kvsearch.nn.pooling import POOLINGS, exact_matches, keep_mask, pool
+from kvsearch.nn.scores import ScoreFn, check_float_tensor, check_option, check_score, compute_scores, describe
+
+__all__ = ["Candidates", "attend", "check_pairing", "check_dropout"]
+
+
+@dataclass
+class Candidates:
+    """The candidates a database gathered for a batch of queries.
+
+    Per query (``k`` an int): ``ids`` (batch, k) with -1 where no candidate exists,
+    ``keys`` (batch, k, dim) and ``values`` (batch, k, value_dim) with zeros there, ``mask``
+    (batch, k) True where the candidate exists, ``match`` (batch, k) True where the key
+    matches the query exactly (None: ``attend`` compares the embeddings).
+    Shared by every query (``k="all"``): ``ids`` (m,), ``keys`` (m, dim), ``values``
+    (m, value_dim), ``mask`` None or (m,).
+    """
+
+    ids: Tensor
+    keys: Tensor
+    values: Tensor
+    mask: Tensor | None
+    match: Tensor | None = None
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_dropout(dropout: object) -> float:
+    """Return ``dropout`` as a float if it is a probability in [0, 1)."""
+    if isinstance(dropout, bool) or not isinstance(dropout, Real) or not 0 <= dropout < 1:
+        raise InvalidArgumentError(f"dropout must be a number in [0, 1), got {dropout!r}")
+    return float(dropout)
+
+
+def check_pairing(score: object, pooling: str) -> None:
+    """Refuse a score whose values the pooling would turn into all-zero weights.
+
+    The gaussian score ``-|q - k|^2 / 2`` is never positive, and ``normalize`` / ``nonnegative`` keep only the
+    positive part of the scores: every weight would be 0 and every answer "nothing found".
+
+    Raises:
+        InvalidArgumentError: ``score="gaussian"`` with ``pooling`` ``normalize`` or ``nonnegative``.
+    """
+    if isinstance(score, str) and score == "gaussian" and pooling in ("normalize", "nonnegative"):
+        raise InvalidArgumentError(
+            f"pooling {pooling!r} keeps the non-negative part of the scores, but the gaussian score "
+            "-|q - k|^2 / 2 is never positive, so every weight would be 0; expected softmax (Nadaraya-Watson), "
+            "hard, exact or average pooling with the gaussian score, or a score that can be positive"
+        )
+
+
+def _valid_lens_mask(valid_lens: object, shape: torch.Size, device: torch.device) -> Tensor:
+    """Turn valid lengths into a keep-mask of ``shape``: positions >= valid_len are dropped."""
+    if (
+        not isinstance(valid_lens, Tensor)
+        or valid_lens.dtype == torch.bool
+        or valid_lens.is_floating_point()
+        or valid_lens.is_complex()
+    ):
+        raise InvalidArgumentError(f"valid_lens must be an integer tensor, got {describe(valid_lens)}")
+    allowed = [tuple(shape[:-1])]
+    if len(shape) == 3:
+        allowed.insert(0, (shape[0],))
+    if tuple(valid_lens.shape) not in allowed:
+        raise InvalidArgumentError(
+            f"valid_lens must have shape {' or '.join(map(str, allowed))}, got {tuple(valid_lens.shape)}"
+        )
+    if valid_lens.numel() and int(valid_lens.min()) < 0:
+        raise InvalidArgumentError(f"valid_lens must be >= 0, got {int(valid_lens.min())}")
+    trailing = (1,) * (len(shape) - valid_lens.dim())
+    lens = valid_lens.to(device).reshape(*valid_lens.shape, *trailing)  # (batch, 1, 1) | (..., n, 1)
+    positions = torch.arange(shape[-1], device=device)  # (m,)
+    return (positions < lens).expand(shape)  # shape
+
+
+def _peak(x: Tensor) -> float:
+    """The largest absolute entry of a non-empty tensor, in one reduction pass (no copy of ``x``)."""
+    low, high = torch.aminmax(x.detach())
+    return max(-float(low), float(high))
+
+
+def _count_nonfinite(x: Tensor) -> int:
+    """How many entries of ``x`` are NaN or infinite (for error messages)."""
+    return int((~torch.isfinite(x.detach())).sum())
+
+
+def _largest(x: Tensor) -> float:
+    """The largest absolute entry of ``x`` (0 for an empty tensor), for error messages."""
+    return _peak(x) if x.numel() else 0.0
+
+
+# ----------------------------------------------------------------------------- attend
+
+
+def attend(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    *,
+    score: str | ScoreFn = "scaled_dot",
+    pooling: str = "softmax",
+    valid_lens: Tensor | None = None,
+    mask: Tensor | None = None,
+    temperature: float = 1.0,
+    match: Tensor | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Score queries against keys, pool the scores into weights and blend the values.
+
+    Three layouts:
+
+    - shared keys: queries (n, dim), keys (m, dim), values (m, value_dim)
+      -> output (n, value_dim), weights (n, m);
+    - gathered candidates: queries (b, dim), keys (b, k, dim), values (b, k, value_dim)
+      -> output (b, value_dim), weights (b, k), each query with its own k candidates;
+    - batched: queries (b, n, dim), keys (b, m, dim), values (b, m, value_dim)
+      -> output (b, n, value_dim), weights (b, n, m).
+
+    Keys, values, masks and lengths are moved to the queries' device and the three
+    embedding tensors promoted to a common dtype, so the results are on the queries' device.
+
+    Args:
+        queries: the queries (see the layouts).
+        keys: the keys.
+        values: the values.
+        score: a name from ``SCORES`` (not "additive") or a callable (queries, keys) -> scores,
+            such as an ``AdditiveScore``. It is called with queries (..., n, dim) and keys
+            (..., m, dim) and returns (..., n, m): (n, dim) with (m, dim) for shared keys,
+            (b, 1, dim) with (b, k, dim) for gathered candidates, (b, n, dim) with (b, m, dim) batched.
+        pooling: a name from ``POOLINGS``.
+        valid_lens: integer lengths; keys at positions >= the length are dropped. Shape (n,)
+            for shared keys, (b,) for gathered candidates, (b,) or (b, n) when batched.
+        mask: bool keep-mask broadcastable to the weights; ANDed with ``valid_lens``.
+        temperature: see ``pool``.
+        match: bool, broadcastable to the weights, for ``exact``; None compares the key and
+            query embeddings for exact equality.
+        dropout: probability in [0, 1) of dropping a weight, applied only when ``training``.
+        training: whether dropout applies.
+
+    Returns:
+        ``(output, weights)``, with ``output == weights @ values`` (the weights after dropout).
+
+    Raises:
+        DimensionMismatchError: the shapes fit no layout, or batch, m or dim disagree.
+        NonFiniteError: the queries, keys or values hold NaN or Inf; a built-in score overflowed
+            (finite inputs too large for the dtype); a callable score gave NaN or +inf on a kept
+            candidate (-inf drops the candidate, see ``pool``); or the output overflowed.
+        InvalidArgumentError: a bad option value, non-float embeddings, a valid_lens, mask or match of the
+            wrong dtype or shape, or the gaussian score with normalize / nonnegative pooling (all weights 0).
+        UnknownOptionError: an unknown score or pooling name.
+    """
+    check_score(score)
+    check_option(pooling, POOLINGS, "pooling")
+    temperature = check_temperature(temperature)
+    dropout = check_dropout(dropout)
+    check_float_tensor(queries, "queries")
+    check_float_tensor(keys, "keys")
+    check_float_tensor(values, "values")
+
+    gathered = queries.dim() == 2 and keys.dim() == 3
+    if not ((queries.dim() == 2 and keys.dim() == 2) or gathered or (queries.dim() == 3 and keys.dim() == 3)):
+        raise DimensionMismatchError(
+            "expected queries (n, dim) with keys (m, dim), queries (batch, dim) with keys "
+            "(batch, k, dim), or queries (batch, n, dim) with keys (batch, m, dim); "
+            f"got queries {tuple(queries.shape)} and keys {tuple(keys.shape)}"
+        )
+    if keys.dim() == 3 and keys.shape[0] != queries.shape[0]:
+        raise DimensionMismatchError(
+            f"keys must have the queries' batch size: expected {queries.shape[0]}, got {keys.shape[0]}"
+        )
+    if values.shape[:-1] != keys.shape[:-1] or values.dim() != keys.dim():
+        expected = (*keys.shape[:-1], "value_dim")
+        raise DimensionMismatchError(
+            f"values must line up with the keys: expected shape {expected}, got {tuple(values.shape)}"
+        )
+    if isinstance(score, str):
+        if queries.shape[-1] != keys.shape[-1]:
+            raise DimensionMismatchError(
+                f"keys must have the queries' dim: expected {queries.shape[-1]}, got {keys.shape[-1]}"
+            )
+        if queries.shape[-1] == 0:
+            raise DimensionMismatchError("embeddings must have dim >= 1, got 0")
+    check_pairing(score, pooling)
+    check_finite(queries)
+    check_finite(keys, "keys")
+    check_finite(values, "values")
+
+    device = queries.device
+    dtype = torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), values.dtype)
+    queries = queries.to(dtype)  # as given
+    keys = keys.to(device, dtype)  # (m, dim) | (b, k, dim) | (b, m, dim)
+    values = values.to(device, dtype)  # (m, value_dim) | (b, k, value_dim) | (b, m, value_dim)
+    shape = torch.Size((*queries.shape[:-1], keys.shape[-2]))  # weights: (n, m) | (b, k) | (b, n, m)
+
+    keep = None if valid_lens is None else _valid_lens_mask(valid_lens, shape, device)  # weights' shape
+    if mask is not None:
+        given = keep_mask(mask, shape, "mask", device)  # weights' shape
+        keep = given if keep is None else keep & given  # weights' shape
+    if match is not None:
+        match = keep_mask(match, shape, "match", device)  # weights' shape
+    if gathered:
+        queries = queries.unsqueeze(-2)  # (b, 1, dim)
+        keep = None if keep is None else keep.unsqueeze(-2)  # (b, 1, k)
+        match = None if match is None else match.unsqueeze(-2)  # (b, 1, k)
+
+    scores = compute_scores(queries, keys, score)  # (n, m) | (b, 1, k) | (b, n, m)
+    expected = torch.Size((*queries.shape[:-1], keys.shape[-2]))
+    if not isinstance(scores, Tensor) or scores.shape != expected:
+        got = tuple(scores.shape) if isinstance(scores, Tensor) else describe(scores)
+        raise DimensionMismatchError(f"the score function must return shape {tuple(expected)}, got {got}")
+    if isinstance(score, str) and not all_finite(scores):
+        raise NonFiniteError(
+            f"the {score} scores overflowed: expected queries and keys whose scores fit in {scores.dtype}, got "
+            f"{_count_nonfinite(scores)} non-finite scores from finite inputs (largest entry "
+            f"{max(_largest(queries), _largest(keys)):.3g}); scale them down or use float64"
+        )
+    if pooling == "exact" and match is None:
+        match = exact_matches(queries, keys)  # (n, m) | (b, 1, k) | (b, n, m)
+
+    weights = pool(scores, keep, pooling, temperature=temperature, match=match)  # like scores
+    if training and dropout > 0:
+        weights = F.dropout(weights, p=dropout, training=True)  # like scores
+    output = weights @ values  # (n, value_dim) | (b, 1, value_dim) | (b, n, value_dim)
+    if not all_finite(output):
+        raise NonFiniteError(
+            f"the output overflowed: expected weights @ values to fit in {output.dtype}, got "
+            f"{_count_nonfinite(output)} non-finite entries (largest weight {_largest(weights):.3g}, "
+            f"largest value {_largest(values):.3g})"
+        )
+    if gathered:
+        output = output.squeeze(-2)  # (b, value_dim)
+        weights = weights.squeeze(-2)  # (b, k)
+    return output, weights

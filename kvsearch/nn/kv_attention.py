@@ -1,0 +1,138 @@
+"""The :class:`KVAttention` layer: attention over a database as a torch module, queries in, output out.
+
+    layer = KVAttention(db, k=16, score="scaled_dot", pooling="softmax")
+    output = layer(queries)                  # (batch, dim) -> (batch, value_dim); layer.last_weights, last_ids
+
+It owns the layer's options (k, score, pooling, temperature, dropout; ``score="additive"`` creates an
+:class:`~kvsearch.nn.scores.AdditiveScore` submodule), asks the database for candidates and hands them to
+:func:`~kvsearch.nn.attend.attend`. The database is duck-typed (``dim``, ``candidates``, optionally
+``exact_targets``): this module knows nothing of FAISS, SQLite, text or files.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+from typing import Any, Literal
+
+from torch import Tensor, nn
+
+from kvsearch.checks import check_finite, check_k, check_temperature
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError
+from kvsearch.nn.attend import attend, check_dropout, check_pairing
+from kvsearch.nn.pooling import POOLINGS
+from kvsearch.nn.scores import AdditiveScore, ScoreFn, check_float_tensor, check_option, check_score
+
+__all__ = ["KVAttention"]
+
+
+class KVAttention(nn.Module):
+    """Attention over a database as a torch layer: queries (batch, dim) -> output (batch, value_dim).
+
+    The database is duck-typed: it needs ``dim`` and ``candidates(queries, k) -> Candidates``
+    (it detaches the queries for its index search itself). With exact pooling, a database that
+    also has ``exact_targets(queries) -> ids`` (and ``candidates(..., targets=ids)``) decides
+    which stored key each query is, as ``Database.query`` does (one equal key embedding, else not
+    found, also when several are equal); without it, the candidates' embeddings are compared.
+    The last weights and ids are kept on ``last_weights`` / ``last_ids`` (detached; ids are
+    expanded to the weights' shape for ``k="all"``).
+    """
+
+    def __init__(
+        self,
+        db: Any,
+        k: int | Literal["all"] = 16,
+        score: str | ScoreFn = "scaled_dot",
+        pooling: str = "softmax",
+        temperature: float = 1.0,
+        dropout: float = 0.0,
+    ) -> None:
+        """Check the options and build the score function.
+
+        Args:
+            db: an object with ``dim`` and ``candidates(queries, k)``.
+            k: candidates per query, or "all" to attend over every record.
+            score: a name from ``SCORES`` ("additive" creates an ``AdditiveScore(db.dim, db.dim,
+                hidden=64)`` submodule) or a callable (queries, keys) -> scores, called as ``attend`` calls it:
+                (batch, 1, dim) with (batch, k, dim) for an int k, (batch, dim) with (m, dim) for "all".
+            pooling: a name from ``POOLINGS``.
+            temperature: see ``pool``.
+            dropout: attention dropout, applied in training mode only.
+
+        Raises:
+            InvalidArgumentError: a bad db, k, score, temperature or dropout.
+            UnknownOptionError: an unknown score or pooling name.
+        """
+        super().__init__()
+        if not callable(getattr(db, "candidates", None)) or not hasattr(db, "dim"):
+            raise InvalidArgumentError(f"db must have dim and a candidates(queries, k) method, got {type(db).__name__}")
+        if not (
+            (isinstance(k, str) and k == "all") or (isinstance(k, Integral) and not isinstance(k, bool) and k >= 1)
+        ):
+            raise InvalidArgumentError(f"k must be a positive integer or 'all', got {k!r}")
+        k = check_k(k, allow_all=True)  # at most MAX_K, as every search
+        if isinstance(score, str) and score == "additive":
+            score_fn: str | ScoreFn = AdditiveScore(db.dim, db.dim, hidden=64)
+        else:
+            check_score(score)
+            score_fn = score
+        self.pooling = check_option(pooling, POOLINGS, "pooling")
+        check_pairing(score, self.pooling)
+        self.temperature = check_temperature(temperature)
+        self.dropout = check_dropout(dropout)
+        self.db = db
+        self.k = k if k == "all" else int(k)
+        self.score_fn = score_fn  # a module is registered, so its parameters train
+        self.last_weights: Tensor | None = None
+        self.last_ids: Tensor | None = None
+
+    def forward(self, queries: Tensor) -> Tensor:
+        """Attend from each query over its candidates.
+
+        Args:
+            queries: (batch, dim).
+
+        Returns:
+            Output (batch, value_dim).
+
+        Raises:
+            InvalidArgumentError: queries are not a floating-point tensor.
+            DimensionMismatchError: queries are not (batch, db.dim), or the candidates do not line up.
+            NonFiniteError: queries hold NaN or Inf.
+            EmptyDatabaseError: (raised by a Database's ``candidates``) the database holds no records; an empty
+                batch (0, dim) is answered with an empty output (0, value_dim).
+        """
+        check_float_tensor(queries, "queries")
+        if queries.dim() != 2 or queries.shape[-1] != self.db.dim:
+            raise DimensionMismatchError(
+                f"expected queries of shape (batch, {self.db.dim}), got {tuple(queries.shape)}"
+            )
+        check_finite(queries)  # before the index sees them
+        exact_targets = getattr(self.db, "exact_targets", None)
+        if self.pooling == "exact" and callable(exact_targets):  # the database's rule: one equal stored key
+            cand = self.db.candidates(queries, self.k, targets=exact_targets(queries))
+        else:
+            cand = self.db.candidates(queries, self.k)
+        output, weights = attend(
+            queries,
+            cand.keys,
+            cand.values,
+            score=self.score_fn,
+            pooling=self.pooling,
+            mask=cand.mask,
+            match=cand.match,
+            temperature=self.temperature,
+            dropout=self.dropout,
+            training=self.training,
+        )  # (batch, value_dim), (batch, k | m)
+        ids = cand.ids if cand.ids.dim() == 2 else cand.ids.expand_as(weights)  # (batch, k | m)
+        self.last_weights = weights.detach()  # (batch, k | m)
+        self.last_ids = ids.detach()  # (batch, k | m)
+        return output  # (batch, value_dim)
+
+    def extra_repr(self) -> str:
+        """The options, for ``repr``."""
+        score = self.score_fn if isinstance(self.score_fn, str) else type(self.score_fn).__name__
+        return (
+            f"k={self.k!r}, score={score!r}, pooling={self.pooling!r}, "
+            f"temperature={self.temperature}, dropout={self.dropout}"
+        )

@@ -1,0 +1,294 @@
+"""Score functions: how strongly each query attends to each candidate key, before any pooling.
+
+``compute_scores(queries, keys, score)`` gives (..., n, m) scores for a built-in name (``dot``, ``scaled_dot``,
+``cosine``, ``gaussian``) or calls a score callable; :class:`AdditiveScore` (Bahdanau) and :class:`GaussianKernel`
+(Nadaraya-Watson with a learnable bandwidth) are learned score callables. ``DB_SCORES`` are the scores a database
+can search by (they decide its index metric). It also owns the small argument checks the rest of the nn wing
+shares (``describe``, ``check_option``, ``check_float_tensor``).
+
+It knows nothing of pooling, masks, candidates, FAISS, SQLite or text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from numbers import Integral, Real
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+from kvsearch.checks import COSINE_EPS, all_finite, check_dim
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+
+__all__ = [
+    "ScoreName",
+    "ScoreFn",
+    "SCORES",
+    "DB_SCORES",
+    "check_score",
+    "check_db_score",
+    "compute_scores",
+    "AdditiveScore",
+    "GaussianKernel",
+    "describe",
+    "check_option",
+    "check_float_tensor",
+]
+
+ScoreName = Literal["dot", "scaled_dot", "cosine", "gaussian", "additive"]
+ScoreFn = Callable[[Tensor, Tensor], Tensor]
+
+SCORES: tuple[str, ...] = get_args(ScoreName)
+
+#: Score functions a database can use as its default (they decide the index metric).
+DB_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
+
+_ADDITIVE_HINT = (
+    "the additive score has learned weights, so it cannot be named by a string here: "
+    "expected a callable such as AdditiveScore(query_dim, key_dim, hidden), got 'additive' "
+    "(KVAttention(score='additive') creates the module for you)"
+)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def describe(x: object) -> str:
+    """A short description of an argument for error messages."""
+    if isinstance(x, Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def check_option(value: object, valid: tuple[str, ...], what: str) -> str:
+    """Return ``value`` if it is one of ``valid``, else raise UnknownOptionError."""
+    if not isinstance(value, str) or value not in valid:
+        raise UnknownOptionError(f"unknown {what}: expected one of {', '.join(valid)}, got {value!r}")
+    return value
+
+
+def check_float_tensor(x: object, name: str) -> None:
+    """Raise InvalidArgumentError unless ``x`` is a floating-point tensor."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise InvalidArgumentError(f"{name} must be a floating-point tensor, got {describe(x)}")
+
+
+def check_score(score: object) -> None:
+    """Accept a callable or a built-in score name; "additive" needs its module."""
+    if callable(score):
+        return
+    if not isinstance(score, str):
+        raise InvalidArgumentError(
+            f"score must be one of {', '.join(SCORES)} or a callable (queries, keys) -> scores, got {describe(score)}"
+        )
+    if score == "additive":
+        raise InvalidArgumentError(_ADDITIVE_HINT)
+    check_option(score, SCORES, "score")
+
+
+def check_db_score(score: object) -> str:
+    """``score`` if a database can use it as its default score.
+
+    Raises:
+        UnknownOptionError: anything else.
+    """
+    if score not in DB_SCORES:
+        raise UnknownOptionError(f"expected a database score among {DB_SCORES}, got {score!r}")
+    return score
+
+
+def _check_pair(queries: Tensor, keys: Tensor) -> None:
+    """Check queries (..., n, dim) and keys (..., m, dim) for a built-in score."""
+    check_float_tensor(queries, "queries")
+    check_float_tensor(keys, "keys")
+    if queries.dim() < 2 or keys.dim() < 2:
+        raise DimensionMismatchError(
+            f"expected queries (..., n, dim) and keys (..., m, dim), "
+            f"got queries {tuple(queries.shape)} and keys {tuple(keys.shape)}"
+        )
+    if queries.shape[-1] != keys.shape[-1]:
+        raise DimensionMismatchError(
+            f"keys must have the queries' dim: expected {queries.shape[-1]}, got {keys.shape[-1]}"
+        )
+    if queries.shape[-1] == 0:
+        raise DimensionMismatchError("embeddings must have dim >= 1, got 0")
+
+
+# ----------------------------------------------------------------------------- built-in scores
+
+
+def _unit_rows(x: Tensor) -> Tensor:
+    """Rows scaled to unit norm as ``F.normalize`` does (norms clamped to ``COSINE_EPS``: a zero row stays zero).
+
+    A row whose squared norm overflows (entries near 1e19 and above in float32) is first divided by its largest
+    entry, which the cosine does not see: its norm is then finite and its direction exact.
+    """
+    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
+    if not all_finite(norms):
+        peak = x.detach().abs().amax(-1, keepdim=True)  # (..., 1)
+        x = x / torch.where(peak > 1, peak, 1)  # (..., dim) huge rows brought to [-1, 1]; small rows as they are
+        norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
+    return x / norms.clamp(min=COSINE_EPS)  # (..., dim)
+
+
+def _gaussian(queries: Tensor, keys: Tensor) -> Tensor:
+    """-|q - k|^2 / 2 for queries (..., n, dim) and keys (..., m, dim), accurate far from the origin: (..., n, m).
+
+    The expanded form ``|q|^2 - 2 q.k + |k|^2`` cancels catastrophically in float32 when the norms are large next
+    to the distance. A query that is the only one of its keys (gathered candidates) is scored by the direct
+    difference ``|k - q|^2`` (memory: one copy of its keys). Otherwise both sides are first moved by the same
+    vector, the keys' mean (detached): the distance, and its gradient, do not change, and what rounding is left
+    is that of the points' spread around their mean, not of their distance to the origin (memory O(n m) plus one
+    centred copy of each side).
+    """
+    if queries.shape[-2] == 1 and torch.broadcast_shapes(queries.shape[:-2], keys.shape[:-2]) == keys.shape[:-2]:
+        distances = torch.linalg.vector_norm(keys - queries, dim=-1)  # (..., m): no second copy of the keys
+        return -0.5 * distances.square().unsqueeze(-2)  # (..., 1, m)
+    reference = keys.detach().mean(-2, keepdim=True)  # (..., 1, dim)
+    queries, keys = queries - reference, keys - reference  # (..., n, dim), (..., m, dim)
+    dots = queries @ keys.transpose(-2, -1)  # (..., n, m)
+    query_sq = queries.pow(2).sum(-1).unsqueeze(-1)  # (..., n, 1)
+    key_sq = keys.pow(2).sum(-1).unsqueeze(-2)  # (..., 1, m)
+    return -0.5 * (query_sq - 2 * dots + key_sq).clamp(min=0)  # (..., n, m)
+
+
+def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tensor:
+    """Score every query against every key.
+
+    ``dot`` is q.k, ``scaled_dot`` q.k / sqrt(dim), ``cosine`` the dot of the unit vectors
+    (a zero vector scores 0; rows too large to square are scaled down first), ``gaussian``
+    -||q - k||^2 / 2: the direct difference for a query with keys of its own (n = 1), else
+    -(|q'|^2 - 2 q'.k' + |k'|^2) / 2 clamped to <= 0 on q' = q - r, k' = k - r with r the keys'
+    mean — accurate however far the points are from the origin, with memory O(n m) plus one
+    centred copy of each side. A callable is called as is, with these very shapes (not flattened to 2-D): it must handle
+    leading dims, e.g. with ``keys.transpose(-2, -1)`` rather than ``keys.T``, and return (..., n, m).
+
+    Args:
+        queries: (..., n, dim).
+        keys: (..., m, dim); leading dims broadcast with the queries'.
+        score: a name from ``SCORES`` (not "additive") or a callable (queries, keys) -> scores.
+
+    Returns:
+        Scores (..., n, m).
+
+    Raises:
+        UnknownOptionError: ``score`` is an unknown name.
+        InvalidArgumentError: ``score`` is "additive" (pass an ``AdditiveScore``) or neither a
+            name nor a callable, or the inputs are not floating-point tensors.
+        DimensionMismatchError: queries and keys differ in dim or have fewer than 2 dims.
+    """
+    if callable(score):
+        return score(queries, keys)  # (..., n, m)
+    check_score(score)
+    _check_pair(queries, keys)
+    if score == "gaussian":
+        return _gaussian(queries, keys)  # (..., n, m)
+    if score == "cosine":
+        queries = _unit_rows(queries)  # (..., n, dim)
+        keys = _unit_rows(keys)  # (..., m, dim)
+    dots = queries @ keys.transpose(-2, -1)  # (..., n, m)
+    if score == "scaled_dot":
+        return dots / math.sqrt(queries.shape[-1])  # (..., n, m)
+    return dots  # (..., n, m): dot, cosine
+
+
+# ----------------------------------------------------------------------------- learned scores
+
+
+class AdditiveScore(nn.Module):
+    """Learned MLP attention (Bahdanau): score(q, k) = w_v^T tanh(W_q q + W_k k).
+
+    The linear layers have no bias. Queries and keys may have different dims.
+    """
+
+    def __init__(self, query_dim: int, key_dim: int, hidden: int = 64) -> None:
+        """Create the three projections.
+
+        Args:
+            query_dim: the queries' dim.
+            key_dim: the keys' dim.
+            hidden: the width of the hidden layer.
+
+        Raises:
+            InvalidArgumentError: a size is not a positive integer.
+        """
+        super().__init__()
+        for name, size in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden", hidden)):
+            if isinstance(size, bool) or not isinstance(size, Integral) or size < 1:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {size!r}")
+            check_dim(size, name)  # at most MAX_DIM: a weight matrix torch can allocate
+        self.query_dim, self.key_dim, self.hidden = int(query_dim), int(key_dim), int(hidden)
+        self.w_q = nn.Linear(self.query_dim, self.hidden, bias=False)
+        self.w_k = nn.Linear(self.key_dim, self.hidden, bias=False)
+        self.w_v = nn.Linear(self.hidden, 1, bias=False)
+
+    def forward(self, queries: Tensor, keys: Tensor) -> Tensor:
+        """Score every query against every key.
+
+        Args:
+            queries: (..., n, query_dim).
+            keys: (..., m, key_dim); leading dims broadcast with the queries'.
+
+        Returns:
+            Scores (..., n, m).
+
+        Raises:
+            DimensionMismatchError: a dim differs from the one this module was built for.
+            InvalidArgumentError: queries or keys are not floating-point tensors.
+        """
+        check_float_tensor(queries, "queries")
+        check_float_tensor(keys, "keys")
+        for name, x, rows, dim in (
+            ("queries", queries, "n", self.query_dim),
+            ("keys", keys, "m", self.key_dim),
+        ):
+            if x.dim() < 2 or x.shape[-1] != dim:
+                raise DimensionMismatchError(
+                    f"AdditiveScore expected {name} of shape (..., {rows}, {dim}), got {tuple(x.shape)}"
+                )
+        features = self.w_q(queries).unsqueeze(-2) + self.w_k(keys).unsqueeze(-3)  # (..., n, m, hidden)
+        return self.w_v(torch.tanh(features)).squeeze(-1)  # (..., n, m)
+
+
+class GaussianKernel(nn.Module):
+    """The Gaussian (Nadaraya-Watson) score with a learnable bandwidth: ``-((q - k) * w)^2 / 2`` summed over dim.
+
+    A score callable for ``attend``, ``Database.query(score=...)`` and ``kvsearch.finetune`` (which trains ``w``).
+    With ``w = 1`` it equals the ``"gaussian"`` score. Memory is O(n m dim): it is meant for low-dimensional keys
+    (kernel regression), not text embeddings.
+
+    Args:
+        bandwidth: the initial ``w`` (finite).
+
+    Raises:
+        InvalidArgumentError: ``bandwidth`` is not a finite number.
+    """
+
+    def __init__(self, bandwidth: float = 1.0) -> None:
+        super().__init__()
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, Real) or not math.isfinite(bandwidth):
+            raise InvalidArgumentError(f"expected a finite number as bandwidth, got {bandwidth!r}")
+        self.w = nn.Parameter(torch.tensor(float(bandwidth)))
+
+    def forward(self, queries: Tensor, keys: Tensor) -> Tensor:
+        """Score every query against every key.
+
+        Args:
+            queries: (..., n, dim).
+            keys: (..., m, dim), leading dims broadcasting with the queries'.
+
+        Returns:
+            Scores (..., n, m).
+
+        Raises:
+            DimensionMismatchError: the dims differ.
+            InvalidArgumentError: queries or keys are not floating-point tensors.
+        """
+        check_float_tensor(queries, "queries")
+        check_float_tensor(keys, "keys")
+        if queries.shape[-1] != keys.shape[-1]:
+            raise DimensionMismatchError(f"expected keys of dim {queries.shape[-1]}, got {keys.shape[-1]}")
+        diff = queries.unsqueeze(-2) - keys.unsqueeze(-3)  # (..., n, m, dim)
+        return -0.5 * (diff * self.w).pow(2).sum(-1)  # (..., n, m)

@@ -1,0 +1,315 @@
+"""The answers of one database, each read in one store snapshot: search hits, query answers, exact lookups.
+
+:class:`Reads` is what :class:`~kvsearch.Database` hands ``search``, ``query``, ``candidates``, ``lookup``, ``get``,
+``in`` and the reads by id (``ids``, ``key_texts``, ``embeddings``...) to. Each read checks what came, encodes text
+queries (with the encoders another process may have fine-tuned since: the view is brought up to date first), then,
+inside the read context (:meth:`View.reading <kvsearch.view.View.reading>`: one SQLite snapshot, the view up to
+date with it), asks the retriever for candidates and makes the answer: scores and ranks them
+(:meth:`Reads.search`), pools their values (:meth:`Reads.query`), or finds the one record with a key. Values are
+shown as answers show them (:meth:`Reads.answer_values`): their text, or their embedding when they have none.
+
+It knows nothing of writes, generations, file formats or how the snapshot is taken: it is given the database's
+:class:`~kvsearch.view.View` (the store, the encoders, the retriever, the dim, the read context), its score and
+its device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvsearch.checks import check_finite, check_k, check_temperature, check_unicode
+from kvsearch.errors import (
+    EmptyDatabaseError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    MissingEncoderError,
+    UnknownOptionError,
+)
+from kvsearch.filters import check_where
+from kvsearch.inputs import Queries, id_tensor, query_batch, query_tensor, query_texts, text_list
+from kvsearch.nn.attend import Candidates
+from kvsearch.nn.pooling import POOLINGS
+from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
+from kvsearch.nn.streaming import attend_candidates
+from kvsearch.results import Answer, Hit, make_answer, make_hits
+
+if TYPE_CHECKING:  # annotations only
+    from kvsearch.encoders.encoder_set import EncoderSet
+    from kvsearch.retrieval import Retriever
+    from kvsearch.storage.store import Record, Store
+    from kvsearch.view import View
+
+__all__ = ["Reads", "MISSING"]
+
+#: The default of ``Database.lookup``'s ``default``: none was given, a miss raises.
+MISSING: Any = object()
+
+
+class Reads:
+    """The answers of one open database (see the module docstring).
+
+    Args:
+        view: the database's view: its store, encoders and retriever (read at each query: an encoder reloaded
+            later is used), its dim, its read context (:meth:`~kvsearch.view.View.reading`: one store snapshot,
+            the view up to date with it) and :meth:`~kvsearch.view.View.catch_up` (the view brought up to date
+            outside a snapshot, before text queries are encoded); both raise DatabaseClosedError.
+        score: the database's score function. device: where the pooling runs.
+    """
+
+    def __init__(self, view: View, *, score: str, device: torch.device) -> None:
+        self.view = view
+        self.dim, self.score, self.device = view.dim, score, device
+
+    @property
+    def store(self) -> Store:
+        return self.view.store
+
+    @property
+    def encoders(self) -> EncoderSet:
+        return self.view.encoders
+
+    @property
+    def retriever(self) -> Retriever:
+        """The database's retriever now."""
+        return self.view.retriever
+
+    def search(self, queries: Queries, k: int, where: Mapping[str, Any] | None) -> list[Hit] | list[list[Hit]]:
+        """``Database.search``: the k nearest records to each query, best first."""
+        k = check_k(k)
+        if where is not None:
+            check_where(where)
+        q, _, single = self.prepare_queries(queries)
+        with self.view.reading():
+            if len(self.store) == 0:
+                return [] if single else [[] for _ in range(q.shape[0])]
+            cand = self.retriever.candidates(q, k, where=where)
+            scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, k)
+            scores = torch.where(cand.mask, scores, -math.inf)  # (b, k)
+            order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
+            ids = cand.ids.gather(1, order).cpu()  # (b, k)
+            found = [i for row in ids.tolist() for i in row if i >= 0]
+            values = self.answer_values(found, gathered=cand)
+            metadata = self.store.metadata_texts(found)
+            hits = make_hits(ids, scores.gather(1, order).cpu(), self.store.key_of_id, values, metadata)
+        return hits[0] if single else hits
+
+    def query(
+        self,
+        queries: Queries,
+        k: int | Literal["all"],
+        *,
+        score: str | ScoreFn | None,
+        pooling: str,
+        temperature: float,
+        where: Mapping[str, Any] | None,
+    ) -> Answer:
+        """``Database.query``: attention over the k candidates the index picks."""
+        k = check_k(k, allow_all=True)
+        if score is not None:
+            check_score(score)
+        if pooling not in POOLINGS:
+            raise UnknownOptionError(f"expected pooling among {POOLINGS}, got {pooling!r}")
+        temperature = check_temperature(temperature)
+        if where is not None:
+            check_where(where)
+        q, texts, single = self.prepare_queries(queries)
+        out_device = q.device
+        q = q.to(self.device)  # (b, dim)
+        with self.view.reading():
+            self.check_not_empty()
+            targets = None
+            if pooling == "exact":  # text equality for text queries, else equal embeddings
+                if texts is None:
+                    targets = self.retriever.exact_targets(q)  # (b,)
+                else:
+                    targets = torch.tensor([self.store.id_of(t) for t in texts], dtype=torch.long)
+            cand = self.retriever.candidates(q, k, targets=targets, where=where)
+            output, weights = attend_candidates(
+                q,
+                cand,
+                every=k == "all",
+                score=self.score if score is None else score,
+                pooling=pooling,
+                temperature=temperature,
+            )  # (b, value_dim), (b, t)
+            answer = make_answer(
+                output,
+                weights,
+                cand.ids,
+                k=None if k == "all" else k,
+                key_of_id=self.store.key_of_id,
+                values_of=self.answer_values if k == "all" else lambda ids: self.answer_values(ids, gathered=cand),
+                device=out_device,
+                metadata_of=None if k == "all" else self.store.metadata_texts,  # in this snapshot
+            )
+        return answer.row(0) if single else answer
+
+    def candidates(
+        self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None, where: Mapping[str, Any] | None
+    ) -> Candidates:
+        """``Database.candidates``: the candidates for a batch of query embeddings, in one snapshot."""
+        queries, targets = query_batch(queries, self.dim, targets)
+        with self.view.reading():
+            self.check_not_empty()
+            return self.retriever.candidates(queries, k, targets=targets, where=where)
+
+    def get(self, id: int) -> Record:
+        """``Database.get``: the record with this id."""
+        if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
+            raise InvalidArgumentError(f"expected an int id, got {type(id).__name__}")
+        with self.view.reading():
+            record = self.store.fetch([int(id)]).get(int(id))
+        if record is None:
+            raise KeyNotFoundError(f"expected a stored id, got {int(id)}")
+        return record
+
+    def lookup(self, key: str | Tensor | np.ndarray, default: Any = MISSING) -> str | Tensor | None:
+        """``Database.lookup``: the value stored under this key, else ``default`` (KeyNotFoundError without)."""
+        q = None
+        if isinstance(key, (Tensor, np.ndarray)):
+            q, _ = query_tensor(key, self.dim)
+            if q.shape[0] != 1:
+                raise InvalidArgumentError(f"expected one key embedding (dim,), got shape {tuple(q.shape)}")
+        elif not isinstance(key, str):
+            raise InvalidArgumentError(f"expected a key text or a key embedding, got {type(key).__name__}")
+        else:
+            check_unicode(key, "the key to look up")
+        count = 0
+        with self.view.reading():
+            if q is None:
+                id_ = self.store.id_of(key)
+            else:
+                first, counts = self.retriever.key_matches(q)  # (1,), (1,)
+                id_, count = (int(first[0]) if int(counts[0]) == 1 else -1), int(counts[0])
+            if id_ >= 0:
+                return self.answer_values([id_])[id_]
+        if default is MISSING:
+            if count > 1:
+                raise KeyNotFoundError(
+                    f"no record has the key <embedding> unambiguously: expected one stored key with that embedding, "
+                    f"got {count} stored keys with it"
+                )
+            shown = key if isinstance(key, str) else "<embedding>"
+            raise KeyNotFoundError(f"no record has the key {shown!r}")
+        return default
+
+    def contains(self, key: object) -> bool:
+        """``key in db``: a stored key text, or a key embedding that exactly one stored key has (each, for a batch)."""
+        q = query_tensor(key, self.dim)[0] if isinstance(key, (Tensor, np.ndarray)) else None
+        with self.view.reading():
+            if isinstance(key, str):
+                return self.store.id_of(key) >= 0
+            return q is not None and bool((self.retriever.exact_targets(q) >= 0).all())
+
+    def exact_targets(self, queries: Tensor) -> Tensor:
+        """``Database.exact_targets``: the id of the one record whose key embedding equals each query, else -1."""
+        queries, _ = query_batch(queries, self.dim)  # (batch, dim) floating point, finite
+        with self.view.reading():
+            return self.retriever.exact_targets(queries)
+
+    # ------------------------------------------------------------------ reads by id (for training and tools)
+
+    def ids(self) -> Tensor:
+        """``Database.ids``: every stored id, sorted: (m,) int64 on the CPU."""
+        with self.view.reading():
+            return self.store.ids.clone()
+
+    def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
+        """``Database.ids_of_keys``: the id of each key text, -1 where it is not stored: (n,) int64 on the CPU."""
+        texts = text_list(texts, "key texts")
+        with self.view.reading():
+            return torch.tensor([self.store.id_of(t) for t in texts], dtype=torch.long)
+
+    def values_present(self, texts: Sequence[str]) -> Tensor:
+        """``Database.values_present``: whether some stored record has each value text: (n,) bool on the CPU."""
+        texts = text_list(texts, "value texts")
+        with self.view.reading():
+            return self.store.values_present(texts)
+
+    def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool) -> list[str | None]:
+        """``Database.key_texts``: the key text of each id, in order (None: no key text, not stored, or given
+        with its embedding when ``encoded_only``)."""
+        flat = id_tensor(ids).reshape(-1).tolist()
+        with self.view.reading():
+            key_of, given = self.store.key_of_id, self.store.given_keys if encoded_only else ()
+            return [None if i in given else key_of.get(i) for i in flat]
+
+    def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]:
+        """``Database.value_texts``: id -> the value text (None for a value given as an embedding)."""
+        ids = id_tensor(ids).reshape(-1).tolist()
+        with self.view.reading():
+            return self.store.value_texts(ids)
+
+    def embeddings(self, ids: Tensor | Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """``Database.embeddings``: keys (*ids.shape, dim), values (*ids.shape, value_dim), mask (*ids.shape)."""
+        ids = id_tensor(ids)
+        with self.view.reading():
+            return self.store.gather(ids)
+
+    def values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
+        """``Database.values_of``: id -> the value as answers show it (see :meth:`answer_values`)."""
+        ids = id_tensor(ids).reshape(-1).tolist()
+        with self.view.reading():
+            return self.answer_values(ids)
+
+    def metadata_of(self, ids: Tensor | Sequence[int]) -> dict[int, dict[str, Any]]:
+        """``Database.metadata_of``: id -> the record's metadata dict ({} when it has none), for the stored ones."""
+        wanted = [i for i in id_tensor(ids).reshape(-1).tolist() if i >= 0]
+        with self.view.reading():
+            texts = self.store.metadata_texts(wanted)
+            return {i: json.loads(texts[i]) if i in texts else {} for i in wanted if self.store.contains_id(i)}
+
+    def check_not_empty(self) -> None:
+        """EmptyDatabaseError when the database holds no records (callers hold a snapshot)."""
+        if len(self.store) == 0:
+            raise EmptyDatabaseError("expected a database with records to search, got an empty one")
+
+    def answer_values(
+        self, ids: Sequence[int], *, gathered: Candidates | None = None
+    ) -> dict[int, str | Tensor | None]:
+        """id -> the value as answers show it (see :meth:`Store.answer_values`). Callers hold a snapshot.
+
+        Args:
+            ids: stored ids.
+            gathered: top-k candidates gathered in this snapshot that hold these ids: where no value has text,
+                each value is its embedding, taken from them instead of being looked up by id again.
+        """
+        # without a value encoder, only values given with their embeddings have text
+        texts = self.encoders.value is not None or bool(self.store.given_values)
+        if texts or gathered is None:
+            return self.store.answer_values(ids, texts=texts)
+        out: dict[int, str | Tensor | None] = dict.fromkeys(ids)
+        rows = gathered.values.detach().reshape(-1, gathered.values.shape[-1]).cpu().numpy()  # (b * t, value_dim)
+        for n, (id_, here) in enumerate(zip(gathered.ids.reshape(-1).tolist(), gathered.mask.reshape(-1).tolist())):
+            if here and id_ in out and out[id_] is None:
+                out[id_] = torch.from_numpy(rows[n].copy())  # (value_dim,) its own storage, not a view of the batch
+        return out
+
+    def prepare_queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
+        """Queries as (batch, dim) on their own device (text: the encoder's), texts, and whether single.
+
+        Raises:
+            MissingEncoderError: text queries and no encoder for them. InvalidArgumentError,
+            DimensionMismatchError, NonFiniteError: queries of the wrong kind or shape, or not finite.
+        """
+        texts = query_texts(queries)
+        if texts is None:
+            q, single = query_tensor(queries, self.dim)
+            return q, None, single
+        self.view.catch_up()  # encode with the encoders another process may have fine-tuned since
+        encoder = self.encoders.for_queries
+        if encoder is None:
+            raise MissingEncoderError(
+                "this database has no encoder for query texts; pass query embeddings (batch, "
+                f"{self.dim}) or set db.query_encoder"
+            )
+        q = encoder.encode(texts)  # (b, dim)
+        check_finite(q, "query embeddings")
+        return q, texts, isinstance(queries, str)

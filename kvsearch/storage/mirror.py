@@ -1,0 +1,564 @@
+"""The in-memory mirror of a store: its key / value tensors sorted by id, and the key maps beside them.
+
+:class:`Mirror` holds what a search reads without touching SQLite: the ids (n,), the key embeddings (n, dim) and the
+value embeddings (n, value_dim) in id order on the store's device, the key text <-> id maps, and which records' texts
+came with their own embedding. It reads them whole (:meth:`Mirror.load`), catches up on other processes' commits
+from the change log (:meth:`Mirror.catch_up`, which says what changed in a :class:`CatchUp`), follows the store's own
+committed writes (:meth:`Mirror.apply_write`, :meth:`Mirror.drop`, :meth:`Mirror.replace_all`), finds ids by key
+text (:meth:`Mirror.id_of`, :meth:`Mirror.resolve`), and finds and gathers rows by id (:meth:`Mirror.rows_of`,
+:meth:`Mirror.gather`, :meth:`Mirror.locate`).
+
+It reads through its :class:`~kvsearch.storage.store.Store` (the connection, the version, the lock) and writes
+nothing to SQLite: the store commits a write first, then changes the mirror. It knows nothing of transactions,
+metadata, FAISS or autograd: its tensors are plain (no grad).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvsearch.errors import CorruptDatabaseError, DuplicateKeyError, KeyNotFoundError
+from kvsearch.inputs import normalize_key
+from kvsearch.storage import changelog, chunks, legacy
+from kvsearch.storage.buffers import row_buffer
+from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE, select_in
+
+if TYPE_CHECKING:
+    from kvsearch.storage.store import Store
+
+__all__ = ["Mirror", "CatchUp"]
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What :meth:`Mirror.catch_up` changed in the mirror, for the index to follow.
+
+    Attributes:
+        removed: ids that left the mirror or were replaced in it (the index removes them).
+        added: ids added or replaced, in the order of ``keys`` (the index adds them).
+        keys: (len(added), dim) their key embeddings, on the store's device.
+    """
+
+    removed: list[int]
+    added: list[int]
+    keys: Tensor
+
+
+class Mirror:
+    """The in-memory key / value tensors of a store, sorted by id, with the key maps beside them.
+
+    Args:
+        store: the store mirrored: the mirror reads through its connection, under its lock.
+
+    Attributes:
+        ids: (n,) int64 ids on the CPU, sorted.
+        keys: (n, dim) key embeddings on the store's device; None before the first load or write.
+        values: (n, value_dim) value embeddings on the store's device; None before the first load or write.
+        id_of_key: the normalised key text (:func:`~kvsearch.inputs.normalize_key`) -> id.
+        key_of_id: id -> the key text as stored.
+        given_keys, given_values: ids of records whose key / value text came with its embedding (re-encoding from
+            the text skips them).
+        loaded_version: the store version the mirror (and the index) reflect.
+        full_loads: how many times the mirror was read whole (:meth:`load`: the open, and catch-ups that could not
+            use the change log) — a counter to observe, e.g. in tests.
+        catch_ups: how many times the mirror caught up on another process's commits row by row (:meth:`catch_up`).
+        seen_data_version: ``PRAGMA data_version`` when :attr:`loaded_version` was last checked (None: not yet on
+            this process's connection).
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.device = store.device
+        self.loaded_version = 0
+        self.full_loads = 0
+        self.catch_ups = 0
+        self.seen_data_version: int | None = None
+        self.ids = torch.empty(0, dtype=torch.long)
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.id_of_key: dict[str, int] = {}
+        self.key_of_id: dict[int, str] = {}
+        self.given_keys: set[int] = set()
+        self.given_values: set[int] = set()
+        self._spare: tuple[Tensor, Tensor] | None = None  # the buffers keys / values are views of (room to grow)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, dim: int, value_dim: int) -> None:
+        """Read every record into the in-memory tensors, in one snapshot.
+
+        Raises:
+            CorruptDatabaseError: the embeddings do not have the expected dims, or do not match the records.
+        """
+        buffers: list[Tensor] = []
+
+        def alloc(rows: int, width: int) -> np.ndarray:
+            buffer = row_buffer(rows + max(64, rows // 8), width, like=torch.empty(0))  # (capacity, width)
+            buffers.append(buffer)
+            return buffer[:rows].numpy()
+
+        store = self.store
+        with store.lock:
+            conn = store.conn
+            own = not conn.in_transaction
+            if own:
+                conn.execute("BEGIN")  # one snapshot: the rows and the version they are at
+            try:
+                data_version = self._data_version()  # first: it starts the snapshot the version is read in
+                version = store.version
+                if store.still_legacy():  # read-only, earlier format: the embeddings are in the rows
+                    ids, keys, values, rows = legacy.read_all(conn, dim, value_dim)
+                else:
+                    ids, slots, keys, values = chunks.read_all(conn, dim, value_dim, alloc=alloc)
+                    self._check_ids(ids, slots)
+                    rows = conn.execute("SELECT id, key FROM records WHERE key IS NOT NULL").fetchall()
+                given = conn.execute("SELECT id, side FROM given").fetchall()
+            finally:
+                if own:
+                    conn.execute("COMMIT")
+            if len(ids) > 1 and not bool((np.diff(ids) > 0).all()):
+                order = np.argsort(ids, kind="stable")  # slot order is id order; kept sorted should it not be
+                ids, keys, values = ids[order], keys[order], values[order]
+                buffers.clear()
+            self.ids = torch.from_numpy(ids)
+            self.keys = torch.from_numpy(keys).to(self.device)  # (n, dim)
+            self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
+            # read into buffers with room to grow: the first append after a load does not copy the mirror
+            same = len(buffers) == 2 and buffers[0].data_ptr() == self.keys.data_ptr()
+            self._spare = (buffers[0], buffers[1]) if same and buffers[1].data_ptr() == self.values.data_ptr() else None
+            self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
+            self.id_of_key = _id_of_key(self.key_of_id, store.path)
+            self.given_keys = {i for i, bits in given if bits & GIVEN_KEY}
+            self.given_values = {i for i, bits in given if bits & GIVEN_VALUE}
+            self.loaded_version = version
+            self.seen_data_version = data_version
+            self.full_loads += 1
+
+    def _check_ids(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Check that the chunks hold the records the records table lists, each in the slot it names.
+
+        Compared: the count, min, max and sum of the ids, the sum of the slots and a sum of (id, slot) pairs
+        (one scan of the records table, no row read into Python).
+
+        Raises:
+            CorruptDatabaseError: they differ (the file was damaged or changed by hand).
+        """
+        pairs = (ids % 65521) * (slots % 65521)  # (n,) < 2**32 each: the pairs' sum fits int64 up to 2**31 records
+        try:
+            found = self.store.conn.execute(
+                "SELECT count(*), min(id), max(id), sum(id), sum(slot), sum((id % 65521) * (slot % 65521)) FROM records"
+            ).fetchone()
+            count = found[0]
+            expected = (len(ids), *((int(ids.min()), int(ids.max())) if len(ids) else (None, None)))
+            expected += (int(ids.sum(dtype=np.int64)), int(slots.sum(dtype=np.int64)), int(pairs.sum(dtype=np.int64)))
+            same = tuple(found) == expected if len(ids) else count == 0
+        except sqlite3.OperationalError:  # a sum overflowed 64 bits: compare the lists
+            listed = self.store.conn.execute("SELECT id, slot FROM records ORDER BY id").fetchall()
+            order = np.argsort(ids)
+            count, same = len(listed), np.array_equal(np.array(listed).reshape(-1, 2), np.c_[ids[order], slots[order]])
+        if not same:
+            raise CorruptDatabaseError(
+                f"{self.store.path or 'the store'}: the embeddings hold {len(ids)} records that are not the "
+                f"{count} records of the records table (the file was damaged or changed from outside)"
+            )
+
+    def _data_version(self) -> int:
+        """SQLite's ``PRAGMA data_version``: changes when another connection commits (no table is read)."""
+        return int(self.store.conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def is_stale(self) -> bool:
+        """Whether another connection (another process) committed since this mirror was loaded.
+
+        When no other connection committed since the last check (``PRAGMA data_version`` unchanged), the version
+        is not read at all.
+        """
+        data_version = self._data_version()
+        if data_version == self.seen_data_version:
+            return False
+        stale = self.store.version != self.loaded_version
+        if not stale:
+            self.seen_data_version = data_version
+        return stale
+
+    def catch_up(self, dim: int, value_dim: int) -> CatchUp | None:
+        """Bring the mirror up to the store's version: row by row from the change log, else by a full :meth:`load`.
+
+        Reads only the rows the log names (added or replaced since :attr:`loaded_version`), drops the deleted ones,
+        in one snapshot. Falls back to :meth:`load` when the log does not reach back (compacted, or older than the
+        log), when a change of every row (a generation switch) is in the range, or when more rows changed than
+        half the mirror holds (reading everything is then as cheap).
+
+        Args:
+            dim: the key dimension. value_dim: the value dimension.
+
+        Returns:
+            What changed, for the index to follow; None after a full :meth:`load` (the index is rebuilt or served).
+
+        Raises:
+            CorruptDatabaseError: an embedding blob has the wrong size.
+        """
+        store = self.store
+        with store.lock:
+            conn = store.conn
+            own = not conn.in_transaction
+            if own:
+                conn.execute("BEGIN")  # one snapshot: the log, the rows and the version they are at
+            try:
+                data_version = self._data_version()
+                version = store.version
+                changes = None if self.keys is None else changelog.read(conn, self.loaded_version, version)
+                if changes is not None and len(changes) > max(1024, len(self.ids) // 2):
+                    changes = None
+                if store.still_legacy():
+                    changes = None  # an earlier format, read-only: read whole
+                rows: list[tuple] = []
+                if changes is not None:
+                    rows, keys, values = self._read_rows(changes.upserted, dim, value_dim)
+                flags = {} if changes is None else _given_of_ids(conn, changes.upserted)
+            finally:
+                if own:
+                    conn.execute("COMMIT")
+            if changes is None or len(rows) != len(changes.upserted):
+                self.load(dim, value_dim)
+                return None
+            keys = torch.from_numpy(keys).to(self.device, torch.float32)  # (u, dim)
+            values = torch.from_numpy(values).to(self.device, torch.float32)  # (u, value_dim)
+            upserted = torch.tensor(changes.upserted, dtype=torch.long)  # (u,)
+            present = self.rows_of(upserted) >= 0  # (u,) replaced in place; the others are new
+            gone = [i for i in changes.deleted if self.contains_id(i)]
+            removed = sorted(gone + upserted[present].tolist())
+            self.drop(gone)
+            if bool(present.any()):
+                rows_now = self.rows_of(upserted[present]).to(self.device)  # (r,)
+                sel = present.to(self.device)
+                self.keys[rows_now] = keys[sel]
+                self.values[rows_now] = values[sel]
+            if not bool(present.all()):
+                sel = ~present
+                self._append(upserted[sel], keys[sel.to(self.device)], values[sel.to(self.device)])
+            for id_ in upserted[present].tolist():
+                self._forget_key(id_)
+            for id_ in upserted.tolist():  # which texts came with their own embedding, as the writer recorded
+                self.given_keys.discard(id_)
+                self.given_values.discard(id_)
+                if flags.get(id_, 0) & GIVEN_KEY:
+                    self.given_keys.add(id_)
+                if flags.get(id_, 0) & GIVEN_VALUE:
+                    self.given_values.add(id_)
+            for id_, key, _ in rows:
+                if key is not None:
+                    self.id_of_key[normalize_key(key)] = id_
+                    self.key_of_id[id_] = key
+            self.loaded_version = version
+            self.seen_data_version = data_version
+            self.catch_ups += 1
+            return CatchUp(removed=removed, added=changes.upserted, keys=keys)
+
+    def _read_rows(
+        self, ids: Sequence[int], dim: int, value_dim: int
+    ) -> tuple[list[tuple[int, str | None, int]], np.ndarray, np.ndarray]:
+        """The stored records among ``ids``, read from the store in id order (ids not stored are left out).
+
+        Returns:
+            rows (id, key, slot), and their keys (r, dim) and values (r, value_dim) as float32 arrays.
+
+        Raises:
+            CorruptDatabaseError: a record names a slot that holds nothing, or a chunk is damaged.
+        """
+        conn = self.store.conn
+        if self.store.still_legacy():  # the earlier format (read-only): the embeddings are in the rows
+            return legacy.read_rows(conn, ids, dim, value_dim)
+        rows = sorted(select_in(conn, "SELECT id, key, slot FROM records WHERE id IN ({})", ids))
+        keys, values = chunks.read(conn, np.array([r[2] for r in rows], dtype=np.int64), dim, value_dim)
+        return rows, keys, values
+
+    # ------------------------------------------------------------------ following the store's writes
+
+    def apply_write(
+        self,
+        ids: Sequence[int],
+        texts: Sequence[str | None],
+        key_embs: Tensor,
+        value_embs: Tensor,
+        replaced: Sequence[int],
+        added: Sequence[int],
+        given: Sequence[tuple[int, int]],
+    ) -> None:
+        """Follow a committed write of records (the caller holds the store's lock: readers never see half of it).
+
+        Args:
+            ids: the records' ids, in order. texts: their key texts (None: no text).
+            key_embs: (n, dim). value_embs: (n, value_dim).
+            replaced: positions (into ``ids``) of the records replaced in place. added: positions of the new ones.
+            given: (id, ``GIVEN_KEY | GIVEN_VALUE`` bits) of the records whose texts came with their embedding.
+        """
+        dev_keys = key_embs.detach().to(self.device, torch.float32)  # (n, dim)
+        dev_values = value_embs.detach().to(self.device, torch.float32)  # (n, value_dim)
+        if replaced:
+            rows = self.rows_of(torch.tensor([ids[i] for i in replaced])).to(self.device)  # (n_old,)
+            sel = torch.tensor(replaced, device=self.device)
+            self.keys[rows] = dev_keys[sel]
+            self.values[rows] = dev_values[sel]
+        if added:
+            every = len(added) == len(ids)  # the usual add: no row selection to copy
+            sel = None if every else torch.tensor(added, device=self.device)
+            add_keys = dev_keys if every else dev_keys[sel]  # (n_new, dim)
+            add_values = dev_values if every else dev_values[sel]  # (n_new, value_dim)
+            # copied: the mirror never shares memory with the caller's tensors (.to() may return them as they are)
+            self._append(torch.tensor([ids[i] for i in added], dtype=torch.long), add_keys, add_values)
+        for i in replaced:
+            self._forget_key(ids[i])
+            self.given_keys.discard(ids[i])
+            self.given_values.discard(ids[i])
+        for id_, bits in given:
+            if bits & GIVEN_KEY:
+                self.given_keys.add(id_)
+            if bits & GIVEN_VALUE:
+                self.given_values.add(id_)
+        for i, key in enumerate(texts):
+            if key is not None:
+                self.id_of_key[normalize_key(key)] = ids[i]
+                self.key_of_id[ids[i]] = key
+
+    def replace_all(self, keys: Tensor | None, values: Tensor | None) -> None:
+        """Follow a committed overwrite of every key and/or value embedding: keys (n, dim), values (n, value_dim)."""
+        if keys is not None:
+            self.keys = keys.detach().to(self.device, torch.float32).clone()
+        if values is not None:
+            self.values = values.detach().to(self.device, torch.float32).clone()
+
+    def _append(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Append rows to the mirror: ids (a,), keys (a, dim), values (a, value_dim), copied.
+
+        The key / value tensors are views of buffers with room to grow (:func:`kvsearch.storage.buffers.row_buffer`: an
+        eighth more rows, or a reservation for as many as memory holds), so an append copies the new rows, not the
+        whole mirror. Ids larger than every stored one keep the mirror
+        sorted (new ids always are); otherwise it is sorted again.
+        """
+        if self.keys is None:
+            self.ids, self.keys, self.values = ids.clone(), keys.clone(), values.clone()
+            return
+        n, a = len(self.ids), len(ids)
+        spare = self._spare or (None, None)
+        spare = (_room_for(spare[0], self.keys, a), _room_for(spare[1], self.values, a))  # each grown if full
+        self._spare = spare
+        spare[0][n : n + a] = keys
+        spare[1][n : n + a] = values
+        self.keys, self.values = spare[0][: n + a], spare[1][: n + a]  # (n + a, dim), (n + a, value_dim)
+        self.ids = torch.cat([self.ids, ids])  # (n + a,)
+        if n and a and int(ids.min()) <= int(self.ids[n - 1]):
+            order = torch.argsort(self.ids)  # (n + a,)
+            self.ids = self.ids[order]
+            self.keys, self.values = self.keys[order.to(self.device)], self.values[order.to(self.device)]
+            self._spare = None
+
+    def _forget_key(self, id_: int) -> None:
+        """Drop a record's key from the key maps (the normalised key only if it names this record)."""
+        key = self.key_of_id.pop(id_, None)
+        if key is not None and self.id_of_key.get(normalize_key(key)) == id_:
+            del self.id_of_key[normalize_key(key)]
+
+    def drop(self, ids: Sequence[int]) -> None:
+        """Drop records from the mirror by id (committed deletes), with their keys and given flags."""
+        if not len(ids):
+            return
+        drop = torch.as_tensor(list(ids), dtype=torch.long)
+        keep = ~torch.isin(self.ids, drop)  # (n,)
+        self.ids = self.ids[keep]
+        keep_dev = keep.to(self.device)
+        self.keys = self.keys[keep_dev]
+        self.values = self.values[keep_dev]
+        for id_ in drop.tolist():
+            self._forget_key(id_)
+            self.given_keys.discard(id_)
+            self.given_values.discard(id_)
+
+    # ------------------------------------------------------------------ finding by id and by key
+
+    def contains_id(self, id_: int) -> bool:
+        """Whether a record with this id is stored (never one outside int64, which SQLite cannot hold)."""
+        if not 0 <= int(id_) < 2**63:
+            return False
+        pos = int(torch.searchsorted(self.ids, torch.tensor(int(id_))))
+        return pos < len(self.ids) and int(self.ids[pos]) == int(id_)
+
+    def stored_ids_of_keys(self, keys: Sequence[str | None], *, allow: bool) -> list[int | None]:
+        """The stored id of each key text (None for a new key or no text).
+
+        Args:
+            keys: key texts, or None for keys given as embeddings.
+            allow: whether stored keys are allowed (an upsert); else one raises.
+
+        Raises:
+            DuplicateKeyError: a key is already stored and ``allow`` is False.
+        """
+        out: list[int | None] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            id_ = -1 if key is None else self.id_of(key)
+            if id_ >= 0:
+                if not allow:
+                    raise DuplicateKeyError(
+                        f"expected new keys, got {key!r} (record {i}) which is already stored; use upsert"
+                    )
+                out[i] = id_
+        return out
+
+    def id_of(self, key: str) -> int:
+        """The id of the record with this key text, -1 if none: compared after :func:`normalize_key`.
+
+        Keys stored by an earlier version that did not normalise are found by their normalised text too.
+        """
+        return self.id_of_key.get(normalize_key(key), -1)
+
+    def resolve(self, items: Sequence[str | int], consequence: str) -> list[int]:
+        """The stored ids of key texts and ids, in order, without repeats.
+
+        Args:
+            items: key texts and int ids.
+            consequence: what the error message adds, e.g. ``"nothing was deleted"``.
+
+        Raises:
+            KeyNotFoundError: a key or an id is not stored.
+        """
+        ids: list[int] = []
+        for item in items:
+            if isinstance(item, str):
+                id_ = self.id_of(item)
+                if id_ < 0:
+                    raise KeyNotFoundError(f"expected a stored key, got {item!r}; {consequence}")
+                ids.append(id_)
+            else:
+                if not self.contains_id(item):
+                    raise KeyNotFoundError(f"expected a stored id, got {item}; {consequence}")
+                ids.append(int(item))
+        return list(dict.fromkeys(ids))
+
+    def rows_of(self, ids: Tensor) -> Tensor:
+        """Row positions of ids in the in-memory tensors; -1 where an id is -1 or not stored.
+
+        Args:
+            ids: LongTensor of any shape.
+
+        Returns:
+            LongTensor of the same shape, on the CPU.
+        """
+        flat = ids.reshape(-1).cpu().numpy()  # (n,) numpy: a search's few ids cost ~1 us per op, torch's ~3
+        stored = self.ids.numpy()  # (m,) sorted
+        if len(stored) == 0:
+            return torch.full_like(ids.cpu(), -1)
+        pos = np.minimum(np.searchsorted(stored, flat), len(stored) - 1)  # (n,)
+        found = (stored[pos] == flat) & (flat >= 0)
+        return torch.from_numpy(np.where(found, pos, -1)).reshape(ids.shape)
+
+    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Key and value embeddings for ids (any shape, -1 allowed), gathered by id.
+
+        Returns:
+            keys (*ids.shape, dim), values (*ids.shape, value_dim) with zeros where ids are missing,
+            and a keep-mask of ids.shape — all on the store's device.
+        """
+        rows = self.rows_of(ids).to(self.device)  # (*shape)
+        mask = rows >= 0
+        if len(self.keys) == 0:  # nothing stored: every id is missing (no row 0 to clamp to)
+            shape = rows.shape
+            zeros = self.keys.new_zeros
+            return zeros(*shape, self.keys.shape[-1]), zeros(*shape, self.values.shape[-1]), mask
+        flat = rows.clamp(min=0).reshape(-1)  # (n,) index_select: far cheaper than fancy indexing for small n
+        keys = self.keys.index_select(0, flat).reshape(*rows.shape, self.keys.shape[-1])  # (*shape, dim)
+        values = self.values.index_select(0, flat).reshape(*rows.shape, self.values.shape[-1])  # (*shape, value_dim)
+        if not bool(mask.all()):
+            keys = keys * mask.unsqueeze(-1)  # (*shape, dim) zeros where missing
+            values = values * mask.unsqueeze(-1)  # (*shape, value_dim)
+        return keys, values, mask
+
+    def locate(self, ids: list[int]) -> tuple[Tensor, tuple[np.ndarray, np.ndarray] | None]:
+        """Where stored ids are in memory; those committed since the mirror was loaded are read from the store.
+
+        Called inside the caller's snapshot, the one the ids were read in; :meth:`take` then gathers the rows.
+
+        Args:
+            ids: stored ids, sorted.
+
+        Returns:
+            (r,) their rows in memory (-1: not in memory yet), and the keys (g, dim) and values (g, value_dim) of
+            those not in memory, in id order (None when every id is in memory).
+        """
+        at = self.rows_of(torch.tensor(ids, dtype=torch.long))  # (r,) -1: not in memory yet
+        later = [id_ for id_, row in zip(ids, at.tolist()) if row < 0]
+        if not later:
+            return at, None
+        _, later_keys, later_values = self._read_rows(later, self.keys.shape[1], self.values.shape[1])
+        return at, (later_keys, later_values)
+
+    def take(self, at: Tensor, later: tuple[np.ndarray, np.ndarray] | None) -> tuple[Tensor, Tensor]:
+        """The embeddings of what :meth:`locate` found, on the CPU: keys (r, dim), values (r, value_dim)."""
+        keys = self.keys[at.clamp(min=0).to(self.device)].cpu()  # (r, dim)
+        values = self.values[at.clamp(min=0).to(self.device)].cpu()  # (r, value_dim)
+        if later is not None:
+            gaps = (at < 0).nonzero().squeeze(1)  # (g,) in the ids' order, as ``later``
+            keys[gaps], values[gaps] = torch.from_numpy(later[0]), torch.from_numpy(later[1])
+        return keys, values
+
+    def values_of(self, ids: list[int]) -> dict[int, Tensor | None]:
+        """id -> its value embedding (value_dim,) on the CPU, of its own storage; None for an id no longer stored."""
+        rows = self.rows_of(torch.tensor(ids))  # (r,) -1 for an id no longer stored
+        values = self.values[rows.clamp(min=0).to(self.device)].cpu()  # (r, value_dim)
+        return {
+            i: row.clone() if present else None  # its own storage, not a view of the batch
+            for i, row, present in zip(ids, values, (rows >= 0).tolist())
+        }
+
+
+def _given_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, int]:
+    """id -> its ``given`` bits, for those of the ids that have any."""
+    return dict(select_in(conn, "SELECT id, side FROM given WHERE id IN ({})", ids))
+
+
+def _id_of_key(key_of_id: dict[int, str], where: Path | None) -> dict[str, int]:
+    """The normalised key -> id map of the stored keys.
+
+    Keys written by this version are normalised already. Keys an earlier version stored as given (surrounding
+    whitespace, NFD) are found by their normalised text; should two of them normalise alike, the key names the
+    older record (the smaller id), the other stays reachable by id, and a RuntimeWarning names them.
+    """
+    id_of_key = {normalize_key(key): id_ for id_, key in key_of_id.items()}
+    if len(id_of_key) == len(key_of_id):
+        return id_of_key
+    groups: dict[str, list[int]] = {}
+    for id_, key in sorted(key_of_id.items()):
+        groups.setdefault(normalize_key(key), []).append(id_)
+    clashes = {key: ids for key, ids in groups.items() if len(ids) > 1}
+    shown = "; ".join(f"{key!r}: ids {ids}" for key, ids in list(clashes.items())[:5])
+    warnings.warn(
+        f"kvsearch: {where or 'a database in memory'} holds {len(clashes)} keys stored by an earlier version that "
+        f"are equal after normalisation (NFC, surrounding whitespace stripped): {shown}. Each key names its "
+        "smallest id; the others are reachable by id only (get / delete by id).",
+        RuntimeWarning,
+        stacklevel=5,  # the line it named before the mirror left Store: one frame more (Store.load -> Mirror.load)
+    )
+    return {key: ids[0] for key, ids in groups.items()}
+
+
+def _room_for(buffer: Tensor | None, rows: Tensor, a: int) -> Tensor:
+    """The buffer ``rows`` (n, width) is a view of, if it has room for ``a`` more rows, else a new one holding them.
+
+    A new buffer has an eighth more rows than needed, or is reserved (:func:`kvsearch.storage.buffers.row_buffer`).
+    """
+    n = rows.shape[0]
+    if buffer is not None and buffer.shape[0] >= n + a and buffer.data_ptr() == rows.data_ptr():
+        return buffer
+    grown = row_buffer(n + a + max(64, (n + a) // 8), rows.shape[1], like=rows)  # (capacity, width)
+    grown[:n] = rows
+    return grown

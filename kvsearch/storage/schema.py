@@ -1,0 +1,164 @@
+"""The SQLite file of a store: its tables, the queries and bits the storage wing shares, and how it is opened.
+
+- :data:`SCHEMA`: the tables (``meta``, ``records``, ``given``, the chunks of :mod:`kvsearch.storage.chunks`, the
+  change log of :mod:`kvsearch.storage.changelog`) and :data:`METADATA_INDEX`, the partial index of the records that
+  have metadata (:data:`METADATA_SQL` reads through it, :data:`METADATA_PLAIN_SQL` without it).
+- :data:`GIVEN_KEY`, :data:`GIVEN_VALUE`: the bits of ``given.side``.
+- :func:`connect_read_only`, :func:`connect_writable`, :func:`connect_in_memory`, :func:`reconnect`: connections as
+  the store opens them (autocommit: the store opens its transactions itself); :func:`open_error`: the typed error of
+  a file that cannot be opened.
+- :func:`select_in`: the rows of a query with one ``IN ({})`` for any number of values.
+
+This module knows nothing of what the records mean, of transactions, versions or the in-memory tensors
+(:mod:`kvsearch.storage.store`, :mod:`kvsearch.storage.mirror`).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, StorageError
+from kvsearch.storage import changelog, chunks, fileio
+
+__all__ = [
+    "SCHEMA",
+    "METADATA_INDEX",
+    "METADATA_SQL",
+    "METADATA_PLAIN_SQL",
+    "GIVEN_KEY",
+    "GIVEN_VALUE",
+    "SQLITE_CANTOPEN",
+    "connect_read_only",
+    "connect_writable",
+    "connect_in_memory",
+    "reconnect",
+    "open_error",
+    "select_in",
+]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS records (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT UNIQUE,
+    value TEXT,
+    metadata TEXT,
+    slot INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS given (id INTEGER PRIMARY KEY, side INTEGER NOT NULL);
+"""
+#: The ids whose record has metadata (a partial index: as small as the records with metadata are few).
+METADATA_INDEX = "CREATE INDEX IF NOT EXISTS records_with_metadata ON records (id) WHERE metadata IS NOT NULL;"
+SCHEMA += METADATA_INDEX
+#: The metadata of the hits of a search, through the partial index of the ids that have any: a hit without metadata
+#: costs no read of its row (a random page of the table, ~10-20 us each), only a look in that small index.
+METADATA_SQL = (
+    "SELECT id, metadata FROM records INDEXED BY records_with_metadata WHERE metadata IS NOT NULL AND id IN ({})"
+)
+#: The same without the index: a store of an earlier version opened read-only, or one whose records table another
+#: process rebuilt (until the next writable open makes the index again).
+METADATA_PLAIN_SQL = "SELECT id, metadata FROM records WHERE id IN ({}) AND metadata IS NOT NULL"
+#: Bits of ``given.side``: the record's key / value text came with its own embedding (never re-encoded).
+GIVEN_KEY, GIVEN_VALUE = 1, 2
+
+SCHEMA += chunks.SCHEMA  # the embeddings (see kvsearch.storage.chunks)
+SCHEMA += changelog.SCHEMA  # the change log: written in every write transaction (see kvsearch.storage.changelog)
+
+_SQLITE_BUSY, _SQLITE_LOCKED, SQLITE_CANTOPEN = 5, 6, 14
+#: SQLite errors of a file that cannot be reached, as opposed to one that is damaged.
+_SQLITE_ACCESS = {3, 10, 14, 23}  # SQLITE_PERM, SQLITE_IOERR, SQLITE_CANTOPEN, SQLITE_AUTH
+_CONNECT = {"isolation_level": None, "check_same_thread": False}  # we open transactions ourselves
+
+
+def connect_read_only(path: str | os.PathLike[str], timeout: float = 10.0) -> sqlite3.Connection:
+    """A read-only SQLite connection to ``path`` that never writes into its folder.
+
+    ``mode=ro`` first (it sees other processes' commits); where SQLite cannot make its WAL index because the folder
+    cannot be written and no WAL is pending (a store closed cleanly on a read-only file system), ``immutable=1``.
+
+    Raises:
+        sqlite3.Error: the file cannot be opened or read.
+    """
+    uri = Path(path).absolute().as_uri()
+    conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=timeout, **_CONNECT)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # SQLite opens lazily: fail here, not later
+        return conn
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        wal = Path(f"{path}-wal")
+        pending = wal.is_file() and wal.stat().st_size > 0
+        if fileio.sqlite_code(exc) != SQLITE_CANTOPEN or pending:
+            raise
+    conn = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=timeout, **_CONNECT)
+    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    return conn
+
+
+def connect_writable(path: Path, timeout: float) -> sqlite3.Connection:
+    """A connection to the store file ``path``, created (with our tables) if it does not exist.
+
+    Raises:
+        StorageError: the file cannot be created (:class:`~kvsearch.errors.DiskFullError`, ...).
+        sqlite3.Error: SQLite cannot open it or make its tables.
+    """
+    with fileio.storage_errors(path, "creating the store", "nothing was created"):
+        fileio.create_new(path)  # made by us with the umask's mode, not SQLite's fixed 0644
+    conn = sqlite3.connect(str(path), timeout=timeout, **_CONNECT)
+    try:
+        # A record is ~4 dim bytes of embeddings: 16 KiB pages hold several, and a 64 MiB WAL between
+        # checkpoints, insert ~1.5x faster than SQLite's 4 KiB / 4 MiB defaults (page_size only takes
+        # effect when the file is created; it must come before WAL mode).
+        conn.execute("PRAGMA page_size=16384")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA wal_autocheckpoint=4096")
+        conn.executescript(SCHEMA)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def connect_in_memory(timeout: float) -> sqlite3.Connection:
+    """A new in-memory database with our tables."""
+    conn = sqlite3.connect(":memory:", timeout=timeout, **_CONNECT)
+    conn.executescript(SCHEMA)
+    return conn
+
+
+def reconnect(path: Path, timeout: float) -> sqlite3.Connection:
+    """A fresh writable connection to the existing store file ``path`` (a child of fork() opens its own).
+
+    Raises:
+        sqlite3.Error: SQLite cannot open it.
+    """
+    conn = sqlite3.connect(str(path), timeout=timeout, **_CONNECT)
+    conn.execute("PRAGMA synchronous=FULL")
+    return conn
+
+
+def open_error(exc: sqlite3.Error, path: Path | None) -> Exception:
+    """The typed error of a store that cannot be opened: full, read-only, unreachable, locked, or damaged."""
+    typed = fileio.storage_error(exc, path, "opening the store", "nothing was written")
+    if typed is not None:
+        return typed
+    code = fileio.sqlite_code(exc)
+    if code in (_SQLITE_BUSY, _SQLITE_LOCKED):
+        return DatabaseLockedError(f"another process holds {path} locked: {exc}")
+    if code in _SQLITE_ACCESS:
+        return StorageError(f"cannot open {path} (SQLite said: {exc})")
+    return CorruptDatabaseError(f"{path} is not a kvsearch store (SQLite said: {exc})")
+
+
+def select_in(conn: sqlite3.Connection, sql: str, values: Sequence[Any]) -> list[tuple]:
+    """The rows of ``sql`` (one ``IN ({})``) for every value, in chunks under SQLite's bound-parameter limit."""
+    rows: list[tuple] = []
+    for start in range(0, len(values), 900):
+        chunk = list(values[start : start + 900])
+        rows.extend(conn.execute(sql.format(",".join("?" * len(chunk))), chunk).fetchall())
+    return rows

@@ -1,0 +1,164 @@
+"""The write path of one database: checked input, then one store transaction, then the index follows the commit.
+
+:class:`Writes` is what :class:`~kvsearch.Database` hands ``add``, ``upsert`` and ``delete`` to. Each write checks
+what came (texts or embeddings, one value per key, metadata, the memory the grown mirror needs) before taking the
+lock; under the write lock (:meth:`View.writing <kvsearch.view.View.writing>`: the view brought up to date first)
+it resolves the keys already stored — for keys given as embeddings, the stored key embedding equal to each
+(:meth:`Writes.equal_keys`) — encodes what has no embedding, writes the records in ONE store transaction, and then
+removes / adds just those ids in the candidate index.
+
+It knows nothing of search, generations, file formats or how the lock is taken: it is given the database's
+:class:`~kvsearch.view.View` (the store, the encoders, the retriever, the dims, the write context) and the index
+spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvsearch.checks import check_batch
+from kvsearch.encoders.base import Encoder
+from kvsearch.errors import DimensionMismatchError, DuplicateKeyError, UnknownOptionError
+from kvsearch.inputs import KeysIn, check_metadata, delete_items, encode_side, record_side
+from kvsearch.limits import check_fits, index_bytes
+from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE
+
+if TYPE_CHECKING:  # annotations only
+    from kvsearch.retrieval import Retriever
+    from kvsearch.storage.store import Store
+    from kvsearch.view import View
+
+__all__ = ["Writes"]
+
+
+class Writes:
+    """The writes of one open database (see the module docstring).
+
+    Args:
+        view: the database's view: its store, encoders and retriever (read at each write: an encoder set or
+            reloaded later is used), its dims, and its write context (:meth:`~kvsearch.view.View.writing`: the
+            write lock held and the view up to date; it raises DatabaseClosedError, ReadOnlyDatabaseError,
+            DatabaseLockedError, DiskFullError, StoreChangedError).
+        index_spec: the index spec (what the index additions of a write cost in memory).
+    """
+
+    def __init__(self, view: View, *, index_spec: str) -> None:
+        self.view = view
+        self.dim, self.value_dim, self.index_spec = view.dim, view.value_dim, index_spec
+
+    @property
+    def store(self) -> Store:
+        return self.view.store
+
+    @property
+    def retriever(self) -> Retriever:
+        """The database's retriever now."""
+        return self.view.retriever
+
+    @property
+    def encoder(self) -> Encoder | None:
+        return self.view.encoders.key
+
+    @property
+    def value_encoder(self) -> Encoder | None:
+        return self.view.encoders.value
+
+    def write(
+        self,
+        keys: KeysIn,
+        values: KeysIn,
+        metadata: Sequence[Mapping[str, Any] | None] | None,
+        key_embeddings: Tensor | np.ndarray | None,
+        value_embeddings: Tensor | np.ndarray | None,
+        *,
+        upsert: bool,
+    ) -> list[int]:
+        """``Database.add`` (``upsert=False``: every key must be new) or ``Database.upsert``: the ids, in order.
+
+        Raises:
+            EmptyKeyError, DuplicateKeyError, DimensionMismatchError, NonFiniteError, InvalidArgumentError,
+                MissingEncoderError, MemoryLimitError: before anything is written.
+        """
+        key_texts, key_embs = record_side(keys, "keys", self.encoder, self.dim, key_embeddings)
+        n = len(key_texts)
+        value_texts, value_embs = record_side(values, "values", self.value_encoder, self.value_dim, value_embeddings)
+        if len(value_texts) != n:
+            raise DimensionMismatchError(f"expected one value per key ({n}), got {len(value_texts)} values")
+        check_batch(n, "records")
+        metadata = check_metadata(metadata, n)
+        self.check_memory(n)
+        # which texts came with their own embedding: kept as given, never re-encoded from the text
+        given = (GIVEN_KEY if key_embeddings is not None else 0) | (GIVEN_VALUE if value_embeddings is not None else 0)
+        with self.view.writing():
+            existing = self.store.stored_ids_of_keys(key_texts, allow=upsert)  # raises DuplicateKeyError
+            if upsert and n and key_texts[0] is None:  # keys as embeddings: the same key is an equal embedding
+                existing = self.equal_keys(key_embs)  # raises DuplicateKeyError
+            if n == 0:
+                return []
+            key_embs = encode_side(key_texts, key_embs, self.encoder, self.dim, "keys")  # (n, dim)
+            value_embs = encode_side(value_texts, value_embs, self.value_encoder, self.value_dim, "values")
+            ids = self.store.write(key_texts, value_texts, metadata, key_embs, value_embs, existing, [given] * n)
+            self.retriever.apply(removed=[i for i in existing if i is not None], added=ids, keys=key_embs)
+        return ids
+
+    def check_memory(self, n: int) -> None:
+        """Refuse (MemoryLimitError) a write of ``n`` records whose grown mirror (copied once by torch.cat) and
+        index additions cannot fit."""
+        need = (len(self.store) + 2 * n) * (self.dim + self.value_dim) * 4 + index_bytes(self.index_spec, n, self.dim)
+        check_fits(need, f"adding {n:,} records")
+
+    def equal_keys(self, key_embs: Tensor) -> list[int | None]:
+        """The stored id each key embedding (n, dim) replaces in an upsert: the one record without key text whose
+        key embedding equals it, or None for a new key.
+
+        Raises:
+            DuplicateKeyError: two equal rows in the batch; or the equal stored key has a text, or several records
+                have it (replace one by id instead).
+        """
+        _, inverse, counts = torch.unique(key_embs + 0.0, dim=0, return_inverse=True, return_counts=True)
+        if bool((counts > 1).any()):
+            twice = torch.nonzero(counts[inverse] > 1).flatten().tolist()  # positions of repeated rows
+            raise DuplicateKeyError(f"expected unique key embeddings, got equal rows at positions {twice[:10]}")
+        first, count = self.retriever.key_matches(key_embs)  # (n,), (n,)
+        out: list[int | None] = []
+        for i, (id_, c) in enumerate(zip(first.tolist(), count.tolist())):
+            how = f"replace a record by id: delete({id_}) then add(...); nothing was written"
+            if c > 1:
+                raise DuplicateKeyError(
+                    f"expected one stored record per key embedding, got {c} records equal to the key at position "
+                    f"{i}; {how}"
+                )
+            text = self.store.key_of_id.get(id_) if c else None
+            if text is not None:
+                raise DuplicateKeyError(
+                    f"expected a key embedding without text, got one equal to the key {text!r} of record {id_} "
+                    f"(position {i}): upsert it by its text with key_embeddings=, or {how}"
+                )
+            out.append(id_ if c else None)
+        return out
+
+    def delete(self, key_or_keys: object, *, missing: Literal["raise", "ignore"]) -> list[int]:
+        """``Database.delete``: the deleted ids.
+
+        Raises:
+            KeyNotFoundError: a key or id is not stored and ``missing="raise"`` (then nothing is deleted).
+            InvalidArgumentError: an item is neither str nor int.
+            UnknownOptionError: ``missing`` is neither ``"raise"`` nor ``"ignore"``.
+        """
+        if missing not in ("raise", "ignore"):
+            raise UnknownOptionError(f"expected missing='raise' or 'ignore', got {missing!r}")
+        items = delete_items(key_or_keys)
+        with self.view.writing():
+            store = self.store
+            if missing == "ignore":
+                items = [i for i in items if (i in store.id_of_key if isinstance(i, str) else store.contains_id(i))]
+            ids = store.resolve(items, "nothing was deleted")  # raises KeyNotFoundError
+            if ids:
+                store.delete(ids)
+                self.retriever.apply(removed=ids, added=[], keys=None)
+        return ids
