@@ -101,7 +101,7 @@ class Database:
         self.path = None if path is None else Path(path)
         store, creation = opening.open_store(self.path, self.device, read_only=read_only, lock_timeout=lock_timeout)
         self._view = view = View(self.path, store)  # the store, encoders, retriever; the locks and the catch-up
-        given = (encoder, value_encoder, dim, value_dim, index, score, search_params)
+        given = opening.Given(encoder, value_encoder, dim, value_dim, index, score, search_params)
         opening.open_view(view, creation, self.device, given)  # create or reopen; the store closed if it fails
         self.dim, self.value_dim = view.config["dim"], view.config["value_dim"]
         self.score, self.index_spec = view.config["score"], view.config["index"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -48,7 +49,21 @@ from kvsearch.storage.store import Store
 if TYPE_CHECKING:  # annotations only
     from kvsearch.view import View
 
-__all__ = ["Parts", "check_options", "open_store", "open_view", "repair", "create", "reopen", "new_retriever"]
+__all__ = ["Given", "Parts", "check_options", "open_store", "open_view", "repair", "create", "reopen", "new_retriever"]
+
+
+@dataclass(frozen=True)
+class Given:
+    """What ``Database(...)`` was given to create a database with, or to check a reopened one against (None: not
+    given)."""
+
+    encoder: Encoder | None = None
+    value_encoder: Encoder | None = None
+    dim: int | None = None
+    value_dim: int | None = None
+    index: str | None = None
+    score: str | None = None
+    search_params: Mapping[str, float] | None = None
 
 
 class Parts(NamedTuple):
@@ -115,13 +130,12 @@ def open_store(
     return store, creation
 
 
-def open_view(view: View, creation: folders.Creation | None, device: torch.device, given: tuple[Any, ...]) -> None:
+def open_view(view: View, creation: folders.Creation | None, device: torch.device, given: Given) -> None:
     """Create or reopen the database whose store ``view`` holds, and hand the view its parts.
 
     Args:
         view: the view of the store :func:`open_store` opened. creation: what :func:`open_store` returned with it.
-        device: the database's device. given: what the database was given, as :func:`create` takes it
-            (encoder, value_encoder, dim, value_dim, index, score, search_params).
+        device: the database's device. given: what the database was given.
 
     Raises:
         As :func:`create`, :func:`reopen` and :func:`repair`; CorruptDatabaseError: a store without configuration
@@ -131,7 +145,7 @@ def open_view(view: View, creation: folders.Creation | None, device: torch.devic
     try:
         saved = store.get_meta("config")
         if saved is not None:
-            view.adopt(reopen(store, view.files, device, saved, *given))
+            view.adopt(reopen(store, view.files, device, saved, given))
             mismatch = generations.key_mismatch(store, view.encoders.key)
             if mismatch > generations.KEY_TOLERANCE:  # by an older version during a run that stopped, or damaged
                 repair(view, mismatch)
@@ -139,7 +153,7 @@ def open_view(view: View, creation: folders.Creation | None, device: torch.devic
             raise CorruptDatabaseError(f"{store.path} holds no configuration: its creation never finished")
         else:
             with fileio.storage_errors(view.path, "creating the database", "nothing of it was kept"):
-                view.adopt(create(store, view.files, device, *given))
+                view.adopt(create(store, view.files, device, given))
                 view.switch("a new generation", generations.commit)  # generation 1: the encoders as given
     except BaseException:
         store.close()
@@ -163,54 +177,36 @@ def repair(view: View, mismatch: float) -> None:
     warnings.warn(f"kvsearch: {what}; every key was re-encoded with the stored encoder", RuntimeWarning, 3)
 
 
-def create(
-    store: Store,
-    files: EncoderFiles,
-    device: torch.device,
-    encoder: Encoder | None,
-    value_encoder: Encoder | None,
-    dim: int | None,
-    value_dim: int | None,
-    index: str | None,
-    score: str | None,
-    search_params: Mapping[str, float] | None,
-) -> Parts:
+def create(store: Store, files: EncoderFiles, device: torch.device, given: Given) -> Parts:
     """The parts of a new database: its configuration (recorded in the store), encoders and an empty index.
 
     Raises:
         InvalidArgumentError, UnknownOptionError, DimensionMismatchError: what was given does not make a database.
     """
-    config, value_encoder = new_config(encoder, value_encoder, dim, value_dim, index, score, search_params)
+    g = given
+    config, value_encoder = new_config(
+        g.encoder, g.value_encoder, g.dim, g.value_dim, g.index, g.score, g.search_params
+    )
     retriever = new_retriever(store, config, files.folder)
-    encoders = EncoderSet.create(files, device, key=encoder, value=value_encoder)
+    encoders = EncoderSet.create(files, device, key=g.encoder, value=value_encoder)
     config = {**config, **encoders.flags()}
     store.set_meta("config", config)
     store.load(config["dim"], config["value_dim"])
     return Parts(config, encoders, retriever)
 
 
-def reopen(
-    store: Store,
-    files: EncoderFiles,
-    device: torch.device,
-    saved: dict[str, Any],
-    encoder: Encoder | None,
-    value_encoder: Encoder | None,
-    dim: int | None,
-    value_dim: int | None,
-    index: str | None,
-    score: str | None,
-    search_params: Mapping[str, float] | None,
-) -> Parts:
+def reopen(store: Store, files: EncoderFiles, device: torch.device, saved: dict[str, Any], given: Given) -> Parts:
     """The parts of an existing database, from its stored configuration ``saved`` (what was given must agree).
 
     Raises:
         ConfigMismatchError: a dim, index, score or encoder that differs from the stored one.
         MissingFileError, CorruptDatabaseError: an encoder's file is missing or damaged.
     """
-    given = {"dim": dim, "value_dim": value_dim, "index": index, "score": score}
-    config = check_reopen(saved, files.folder, search_params, **given)
-    encoders = EncoderSet.reopen(files, device, config, key=encoder, value=value_encoder, where=files.folder)
+    dims = {"dim": given.dim, "value_dim": given.value_dim, "index": given.index, "score": given.score}
+    config = check_reopen(saved, files.folder, given.search_params, **dims)
+    encoders = EncoderSet.reopen(
+        files, device, config, key=given.encoder, value=given.value_encoder, where=files.folder
+    )
     files.settle()
     store.load(config["dim"], config["value_dim"])
     retriever = new_retriever(store, config, files.folder)
