@@ -30,7 +30,7 @@ from kvsearch.distributed import ShardedDatabase
 from kvsearch.distributed import layout as sharding
 
 SCRIPT = Path(sys.executable).with_name("kvsearch")  # the console script pip installs next to python
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli.program"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli"]
 SUBCOMMANDS = ["build", "query", "info", "delete", "finetune", "rollback", "demo"]
 
 

@@ -28,7 +28,7 @@ from kvsearch.cli.program import main
 from kvsearch.filters import matches
 
 SCRIPT = Path(sys.executable).with_name("kvsearch")  # the console script pip installs next to python
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli.program"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli"]
 YEARS = {"Zhang": 2015, "Lipton": 2014, "Li": 2013, "Smola": 1999, "Hu": 2020, "Werness": 2019}
 LANGS = {"Zhang": "zh", "Lipton": "en", "Li": "zh", "Smola": "de", "Hu": "en", "Werness": "en"}
 PROGRESS = re.compile(rb"encoding \+ indexing:[^\r\n]*?(\d+)/(\d+)")

@@ -180,7 +180,3 @@ def _one_line(exc: BaseException) -> str:
     if isinstance(exc, (KVSearchError, CommandError)):
         return text
     return f"{type(exc).__name__}: {text}"  # an unexpected error: say what kind
-
-
-if __name__ == "__main__":  # python -m kvsearch.cli.program
-    raise SystemExit(main())

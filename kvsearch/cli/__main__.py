@@ -1,0 +1,7 @@
+"""``python -m kvsearch.cli``: the ``kvsearch`` command, where its console script is not on the PATH."""
+
+from __future__ import annotations
+
+from kvsearch.cli.program import main
+
+raise SystemExit(main())
