@@ -497,3 +497,32 @@ def test_reprs_are_short(rng):
     assert shown.startswith("Answer(value='Zachary', found=True, top=[('Lipton', ") and "output=(256,)" in shown
     assert repr(names.search("Li", k=1)[0]).startswith("Hit(id=3, key='Li', value='Mu', score=")
     assert repr(names.search("Li", k=1)[0]).endswith("metadata={'n': 2})")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_a_dropped_database_is_freed_at_once(tmp_path, on_disk, sharded):
+    """No reference cycle between the facade and its parts: a database dropped without close() is freed (and its
+    store file closed) when its last reference goes, not at some later garbage collection."""
+    import gc
+    import weakref
+
+    from kvsearch.distributed import ShardedDatabase
+
+    path = tmp_path / "db" if on_disk or sharded else None
+    gc.collect()
+    gc.disable()
+    try:
+        if sharded:
+            db = ShardedDatabase(path, num_shards=2, dim=4, value_dim=4)
+            stores = [shard.store for shard in db.shards.values()]
+        else:
+            db = Database(path, dim=4, value_dim=4)
+            stores = [db.store]
+        db.add(torch.randn(5, 4), torch.randn(5, 4))
+        assert len(db.search(torch.randn(4), k=2)) == 2
+        refs = [weakref.ref(db), *map(weakref.ref, stores)]
+        del db, stores
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.enable()

@@ -13,6 +13,7 @@ It knows nothing of search, candidates or writes, nor of a shard's internals: it
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,8 @@ class ShardReads:
     """
 
     def __init__(self, sdb: ShardedDatabase) -> None:
-        self.sdb = sdb
+        # the database owns this object: a weak proxy back, so that a dropped database is freed at once (no cycle)
+        self.sdb: ShardedDatabase = weakref.proxy(sdb)
 
     def get(self, id: int) -> Record:
         """The record with this global id, read on its owner; KeyNotFoundError where none has it."""

@@ -12,6 +12,7 @@ It knows nothing of search, candidates or reads by id, nor of a shard's internal
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,7 +38,8 @@ class ShardWrites:
     """
 
     def __init__(self, sdb: ShardedDatabase) -> None:
-        self.sdb = sdb
+        # the database owns this object: a weak proxy back, so that a dropped database is freed at once (no cycle)
+        self.sdb: ShardedDatabase = weakref.proxy(sdb)
 
     def write(
         self,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sqlite3
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,8 @@ class Mirror:
     """
 
     def __init__(self, store: Store) -> None:
-        self.store = store
+        # the store owns its mirror: a weak proxy back, so that a dropped store is freed (and its file closed) at once
+        self.store: Store = weakref.proxy(store)
         self.device = store.device
         self.loaded_version = 0
         self.full_loads = 0
