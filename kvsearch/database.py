@@ -5,7 +5,7 @@
     db.lookup("Li")                                  # "Mu": an exact database lookup
     db.query("Lipto", k=4, pooling="softmax")        # Answer: a differentiable blend of candidate values
 
-It checks what it is given, opens (creates or reopens) the folder (:mod:`kvsearch.opening`) and hands each operation
+It checks what it is given, opens (creates or reopens) the folder (:mod:`kvsearch.view`) and hands each operation
 to the part that does it: the locks, the read snapshot, bringing a stale view up to date, ``atomic()``, generation
 switches, saving and closing to the :class:`~kvsearch.view.View`; writes to :class:`~kvsearch.writes.Writes` (checked
 input, one transaction, the index following the commit); searches, queries, lookups and reads by id to
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch import generations, opening
+from kvsearch import generations
 from kvsearch.checks import check_device, check_path, check_seconds
 from kvsearch.encoders.base import Encoder
 from kvsearch.generations import Draft
@@ -39,7 +39,7 @@ from kvsearch.results import Answer, Hit, LazyKeys
 from kvsearch.retrieval import Retriever
 from kvsearch.storage.locking import DEFAULT_LOCK_TIMEOUT
 from kvsearch.storage.store import Record, Store
-from kvsearch.view import View
+from kvsearch.view import Given, View, check_options, open_store, open_view
 from kvsearch.writes import Writes
 
 __all__ = ["Database", "Hit", "Answer", "LazyKeys", "DB_SCORES"]
@@ -97,16 +97,16 @@ class Database:
         self.device = check_device(device)
         check_path(path)
         lock_timeout = check_seconds(lock_timeout, "lock_timeout")
-        opening.check_options(search_params, read_only)
+        check_options(search_params, read_only)
         self.path = None if path is None else Path(path)
-        store, creation = opening.open_store(self.path, self.device, read_only=read_only, lock_timeout=lock_timeout)
+        store, creation = open_store(self.path, self.device, read_only=read_only, lock_timeout=lock_timeout)
         self._view = view = View(self.path, store)  # the store, encoders, retriever; the locks and the catch-up
-        given = opening.Given(encoder, value_encoder, dim, value_dim, index, score, search_params)
-        opening.open_view(view, creation, self.device, given)  # create or reopen; the store closed if it fails
-        self.dim, self.value_dim = view.config["dim"], view.config["value_dim"]
-        self.score, self.index_spec = view.config["score"], view.config["index"]
-        self._writes = Writes(view, index_spec=self.index_spec)  # add, upsert, delete
-        self._reads = Reads(view, score=self.score, device=self.device)  # search, query, lookup, reads by id
+        given = Given(encoder, value_encoder, dim, value_dim, index, score, search_params)
+        open_view(view, creation, self.device, given)  # create or reopen; the store closed if it fails
+        self.dim, self.value_dim = view.dim, view.value_dim
+        self.score, self.index_spec = view.score, view.index_spec
+        self._writes = Writes(view)  # add, upsert, delete
+        self._reads = Reads(view)  # search, query, lookup, reads by id
 
     @property
     def read_only(self) -> bool:

@@ -57,15 +57,14 @@ class Reads:
 
     Args:
         view: the database's view: its store, encoders and retriever (read at each query: an encoder reloaded
-            later is used), its dim, its read context (:meth:`~kvsearch.view.View.reading`: one store snapshot,
-            the view up to date with it) and :meth:`~kvsearch.view.View.catch_up` (the view brought up to date
-            outside a snapshot, before text queries are encoded); both raise DatabaseClosedError.
-        score: the database's score function. device: where the pooling runs.
+            later is used), its dim, score and device, its read context (:meth:`~kvsearch.view.View.reading`: one
+            store snapshot, the view up to date with it) and :meth:`~kvsearch.view.View.catch_up` (the view brought
+            up to date outside a snapshot, before text queries are encoded); both raise DatabaseClosedError.
     """
 
-    def __init__(self, view: View, *, score: str, device: torch.device) -> None:
+    def __init__(self, view: View) -> None:
         self.view = view
-        self.dim, self.score, self.device = view.dim, score, device
+        self.dim, self.score, self.device = view.dim, view.score, view.store.device  # where the pooling runs
 
     @property
     def store(self) -> Store:

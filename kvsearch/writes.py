@@ -41,15 +41,14 @@ class Writes:
 
     Args:
         view: the database's view: its store, encoders and retriever (read at each write: an encoder set or
-            reloaded later is used), its dims, and its write context (:meth:`~kvsearch.view.View.writing`: the
-            write lock held and the view up to date; it raises DatabaseClosedError, ReadOnlyDatabaseError,
-            DatabaseLockedError, DiskFullError, StoreChangedError).
-        index_spec: the index spec (what the index additions of a write cost in memory).
+            reloaded later is used), its dims and index spec, and its write context
+            (:meth:`~kvsearch.view.View.writing`: the write lock held and the view up to date; it raises
+            DatabaseClosedError, ReadOnlyDatabaseError, DatabaseLockedError, DiskFullError, StoreChangedError).
     """
 
-    def __init__(self, view: View, *, index_spec: str) -> None:
+    def __init__(self, view: View) -> None:
         self.view = view
-        self.dim, self.value_dim, self.index_spec = view.dim, view.value_dim, index_spec
+        self.dim, self.value_dim, self.index_spec = view.dim, view.value_dim, view.index_spec
 
     @property
     def store(self) -> Store:

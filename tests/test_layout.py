@@ -33,7 +33,6 @@ RANKS: list[tuple[str, ...]] = [
     ("index",),
     ("retrieval",),
     ("generations",),
-    ("opening",),
     ("view",),
     ("reads", "writes"),
     ("database",),

@@ -125,11 +125,7 @@ class EncoderSet:
             InvalidArgumentError: not an Encoder or None.
             DimensionMismatchError: its dim is not ``dim``.
         """
-        if encoder is not None and not isinstance(encoder, Encoder):
-            got = type(encoder).__name__
-            raise InvalidArgumentError(f"expected a kvsearch Encoder or None as query_encoder, got {got}")
-        if encoder is not None and encoder.dim != dim:
-            raise DimensionMismatchError(f"expected a query encoder of dim {dim}, got dim {encoder.dim}")
+        _check_side(encoder, dim, "query")
         self.query = None if encoder is None else encoder.to(self.device)
 
     def set_value(self, encoder: Encoder | None, value_dim: int) -> None:
@@ -139,11 +135,7 @@ class EncoderSet:
             InvalidArgumentError: not an Encoder or None.
             DimensionMismatchError: its dim is not ``value_dim``.
         """
-        if encoder is not None and not isinstance(encoder, Encoder):
-            got = type(encoder).__name__
-            raise InvalidArgumentError(f"expected a kvsearch Encoder or None as value_encoder, got {got}")
-        if encoder is not None and encoder.dim != value_dim:
-            raise DimensionMismatchError(f"expected a value encoder of dim {value_dim}, got dim {encoder.dim}")
+        _check_side(encoder, value_dim, "value")
         self.value = encoder
 
     @property
@@ -244,3 +236,19 @@ class EncoderSet:
             for prefix in ("encoder", "value_encoder", "query_encoder")
         }
         self.install(loaded, config)
+
+
+def _check_side(encoder: object, dim: int, side: str) -> None:
+    """An encoder set on one side (``"query"``, ``"value"``) is an Encoder of that side's dim, or None.
+
+    Raises:
+        InvalidArgumentError: not an Encoder or None. DimensionMismatchError: its dim is not ``dim``.
+    """
+    if encoder is None:
+        return
+    if not isinstance(encoder, Encoder):
+        raise InvalidArgumentError(
+            f"expected a kvsearch Encoder or None as {side}_encoder, got {type(encoder).__name__}"
+        )
+    if encoder.dim != dim:
+        raise DimensionMismatchError(f"expected a {side} encoder of dim {dim}, got dim {encoder.dim}")

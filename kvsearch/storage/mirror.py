@@ -237,36 +237,26 @@ class Mirror:
                 return None
             keys = torch.from_numpy(keys).to(self.device, torch.float32)  # (u, dim)
             values = torch.from_numpy(values).to(self.device, torch.float32)  # (u, value_dim)
-            upserted = torch.tensor(changes.upserted, dtype=torch.long)  # (u,)
-            present = self.rows_of(upserted) >= 0  # (u,) replaced in place; the others are new
+            upserted = changes.upserted  # sorted, as the rows
+            present = (self.rows_of(torch.tensor(upserted, dtype=torch.long)) >= 0).tolist()  # replaced in place
             gone = [i for i in changes.deleted if self.contains_id(i)]
-            removed = sorted(gone + upserted[present].tolist())
+            removed = sorted(gone + [id_ for id_, here in zip(upserted, present) if here])
             self.drop(gone)
-            if bool(present.any()):
-                rows_now = self.rows_of(upserted[present]).to(self.device)  # (r,)
-                sel = present.to(self.device)
-                self.keys[rows_now] = keys[sel]
-                self.values[rows_now] = values[sel]
-            if not bool(present.all()):
-                sel = ~present
-                self._append(upserted[sel], keys[sel.to(self.device)], values[sel.to(self.device)])
-            for id_ in upserted[present].tolist():
-                self._forget_key(id_)
-            for id_ in upserted.tolist():  # which texts came with their own embedding, as the writer recorded
-                self.given_keys.discard(id_)
-                self.given_values.discard(id_)
-                if flags.get(id_, 0) & GIVEN_KEY:
-                    self.given_keys.add(id_)
-                if flags.get(id_, 0) & GIVEN_VALUE:
-                    self.given_values.add(id_)
-            for id_, key, _ in rows:
-                if key is not None:
-                    self.id_of_key[normalize_key(key)] = id_
-                    self.key_of_id[id_] = key
+            # the same path as this process's own writes: rows replaced in place, new rows appended, key maps and
+            # the given flags as the writer recorded them
+            self.apply_write(
+                upserted,
+                [key for _, key, _ in rows],
+                keys,
+                values,
+                replaced=[n for n, here in enumerate(present) if here],
+                added=[n for n, here in enumerate(present) if not here],
+                given=[(id_, flags[id_]) for id_ in upserted if flags.get(id_)],
+            )
             self.loaded_version = version
             self.seen_data_version = data_version
             self.catch_ups += 1
-            return CatchUp(removed=removed, added=changes.upserted, keys=keys)
+            return CatchUp(removed=removed, added=upserted, keys=keys)
 
     def _read_rows(
         self, ids: Sequence[int], dim: int, value_dim: int
