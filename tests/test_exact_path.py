@@ -10,7 +10,17 @@ import torch
 
 import kvsearch
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.index.exact_path import ENV_VAR, choose_path, fast_half_dtypes, forced_path, set_exact_path
+from kvsearch.index.exact_path import (
+    ENV_VAR,
+    HALF_MARGIN,
+    HALF_MIN_BATCH,
+    RETRY_EVERY,
+    TRIALS,
+    PathChooser,
+    fast_half_dtypes,
+    forced_path,
+    set_exact_path,
+)
 from kvsearch.index.factory import make_index
 
 PATHS = ["float32", "bfloat16", "float16", "faiss", "auto"]
@@ -24,29 +34,33 @@ def forced():
 
 
 def _data(rng: np.random.Generator, kind: str, n: int = 1500, dim: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """keys (n, dim), queries (12, dim) float32 of one kind."""
-    if kind == "random":
+    """keys (n, dim), queries (20, dim) float32 of one kind (20 >= HALF_MIN_BATCH: ``auto`` times the half path)."""
+    if kind in ("random", "unit", "norms"):  # unnormalised (what a model makes), unit-norm, norms spread 100x
         keys = rng.standard_normal((n, dim)).astype(np.float32)
-        queries = rng.standard_normal((12, dim)).astype(np.float32)
+        queries = rng.standard_normal((20, dim)).astype(np.float32)
+        if kind == "unit":
+            keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+        elif kind == "norms":
+            keys *= (10.0 ** rng.uniform(-1, 1, (n, 1))).astype(np.float32)
     elif kind == "clusters":  # near-duplicate clusters: 15 centres x 100, noise 1e-2 per coordinate
         centres = rng.standard_normal((15, dim)) / np.sqrt(dim)
         noise = 1e-2 * rng.standard_normal((n // 15 * 15, dim))
         keys = (np.repeat(centres, n // 15, axis=0) + noise).astype(np.float32)
-        queries = (centres[rng.integers(0, 15, 12)] + 1e-2 * rng.standard_normal((12, dim))).astype(np.float32)
+        queries = (centres[rng.integers(0, 15, 20)] + 1e-2 * rng.standard_normal((20, dim))).astype(np.float32)
     else:  # "ties": entries in {-1, 0, 1} / 4 and many repeated rows: every score is exact, many are equal
         base = rng.integers(-1, 2, (40, dim)) / 4
         keys = base[rng.integers(0, 40, n)].astype(np.float32)
-        queries = (rng.integers(-1, 2, (12, dim)) / 4).astype(np.float32)
+        queries = (rng.integers(-1, 2, (20, dim)) / 4).astype(np.float32)
     return keys, queries
 
 
 def _brute(queries, keys, ids, k, metric, allowed=None):
-    """float64 brute force: (12, k) scores and ids, best first, equal scores by smaller id."""
+    """float64 brute force: (20, k) scores and ids, best first, equal scores by smaller id."""
     q, v = queries.astype(np.float64), keys.astype(np.float64)
     if metric == "cosine":
         q = q / np.linalg.norm(q, axis=1, keepdims=True)
         v = v / np.linalg.norm(v, axis=1, keepdims=True)
-    s = q @ v.T if metric != "l2" else ((q[:, None, :] - v[None]) ** 2).sum(-1)  # (12, n)
+    s = q @ v.T if metric != "l2" else ((q[:, None, :] - v[None]) ** 2).sum(-1)  # (20, n)
     sign = -1.0 if metric != "l2" else 1.0
     admitted = np.ones(len(ids), dtype=bool) if allowed is None else np.isin(ids, allowed)
     out_s, out_i = [], []
@@ -59,7 +73,7 @@ def _brute(queries, keys, ids, k, metric, allowed=None):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", ["random", "clusters", "ties"])
+@pytest.mark.parametrize("kind", ["random", "unit", "norms", "clusters", "ties"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_every_path_gives_the_brute_force_ids_and_scores(rng, forced, path, kind, metric):
     keys, queries = _data(rng, kind)
@@ -82,9 +96,9 @@ def test_every_path_gives_the_brute_force_ids_and_scores(rng, forced, path, kind
             if kind == "ties" and metric != "cosine":  # every score exact in float32: equal ids, ties by id
                 assert torch.equal(found.ids, torch.from_numpy(ref_i)), (k, index.last_path)
             else:  # ids equal wherever float32 rounding cannot swap them (no other score within 1e-5)
-                ext, _ = _brute(queries, keys, ids, k + 1, metric, allowed)  # (12, k + 1): the first left out too
-                gaps = np.abs(ext[:, :k, None] - ext[:, None, :]) + np.eye(k, ext.shape[1]) > 1e-5  # (12, k, k+1)
-                clear = gaps.all(-1)  # (12, k)
+                ext, _ = _brute(queries, keys, ids, k + 1, metric, allowed)  # (20, k + 1): the first left out too
+                gaps = np.abs(ext[:, :k, None] - ext[:, None, :]) + np.eye(k, ext.shape[1]) > 1e-5  # (20, k, k+1)
+                clear = gaps.all(-1)  # (20, k)
                 assert np.array_equal(found.ids.numpy()[clear], ref_i[clear]), (k, index.last_path)
             if path not in ("auto", "faiss") and allowed is not small and 8 * k < len(big):
                 assert index.last_path == path  # forced paths run as forced (faiss: only where it applies)
@@ -113,29 +127,62 @@ def test_half_path_rescores_near_duplicates_without_searching_again(rng, forced)
     assert index.last_rechecked == 0 and torch.equal(half.ids, exact.ids)
 
 
-def test_the_rule_and_its_overrides(forced, monkeypatch):
+def test_the_overrides(forced, monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert forced_path() == "auto"
-    assert choose_path(1, cpu, faiss_ok=True) == "float32"  # one query: the matrix-vector scan
-    big = choose_path(256, cpu, faiss_ok=True)
-    half = fast_half_dtypes(cpu)
-    assert big == ("bfloat16" if torch.bfloat16 in half and torch.float16 not in half[:1] else big)
-    if torch.float16 not in half:
-        assert all(choose_path(b, cpu, faiss_ok=ok) != "float16" for b in (1, 16, 64, 4096) for ok in (True, False))
-    if not half:
-        assert big == "faiss" and choose_path(256, cpu, faiss_ok=False) == "float32"
+    chooser = PathChooser()
+    assert chooser.choose(1, 1000, cpu, faiss_ok=True) == "float32"  # one query: the matrix-vector scan
+    if torch.float16 not in fast_half_dtypes(cpu):
+        picks = {chooser.choose(b, 1000, cpu, faiss_ok=ok) for b in (1, 16, 64, 4096) for ok in (True, False)}
+        assert "float16" not in picks and "faiss" not in picks  # FAISS only when forced
     monkeypatch.setenv(ENV_VAR, "faiss")
-    assert choose_path(1, cpu, faiss_ok=True) == "faiss"
-    assert choose_path(256, cpu, faiss_ok=False) == "float32"  # forced FAISS where it cannot run: float32
+    assert chooser.choose(1, 1000, cpu, faiss_ok=True) == "faiss"
+    assert chooser.choose(256, 1000, cpu, faiss_ok=False) == "float32"  # forced FAISS where it cannot run: float32
     forced("bfloat16")  # the process-wide override wins over the environment
-    assert choose_path(1, cpu, faiss_ok=True) == "bfloat16"
+    assert chooser.choose(1, 1000, cpu, faiss_ok=True) == "bfloat16"
     forced(None)
     monkeypatch.setenv(ENV_VAR, "float8")
     with pytest.raises(UnknownOptionError):
-        choose_path(1, cpu, faiss_ok=True)
+        chooser.choose(1, 1000, cpu, faiss_ok=True)
     with pytest.raises(UnknownOptionError):
         set_exact_path("fast")
+
+
+def _timed(chooser: PathChooser, half_cost: float, calls: int, batch: int = 64, rows: int = 5000) -> list[str]:
+    """The paths ``chooser`` picks over ``calls`` calls where float32 costs 1 and the half path ``half_cost``."""
+    picks = []
+    for _ in range(calls):
+        path = chooser.choose(batch, rows, torch.device("cuda"), faiss_ok=False)  # CUDA: float16 is fast there
+        picks.append(path)
+        chooser.record(batch, rows, path, half_cost if path != "float32" else 1.0)
+    return picks
+
+
+@pytest.mark.parametrize("half_cost", [0.3, 0.8, HALF_MARGIN + 0.01, 2.0, 6.0])
+def test_the_chooser_keeps_the_half_path_only_where_it_was_measured_faster(forced, monkeypatch, half_cost):
+    """Both paths are timed first; the half one is kept only at most HALF_MARGIN of float32's time, and the path not
+    taken is timed again every RETRY_EVERY calls (so a slower path costs at most 1 / RETRY_EVERY of the calls)."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    picks = _timed(PathChooser(), half_cost, 4 * RETRY_EVERY)
+    assert picks[:TRIALS] == ["float32"] * TRIALS and picks[TRIALS : 2 * TRIALS] == ["float16"] * TRIALS
+    kept = "float16" if half_cost <= HALF_MARGIN else "float32"
+    others = [i for i, p in enumerate(picks) if i >= 2 * TRIALS and p != kept]
+    assert others == [i for i in range(2 * TRIALS, len(picks)) if i % RETRY_EVERY == RETRY_EVERY - 1]
+
+
+def test_the_chooser_follows_a_change_and_keeps_classes_apart(forced, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    chooser = PathChooser()
+    # (the last call of each block of RETRY_EVERY is a retry of the other path)
+    assert set(_timed(chooser, 0.3, 3 * RETRY_EVERY)[-RETRY_EVERY // 2 : -1]) == {"float16"}
+    # the keys changed: the half path now needs searching again (timed at 3x); the retries and the last 5 times
+    # per path bring float32 back
+    assert set(_timed(chooser, 3.0, 12 * RETRY_EVERY)[-RETRY_EVERY // 2 : -1]) == {"float32"}
+    # another batch size or key count is a class of its own: timed afresh
+    assert _timed(chooser, 0.3, 2 * TRIALS, batch=1024)[TRIALS:] == ["float16"] * TRIALS
+    assert _timed(chooser, 0.3, 2 * TRIALS, rows=50_000)[TRIALS:] == ["float16"] * TRIALS
+    assert _timed(chooser, 0.3, 3, batch=HALF_MIN_BATCH - 1) == ["float32"] * 3  # a few queries: float32, untimed
 
 
 def test_database_default_index_is_the_exact_flat(tmp_path, rng):

@@ -66,13 +66,16 @@ def test_standalone_matches_faiss_flat(rng, metric, k, chunk_elements):
 
 @pytest.mark.parametrize("batch", [1, 31, 32, 200])
 @pytest.mark.parametrize("bound", [False, True])
-def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound):
-    """From FAISS_MIN_BATCH queries a float32 ip search runs in ``faiss.knn`` over the key memory; below, in the
-    chunked scan. Both give the dense ``torch.topk`` ids (random data: no ties), standalone and bound to a store."""
+@pytest.mark.parametrize("path", ["auto", "faiss"])
+def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound, path):
+    """A float32 search runs in the chunked torch scan; ``faiss.knn`` over the same key memory only when forced (for
+    the ``"Flat"`` spec, ``dtype="auto"``). Both give the dense ``torch.topk`` ids (random data: no ties), standalone
+    and bound to a store."""
     import faiss
 
-    import kvsearch.index.torch_index as torch_index_module
+    from kvsearch.index.exact_path import ENV_VAR
 
+    monkeypatch.setenv(ENV_VAR, path)
     monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 128_000)  # as FAISS starts
     calls = []
     real = faiss.knn
@@ -81,15 +84,15 @@ def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound)
     queries = tensors(rng, batch, 16)  # (batch, 16)
     ids = torch.arange(500) * 3 + 1
     if bound:
-        index = TorchIndex(16, "ip", source=_Source(ids, keys))
+        index = TorchIndex(16, "ip", source=_Source(ids, keys), dtype="auto")
         assert index.derived().keys is keys  # the store's own tensor
     else:
-        index = TorchIndex(16, "ip")
+        index = TorchIndex(16, "ip", dtype="auto")
         index.build(ids, keys)
     got = index.search(queries, 10).ids
     expected = ids[(queries @ keys.T).topk(10, dim=1).indices]  # (batch, 10)
     assert torch.equal(got, expected)
-    assert len(calls) == (1 if batch >= torch_index_module.FAISS_MIN_BATCH else 0)
+    assert len(calls) == (1 if path == "faiss" else 0)
     if calls:  # the FAISS path tunes the BLAS threshold itself (a scalar loop under ~334 queries otherwise)
         assert faiss.cvar.distance_compute_blas_threshold == 20
 

@@ -2,26 +2,29 @@
 
 This module owns the rule that picks, for one search call, between
 
-- ``"float32"``: the chunked float32 scan (numpy's BLAS on the CPU): a matrix-vector product for a few queries
-  reads the keys at full memory bandwidth;
+- ``"float32"``: the chunked float32 scan in torch (``q @ K.T`` a chunk of keys at a time, then ``torch.topk``):
+  the same kernels as the bare-torch baseline, so the default index never does worse than it;
 - ``"bfloat16"`` / ``"float16"``: a half-precision scan of a half-size copy of the keys, then the best ``k'``
   candidates rescored exactly in float32 and checked against a proven error bound (see
-  :class:`kvsearch.index.torch_index.TorchIndex`): float32's ids at half precision's speed;
-- ``"faiss"``: FAISS's exhaustive BLAS search (``faiss.knn``: blocked sgemm + heaps) over the same key memory,
+  :class:`kvsearch.index.torch_index.TorchIndex`): float32's ids, faster where the hardware runs half-precision
+  matmuls fast *and* the bound settles the queries on these keys;
+- ``"faiss"``: FAISS's exhaustive BLAS search (``faiss.knn``) over the same key memory -- only when forced.
 
-from the batch size, the device and what the hardware runs fast. It knows nothing of the keys themselves.
+The half-precision path is a bet on the data as much as on the hardware: on unnormalised keys (the activations a
+model makes) the bound ``E ~ 3 u |q| max|k|`` can exceed the gap between the k-th score and the rest, and then
+every query is rescored wider or searched again in float32 (2.8-6x the float32 time, issue 21). So the choice is
+*measured*, per index and per class of call (batch size and key count, each to the next power of two), by
+:class:`PathChooser`: the first calls of a class time float32 and the half path (:data:`TRIALS` each), the half
+path is then kept only where its median time per query was at most :data:`HALF_MARGIN` of float32's, and every
+:data:`RETRY_EVERY` calls the path not taken is timed once more (the keys or the load may have changed). Every path
+returns the same ids, so the choice changes speed only.
 
-The rule (measured on a 2-core AMD EPYC with AVX512-BF16, m = 300k and 1M x 384, benchmarks/RESULTS.md):
+- fewer than :data:`HALF_MIN_BATCH` queries, or no fast half type on the device: float32, untimed;
+- CUDA: float16 (tensor cores) against float32; CPU with ``avx512_bf16`` / ``amx_bf16``: bfloat16 against float32.
 
-- CUDA: float32 below :data:`HALF_MIN_BATCH` queries, float16 from there (tensor cores; no measurement here);
-- CPU, fewer than :data:`HALF_MIN_BATCH` queries: float32 (1 query: 31 ms float32 vs 64 ms bfloat16 at 300k);
-- CPU with fast bfloat16 (``avx512_bf16`` or ``amx_bf16``): bfloat16 (16 queries: 112 vs 159 ms; 64: 285 vs
-  385 ms; 1M x 64: 244 ms vs FAISS tuned 469 ms);
-- CPU without it: FAISS from ``FAISS_MIN_BATCH`` (32) queries where it applies (inner product, no per-key
-  factor, no filter), else float32.
-
-float16 is never chosen on a CPU without fast float16 arithmetic (``avx512_fp16`` or ``amx_fp16``): there a
-64-query float16 matmul ran ~4x slower than float32.
+float16 is never tried on a CPU without fast float16 arithmetic (``avx512_fp16`` or ``amx_fp16``): there a 64-query
+float16 matmul ran ~4x slower than float32. FAISS is never chosen by the rule: its OpenMP threads keep spinning after
+a call and slowed the torch ops that followed it (the rest of the model) 10-30x on 2 cores.
 
 Override (deterministic tests, benchmarks): :func:`set_exact_path` in the process, or the environment variable
 ``KVSEARCH_EXACT_PATH`` (``auto``, ``float32``, ``bfloat16``, ``float16``, ``faiss``). A forced path that
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
+from collections import Counter, deque
 from typing import Literal
 
 import torch
@@ -42,9 +47,11 @@ __all__ = [
     "ExactPath",
     "EXACT_PATHS",
     "HALF_MIN_BATCH",
-    "FAISS_MIN_BATCH",
+    "TRIALS",
+    "RETRY_EVERY",
+    "HALF_MARGIN",
     "ENV_VAR",
-    "choose_path",
+    "PathChooser",
     "fast_half_dtypes",
     "set_exact_path",
     "forced_path",
@@ -53,10 +60,15 @@ __all__ = [
 ExactPath = Literal["float32", "bfloat16", "float16", "faiss"]
 #: The paths, and ``"auto"`` (the rule above), by name.
 EXACT_PATHS = ("auto", "float32", "bfloat16", "float16", "faiss")
-#: From this many queries per call a half-precision scan (where the hardware runs one fast) beats float32.
+#: Below this many queries per call the half-precision scan is not tried (a matrix-vector product reads the keys at
+#: memory speed in float32; the half copy, the rescoring and the check cannot pay).
 HALF_MIN_BATCH = 16
-#: From this many queries per call, FAISS's blocked BLAS search beats the float32 chunked scan (CPU, float32).
-FAISS_MIN_BATCH = 32
+#: Calls of each path a class of calls times before the faster one is kept.
+TRIALS = 2
+#: Every this many calls of a class, the path not taken is timed once more.
+RETRY_EVERY = 64
+#: The half path is kept only where its median time per query is at most this fraction of float32's.
+HALF_MARGIN = 0.85
 #: The environment variable that forces a path (read at each call, after :func:`set_exact_path`).
 ENV_VAR = "KVSEARCH_EXACT_PATH"
 
@@ -129,32 +141,61 @@ def fast_half_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     return tuple(found)
 
 
-def choose_path(batch: int, device: torch.device, *, faiss_ok: bool) -> ExactPath:
-    """The path of one exact search call.
+class PathChooser:
+    """Picks the path of each exact search call of one index from timings of its own recent calls.
 
-    Args:
-        batch: queries in the call.
-        device: the keys' device.
-        faiss_ok: FAISS's exhaustive search can answer this call (CPU float32 inner product, no per-key factor,
-            no filter).
-
-    Returns:
-        The forced path (see :func:`forced_path`; ``"faiss"`` where it cannot run becomes ``"float32"``), else
-        the rule's choice (module docstring).
-
-    Raises:
-        UnknownOptionError: ``$KVSEARCH_EXACT_PATH`` names an unknown path.
+    Calls are grouped in classes by batch size and key count (each to the next power of two); per class and path
+    it keeps the last 5 times per query and key. See the module docstring for the rule; :meth:`record` is told
+    what each call took.
     """
-    forced = forced_path()
-    if forced != "auto":
-        if forced == "faiss" and not (faiss_ok and device.type == "cpu"):
+
+    def __init__(self) -> None:
+        self._times: dict[tuple[int, int, str], deque[float]] = {}
+        self._calls: Counter[tuple[int, int]] = Counter()
+
+    def choose(self, batch: int, rows: int, device: torch.device, *, faiss_ok: bool) -> ExactPath:
+        """The path of one call.
+
+        Args:
+            batch: queries in the call.
+            rows: keys searched.
+            device: the keys' device.
+            faiss_ok: FAISS's exhaustive search can answer this call (CPU float32 inner product, no per-key
+                factor, no filter); used only when ``"faiss"`` is forced.
+
+        Returns:
+            The forced path (see :func:`forced_path`; ``"faiss"`` where it cannot run becomes ``"float32"``), else
+            float32 or the device's fast half type, by the timings (module docstring).
+
+        Raises:
+            UnknownOptionError: ``$KVSEARCH_EXACT_PATH`` names an unknown path.
+        """
+        forced = forced_path()
+        if forced != "auto":
+            if forced == "faiss" and not (faiss_ok and device.type == "cpu"):
+                return "float32"
+            return forced  # type: ignore[return-value]
+        half = fast_half_dtypes(device)
+        if batch < HALF_MIN_BATCH or not half:
             return "float32"
-        return forced  # type: ignore[return-value]
-    if batch < HALF_MIN_BATCH:
-        return "float32"
-    half = fast_half_dtypes(device)
-    if half:
-        return "float16" if half[0] == torch.float16 else "bfloat16"
-    if device.type == "cpu" and faiss_ok and batch >= FAISS_MIN_BATCH:
-        return "faiss"
-    return "float32"
+        alt: ExactPath = "float16" if half[0] == torch.float16 else "bfloat16"
+        cls = (batch.bit_length(), rows.bit_length())
+        calls = self._calls[cls]
+        self._calls[cls] += 1
+        t32, t_half = self._times.get((*cls, "float32"), ()), self._times.get((*cls, alt), ())
+        if len(t32) < TRIALS:
+            return "float32"
+        if len(t_half) < TRIALS:
+            return alt
+        fast: ExactPath = alt if statistics.median(t_half) <= HALF_MARGIN * statistics.median(t32) else "float32"
+        if calls % RETRY_EVERY == RETRY_EVERY - 1:  # time the other path again
+            return "float32" if fast == alt else alt
+        return fast
+
+    def record(self, batch: int, rows: int, path: str, seconds: float) -> None:
+        """Note that a call of ``batch`` queries over ``rows`` keys on ``path`` took ``seconds`` (all its
+        rescoring and searching again included)."""
+        if batch < 1 or rows < 1:
+            return
+        cls = (batch.bit_length(), rows.bit_length())
+        self._times.setdefault((*cls, path), deque(maxlen=5)).append(seconds / (batch * rows))

@@ -18,21 +18,21 @@ exact, like FAISS's ``Flat``, but:
   that fails that too is searched again in float32. The ids are therefore those of the float32 search, at
   half-precision speed (:attr:`TorchIndex.last_widened`, :attr:`TorchIndex.last_rechecked` count them);
 - made from the spec ``"Flat"`` (the default index, ``dtype="auto"``) it picks the path of each call -- float32
-  scan, half-precision scan + exact rescoring, FAISS's BLAS search -- by batch size, device and what the
-  hardware runs fast (:mod:`kvsearch.index.exact_path`); the half copy is made at the first call that takes it;
+  scan or half-precision scan + exact rescoring -- from the device, the batch size and timings of its own recent
+  calls (:mod:`kvsearch.index.exact_path`); the half copy is made at the first call that takes it;
 - every path returns the same ids and scores: keys whose scores tie are ordered by id (smaller first);
 - without a source (standalone) it holds the vectors given to ``build`` / ``add`` itself.
 
-Scores are computed a chunk of keys at a time by :func:`kvsearch.index.topk.chunked_topk` (memory O(batch x chunk)).
-On the CPU the float32 matmul goes through numpy's BLAS (OpenBLAS), which runs at full speed on every x86 vendor;
-half precision and CUDA go through torch. A batch of at least ``FAISS_MIN_BATCH`` float32 inner-product queries on
-the CPU, unfiltered, is handed to FAISS's exhaustive search (``faiss.knn``) over the same key memory.
+Scores are computed a chunk of keys at a time by :func:`kvsearch.index.topk.chunked_topk` (memory O(batch x chunk)),
+in torch on every device. FAISS's exhaustive search (``faiss.knn``) over the same key memory runs only when forced
+(``KVSEARCH_EXACT_PATH=faiss``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ from torch import Tensor
 
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.index.exact_path import FAISS_MIN_BATCH, choose_path, forced_path
+from kvsearch.index.exact_path import PathChooser
 from kvsearch.index.faiss_spec import check_search_param, tune_faiss
 from kvsearch.index.half_scan import best_by_score_then_id, half_candidates, half_error, settled
 from kvsearch.index.topk import (
@@ -59,12 +59,7 @@ from kvsearch.index.topk import (
     chunked_topk,
 )
 
-__all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES", "FAISS_MIN_BATCH", "parse_torch_spec"]
-
-# FAISS_MIN_BATCH (kvsearch.index.exact_path): from this many queries per call, a float32 inner-product search on the
-# CPU without a filter runs in FAISS's exhaustive kernels (``faiss.knn``, blocked sgemm + heaps) over the same key
-# memory, no copy: its BLAS blocks ran batches of 64 and 1,024 queries 1.5-2x faster here than numpy's matmul per
-# chunk (benchmarks/RESULTS.md). One query (a matrix-vector product) stays in the chunked scan.
+__all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES", "parse_torch_spec"]
 
 #: Key storage dtypes a TorchIndex accepts, by name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -192,7 +187,8 @@ class TorchIndex:
         #: Queries of the last half-precision search that the wider k' did not settle either: searched in float32.
         self.last_rechecked = 0
         self._half_width = 0  # the k' that settled near-duplicate data last time (speed only)
-        self._half_futile: Any = None  # the keys' tag where the half path had to search most queries again
+        #: Times this index's own calls to pick the path of a ``"Flat"`` search (see ``exact_path``).
+        self.paths = PathChooser()
         # Standalone storage (no source): ids (n,) int64 CPU, vectors (n, dim) float32.
         self._ids = torch.empty(0, dtype=torch.long)
         self._vectors = torch.empty(0, dim)
@@ -452,24 +448,20 @@ class TorchIndex:
     # ------------------------------------------------------------------ the scans
 
     def _path(self, batch: int, device: torch.device, d: DerivedKeys, filtered: bool) -> str:
-        """The path of this call: the spec's dtype, or for ``"Flat"`` :func:`~kvsearch.index.exact_path.choose_path`."""
-        faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
+        """The path of this call: the spec's dtype, or for ``"Flat"`` the pick of
+        :class:`~kvsearch.index.exact_path.PathChooser`."""
         if self.dtype is None:
-            path = choose_path(batch, device, faiss_ok=faiss_ok)
-            if path in ("bfloat16", "float16") and forced_path() == "auto" and self._half_futile == self._tag:
-                # these keys defeated the half path (the bound cannot separate them): float32 until they change
-                path = "faiss" if faiss_ok and device.type == "cpu" and batch >= FAISS_MIN_BATCH else "float32"
-            return path
-        if self.dtype != torch.float32:
-            return str(self.dtype).removeprefix("torch.")
-        return "faiss" if faiss_ok and device.type == "cpu" and batch >= FAISS_MIN_BATCH else "float32"
+            faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
+            return self.paths.choose(batch, len(d.ids), device, faiss_ok=faiss_ok)
+        return str(self.dtype).removeprefix("torch.")
 
     def _top(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
         """The exact top ``take`` rows of every query, ties by id: values (batch, take) (maximised: ip, or
         2 q.k - |k|^2; -inf where absent) and rows (batch, take) (-1 there), on the keys' path of this call."""
         batch, n = q.shape[0], len(d.ids)
         path = self._path(batch, q.device, d, keep is not None)
-        self.last_path = path
+        self.last_path = chosen = path
+        started = time.perf_counter()
         vals = torch.full((batch, take), -math.inf, device=q.device)  # (batch, take)
         rows = torch.full((batch, take), -1, dtype=torch.long, device=q.device)  # (batch, take)
         todo = torch.ones(batch, dtype=torch.bool, device=q.device)  # (batch,) not settled yet
@@ -505,8 +497,6 @@ class TorchIndex:
                 vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
                 pending[at[ok]] = False
             todo = ~torch.isfinite(bound) | pending  # (batch,)
-            if int(pending.sum()) * 2 > batch:  # the wider k' did not settle most queries either
-                self._half_futile = self._tag
             self.last_rechecked = int(todo.sum())
             path = "float32"
         width = min(n, take + _TIE_EXTRA)
@@ -519,6 +509,8 @@ class TorchIndex:
             vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
             todo[at[ok]] = False
             width = min(n, 8 * width)
+        if self.dtype is None and keep is None:  # todo.any() above waited for the device: the time is the call's
+            self.paths.record(batch, n, chosen, time.perf_counter() - started)
         return vals, rows
 
     def _scan32(self, q: Tensor, d: DerivedKeys, width: int, keep: Tensor | None, path: str) -> tuple[Tensor, Tensor]:
