@@ -492,3 +492,16 @@ def test_a_reader_appending_rows_scores_them_as_a_fresh_open(tmp_path, score):
     check()
     reader.close()
     writer.close()
+
+
+@pytest.mark.parametrize("n", [40_000, 40_001])
+def test_one_query_over_many_keys_equals_dense_topk(rng, n):
+    """A few queries over many keys split their top-k across the CPU's threads (torch's runs one thread per row):
+    the ids are still the dense ``torch.topk``'s, whether the key count splits evenly or not."""
+    keys = tensors(rng, n, 8)  # (n, 8)
+    index = TorchIndex(8, "ip")
+    index.build(torch.arange(n), keys)
+    for batch in (1, 3):
+        queries = tensors(rng, batch, 8)  # (batch, 8)
+        expected = (queries @ keys.T).topk(50, dim=1).indices  # (batch, 50)
+        assert torch.equal(index.search(queries, 50).ids, expected)

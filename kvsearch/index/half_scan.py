@@ -16,7 +16,15 @@ from torch import Tensor
 
 from kvsearch.index.topk import Metric, chunked_topk
 
-__all__ = ["UNIT_ROUNDOFF", "FP16_SAFE", "half_error", "half_candidates", "best_by_score_then_id", "settled"]
+__all__ = [
+    "UNIT_ROUNDOFF",
+    "FP16_SAFE",
+    "half_error",
+    "half_candidates",
+    "best_by_score_then_id",
+    "best_of_sorted",
+    "settled",
+]
 
 #: Unit roundoff of each half type (round to nearest): a stored value is within u * |x| of the float32 one.
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -126,6 +134,15 @@ def best_by_score_then_id(vals: Tensor, rows: Tensor, ids: Tensor, take: int) ->
     by_score = torch.sort(vals.gather(1, by_id), dim=1, descending=True, stable=True).indices  # (batch, t)
     order = by_id.gather(1, by_score)[:, :take]  # (batch, take)
     return vals.gather(1, order), rows.gather(1, order)
+
+
+def best_of_sorted(vals: Tensor, rows: Tensor, ids: Tensor, take: int) -> tuple[Tensor, Tensor]:
+    """:func:`best_by_score_then_id` for candidates already sorted best first (a scan's top-k): where no two
+    present values are equal (the usual case) the first ``take`` are the answer as they are, without the sorts."""
+    present = vals[:, 1:]  # (batch, t - 1)
+    if not bool(((present == vals[:, :-1]) & torch.isfinite(present)).any()):
+        return vals[:, :take], rows[:, :take]
+    return best_by_score_then_id(vals, rows, ids, take)
 
 
 def settled(vals: Tensor, take: int, ceiling: Tensor) -> Tensor:

@@ -45,7 +45,7 @@ from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.index.exact_path import PathChooser
 from kvsearch.index.faiss_spec import check_search_param, tune_faiss
-from kvsearch.index.half_scan import best_by_score_then_id, half_candidates, half_error, settled
+from kvsearch.index.half_scan import best_by_score_then_id, best_of_sorted, half_candidates, half_error, settled
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
     KeySource,
@@ -58,6 +58,7 @@ from kvsearch.index.topk import (
     check_queries,
     chunked_topk,
 )
+from kvsearch.storage.buffers import RowWindow
 
 __all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES", "parse_torch_spec"]
 
@@ -197,6 +198,8 @@ class TorchIndex:
         self._derived: DerivedKeys | None = None
         # Whether only add() was called since the last derive: the rows derived then are still the first rows.
         self._only_appended = False
+        self._front = 0  # of the rows derived, how many of the oldest remove() dropped since (a memory at capacity)
+        self._windows: dict[str, RowWindow] = {}  # what derived rows are views of: appended to, dropped from in front
 
     # ------------------------------------------------------------------ state
 
@@ -268,7 +271,12 @@ class TorchIndex:
         """
         ids = check_ids(ids)  # (r,)
         self._tag = None
-        self._only_appended = self._only_appended and not len(ids)
+        d, front, r = self._derived, self._front, len(ids)
+        if self.source is not None and self._only_appended and d is not None and 0 < r <= len(d.ids) - front:
+            if torch.equal(torch.sort(ids).values, d.ids[front : front + r]):  # the oldest rows derived: O(r)
+                self._front = front + r  # derived() drops their rows in front, derives nothing again
+                return
+        self._only_appended = self._only_appended and not r
         if self.source is None and len(ids) and len(self._ids):
             keep = ~torch.isin(self._ids, ids)  # (n,)
             self._ids = self._ids[keep]
@@ -387,8 +395,11 @@ class TorchIndex:
             q_sq = q.pow(2).sum(-1, keepdim=True)  # (batch, 1)
             vals = (q_sq - vals).clamp_(min=0)  # (batch, take): |q|^2 - (2 q.k - |k|^2); -inf -> inf
         missing = rows < 0  # (batch, take) filtered out or absent
-        out_scores[:, :take] = vals.masked_fill(missing, math.nan)
-        out_ids[:, :take] = d.device_ids[rows.clamp(min=0)].masked_fill(missing, -1)
+        scores = vals.masked_fill(missing, math.nan)  # (batch, take)
+        ids = d.device_ids[rows.clamp(min=0)].masked_fill(missing, -1)  # (batch, take)
+        if take == out_ids.shape[1]:
+            return self._on(SearchResult(scores, ids), device)
+        out_scores[:, :take], out_ids[:, :take] = scores, ids  # (batch, k): NaN / -1 beyond take
         return self._on(SearchResult(out_scores, out_ids), device)
 
     def half_error_bound(self, queries: Tensor) -> Tensor:
@@ -428,7 +439,8 @@ class TorchIndex:
     def derived(self) -> DerivedKeys:
         """The keys a search reads and what is derived from them (norm term, half copy), brought up to date:
         recomputed when the keys changed (another tensor, shape or source version) or were marked stale; when
-        rows were only appended since (add() alone, the same ids first), the norm terms of the new rows only."""
+        rows were only appended since (add() alone, the same ids first) or the oldest rows removed (a memory at
+        capacity), the new rows only: O(rows added or removed), amortised (:meth:`_appended`)."""
         ids, keys = self._raw()
         if self.source is None:
             tag: Any = ("own", id(ids), id(keys), keys.data_ptr(), tuple(keys.shape))
@@ -439,7 +451,7 @@ class TorchIndex:
         if tag != self._tag or self._derived is None:
             grown = self._appended(self._derived, ids, keys) if self._only_appended else None
             self._derived = self._derive(ids, keys) if grown is None else grown
-            self._tag = tag
+            self._tag, self._front = tag, 0
             self._only_appended = True
             if self.dtype is not None and self.dtype != torch.float32:  # a fixed half spec: its copy up front
                 self._half_copy(self._derived, self.dtype)
@@ -462,45 +474,20 @@ class TorchIndex:
         path = self._path(batch, q.device, d, keep is not None)
         self.last_path = chosen = path
         started = time.perf_counter()
-        vals = torch.full((batch, take), -math.inf, device=q.device)  # (batch, take)
-        rows = torch.full((batch, take), -1, dtype=torch.long, device=q.device)  # (batch, take)
-        todo = torch.ones(batch, dtype=torch.bool, device=q.device)  # (batch,) not settled yet
         if path in ("bfloat16", "float16"):
-            dtype = TORCH_DTYPES[path]
-            half, max_norm, max_abs = self._half_copy(d, dtype)
-            bound = half_error(q, dtype, max_norm, max_abs, self.metric)  # (batch,)
-            pending = torch.isfinite(bound)  # (batch,) float16 could overflow elsewhere: float32 for those
-            width = min(n, max(2 * take + _HALF_EXTRA, self._half_width))  # k'
-            for attempt in range(2):  # k', then once a wider k' for the queries the bound did not settle
-                if not pending.any():
-                    break
-                if attempt == 1:
-                    width = min(n, max(16 * (2 * take + _HALF_EXTRA), _HALF_WIDE))  # not compounded
-                    self.last_widened = int(pending.sum())
-                    self._half_width = width  # later calls on such data start wide (speed only: same ids)
-                at = pending.nonzero().squeeze(1)  # (r,)
-                scan_norm = d.norm_term if self.metric == "l2" else None  # cosine: the copy holds unit rows
-                exact, cand, ceiling = half_candidates(
-                    q[at],
-                    d.keys,
-                    half,
-                    width,
-                    bound[at],
-                    metric=self.metric,
-                    norm_term=d.norm_term,
-                    scan_norm=scan_norm,
-                    keep=keep,
-                    chunk_elements=self.chunk_elements,
-                )  # (r, width) each, (r,)
-                ok = settled(exact, take, ceiling if width < n else torch.full_like(ceiling, -math.inf))  # (r,)
-                v, r = best_by_score_then_id(exact, cand, d.device_ids, take)  # (r, take) each
-                vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
-                pending[at[ok]] = False
-            todo = ~torch.isfinite(bound) | pending  # (batch,)
-            self.last_rechecked = int(todo.sum())
+            vals, rows, todo = self._top_half(q, d, take, keep, TORCH_DTYPES[path])
             path = "float32"
-        width = min(n, take + _TIE_EXTRA)
-        while todo.any():  # float32 / FAISS: widened until the take-th value is above everything left out
+        else:  # the whole batch at once first (no indexing): it almost always settles
+            width = min(n, take + _TIE_EXTRA)
+            v, r = self._scan32(q, d, width, keep, path)  # (batch, width) each, best first
+            vals, rows = best_of_sorted(v, r, d.device_ids, take)  # (batch, take) each
+            if width >= n:
+                todo = None
+            else:  # the take-th value above the best left out (-inf: nothing admissible was left out)
+                left_out = torch.where(r[:, -1] < 0, -math.inf, v[:, -1])  # (batch,)
+                todo = (v[:, take - 1] <= left_out) & ~torch.isneginf(left_out)  # (batch,)
+        width = min(n, 8 * (take + _TIE_EXTRA))
+        while todo is not None and todo.any():  # widened until the take-th value is above everything left out
             at = todo.nonzero().squeeze(1)  # (r,)
             v, r = self._scan32(q[at], d, width, keep, path)  # (r, width) each
             left_out = torch.where(r[:, -1] < 0, -math.inf, v[:, -1])  # (r,)
@@ -512,6 +499,47 @@ class TorchIndex:
         if self.dtype is None and keep is None:  # todo.any() above waited for the device: the time is the call's
             self.paths.record(batch, n, chosen, time.perf_counter() - started)
         return vals, rows
+
+    def _top_half(
+        self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The half-precision scan with exact rescoring: values and rows (batch, take) of the settled queries, and
+        which queries (batch,) are left for the float32 scan (not settled, or a float16 score could overflow)."""
+        batch, n = q.shape[0], len(d.ids)
+        vals = torch.full((batch, take), -math.inf, device=q.device)  # (batch, take)
+        rows = torch.full((batch, take), -1, dtype=torch.long, device=q.device)  # (batch, take)
+        half, max_norm, max_abs = self._half_copy(d, dtype)
+        bound = half_error(q, dtype, max_norm, max_abs, self.metric)  # (batch,)
+        pending = torch.isfinite(bound)  # (batch,) float16 could overflow elsewhere: float32 for those
+        width = min(n, max(2 * take + _HALF_EXTRA, self._half_width))  # k'
+        for attempt in range(2):  # k', then once a wider k' for the queries the bound did not settle
+            if not pending.any():
+                break
+            if attempt == 1:
+                width = min(n, max(16 * (2 * take + _HALF_EXTRA), _HALF_WIDE))  # not compounded
+                self.last_widened = int(pending.sum())
+                self._half_width = width  # later calls on such data start wide (speed only: same ids)
+            at = pending.nonzero().squeeze(1)  # (r,)
+            scan_norm = d.norm_term if self.metric == "l2" else None  # cosine: the copy holds unit rows
+            exact, cand, ceiling = half_candidates(
+                q[at],
+                d.keys,
+                half,
+                width,
+                bound[at],
+                metric=self.metric,
+                norm_term=d.norm_term,
+                scan_norm=scan_norm,
+                keep=keep,
+                chunk_elements=self.chunk_elements,
+            )  # (r, width) each, (r,)
+            ok = settled(exact, take, ceiling if width < n else torch.full_like(ceiling, -math.inf))  # (r,)
+            v, r = best_by_score_then_id(exact, cand, d.device_ids, take)  # (r, take) each
+            vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
+            pending[at[ok]] = False
+        todo = ~torch.isfinite(bound) | pending  # (batch,)
+        self.last_rechecked = int(todo.sum())
+        return vals, rows, todo
 
     def _scan32(self, q: Tensor, d: DerivedKeys, width: int, keep: Tensor | None, path: str) -> tuple[Tensor, Tensor]:
         """Top ``width`` of the float32 scores, unordered ties: values (batch, width), rows (batch, width)."""
@@ -564,14 +592,32 @@ class TorchIndex:
         return torch.isin(d.ids, allowed).nonzero().squeeze(1)  # (m',)
 
     def _appended(self, before: DerivedKeys | None, ids: Tensor, keys: Tensor) -> DerivedKeys | None:
-        """``before`` grown by the rows appended since (ids (n,), keys (n, dim) now), or None if the first rows are
-        not ``before``'s ids. The half copy is dropped (made again at the next half-precision call)."""
-        if before is None or len(ids) < len(before.ids) or not torch.equal(ids[: len(before.ids)], before.ids):
+        """``before`` without the ``_front`` oldest rows remove() dropped and with the rows appended since (ids (n,),
+        keys (n, dim) now), or None if the rows are not those. Only the new rows are derived (norm terms, half
+        rows); the kept ones are views of :class:`~kvsearch.storage.buffers.RowWindow` buffers, not copied: O(rows
+        added or dropped), amortised. Checked in O(1), by the first and last kept ids: ids are sorted, and every
+        other change reaches the index through remove() or rebuild(), which make the next derive a full one."""
+        front = self._front
+        kept = -1 if before is None else len(before.ids) - front  # rows of ``before`` still first
+        if kept < 0 or len(ids) < kept:
             return None
-        n_old = len(before.ids)
-        new = self._derive(ids[n_old:], keys[n_old:])  # the norm terms of the appended rows (a,)
-        norm_term = None if before.norm_term is None else torch.cat([before.norm_term, new.norm_term])  # (n,)
-        return DerivedKeys(ids, ids.to(keys.device), keys, norm_term)
+        if kept and (int(ids[0]) != int(before.ids[front]) or int(ids[kept - 1]) != int(before.ids[-1])):
+            return None
+        new = self._derive(ids[kept:], keys[kept:])  # the appended rows only (a,)
+        windows = self._windows
+        device_ids = ids  # (n,) the ids themselves on the CPU; on a GPU their device copy, grown
+        if keys.device != ids.device:
+            device_ids = windows.setdefault("ids", RowWindow()).extend(before.device_ids, new.device_ids, drop=front)
+        norm_term = before.norm_term
+        if norm_term is not None:
+            norm_term = windows.setdefault("norm", RowWindow()).extend(norm_term, new.norm_term, drop=front)  # (n,)
+        grown = DerivedKeys(ids, device_ids, keys, norm_term)
+        if before.half is not None:  # the half copy follows too: its new rows, the bounds of both (upper bounds)
+            half, max_norm, max_abs = self._half_copy(new, before.half.dtype)  # (a, dim)
+            grown.half = windows.setdefault("half", RowWindow()).extend(before.half, half, drop=front)  # (n, dim)
+            grown.half_max_norm = max(before.half_max_norm, max_norm)
+            grown.half_max_abs = max(before.half_max_abs, max_abs)
+        return grown
 
     def _derive(self, ids: Tensor, keys: Tensor) -> DerivedKeys:
         """Norm term of ``keys`` (n, dim), computed a block of rows at a time (the half copy: at first use)."""
