@@ -41,13 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, check_k
+from kvsearch.checks import COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.index.exact_path import PathChooser
 from kvsearch.index.faiss_spec import check_search_param, tune_faiss
 from kvsearch.index.half_scan import best_by_score_then_id, best_of_sorted, half_candidates, half_error, settled
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
+    SCAN_CHUNK_ELEMENTS,
     KeySource,
     Metric,
     SearchResult,
@@ -153,7 +154,7 @@ class TorchIndex:
         source: KeySource | None = None,
         normalize: bool = False,
         dtype: str | torch.dtype = "float32",
-        chunk_elements: int = CHUNK_ELEMENTS,
+        chunk_elements: int = SCAN_CHUNK_ELEMENTS,
     ) -> None:
         check_index_args(dim, metric, normalize)
         auto = dtype == "auto"

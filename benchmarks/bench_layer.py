@@ -1,0 +1,363 @@
+"""kvsearch as a layer inside a model, beside the same math in bare torch, in one run (interleaved medians).
+
+    python benchmarks/bench_layer.py                    # every section, CPU; appends to RESULTS.md
+    python benchmarks/bench_layer.py --quick --no-append
+    python benchmarks/bench_layer.py --device cuda      # the GPU rows (float16 autocast there)
+
+Sections (each ratio is measured against its peer in the same process, same tensors, calls interleaved):
+
+1. ``Database(None).candidates(q, k)`` with the default index (``"Flat"``, path chosen per call) against bare
+   ``torch.topk(q @ K.T, k)``, and against the same database forced to its float32 path, per batch size x dim x
+   kind of keys (random unnormalised, unit-norm, clustered near-duplicates, norms spread 100x). The database uses
+   ``score="dot"`` (what ``q @ K.T`` computes); ``candidates`` also gathers the keys and values, bare torch does
+   not. Targets: speed-up over bare torch >= 1.0x, time over forced float32 <= 1.1x. The first calls of each class
+   time both paths (``kvsearch.index.exact_path``): they are warm-up here, steady state is what is measured.
+2. ``KVAttention`` forward + backward against a bare-torch top-k attention (the same top-k, gather, scaled-dot
+   softmax and blend, written out). Target: <= 1.1x its time.
+3. A kNN memory in a training loop (memorizing transformers): each step adds ``--grow`` rows to the memory, then
+   ``--batch`` queries attend over their top-k and backward; against the same loop in bare torch over a
+   preallocated buffer. Target: <= 1.2x. With ``--capacity``, both keep the newest rows only.
+4. bf16 autocast (CUDA: float16) against float32 for the KVAttention forward + backward, and its error.
+5. ``torch.compile`` against eager for a model holding KVAttention (forward + backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import command_line, machine, report, table  # noqa: E402
+
+from kvsearch import Database, KVAttention  # noqa: E402
+from kvsearch.index.exact_path import set_exact_path  # noqa: E402
+
+KINDS = ("random", "unit", "clustered", "norms100")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of each function, the calls of a round interleaved (the order rotating every round)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            sync(device)
+            start = time.perf_counter()
+            fns[name]()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def make_keys(kind: str, n: int, dim: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Keys (n, dim) of one kind, and a generator of queries like them."""
+    if kind == "clustered":  # near-duplicates: n / 100 centres, noise 1e-2 per coordinate
+        centres = torch.randn(max(1, n // 100), dim, generator=g)
+        keys = centres.repeat_interleave(100, 0)[:n] + 1e-2 * torch.randn(n, dim, generator=g)
+        return keys, centres
+    keys = torch.randn(n, dim, generator=g)
+    if kind == "unit":
+        keys = F.normalize(keys, dim=1)
+    elif kind == "norms100":
+        keys = keys * 10.0 ** (2 * torch.rand(n, 1, generator=g) - 1)
+    return keys, keys
+
+
+def make_queries(kind: str, like: Tensor, batch: int, g: torch.Generator) -> Tensor:
+    """Queries (batch, dim): near a centre for clustered keys, Gaussian otherwise."""
+    if kind == "clustered":
+        pick = torch.randint(len(like), (batch,), generator=g)
+        return like[pick] + 1e-2 * torch.randn(batch, like.shape[1], generator=g)
+    return torch.randn(batch, like.shape[1], generator=g)
+
+
+# ----------------------------------------------------------------------------------------------- 1. candidates
+
+
+def bench_candidates(args: argparse.Namespace, device: torch.device) -> str:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    k = args.k
+    for dim in args.dims:
+        n = max(2 * k, int(args.keys_mb * 2**20 / (4 * dim)))
+        for kind in args.kinds:
+            keys, like = make_keys(kind, n, dim, g)
+            values = torch.randn(n, 8, generator=g)
+            db = Database(None, dim=dim, value_dim=8, score="dot", device=device)
+            db.add(keys, values)
+            keys_dev = keys.to(device)
+            for batch in args.batches:
+                q = make_queries(kind, like, batch, g).to(device)
+
+                def forced32(q: Tensor = q) -> object:
+                    set_exact_path("float32")
+                    try:
+                        return db.candidates(q, k)
+                    finally:
+                        set_exact_path(None)
+
+                fns = {
+                    "bare": lambda q=q: torch.topk(q @ keys_dev.T, k),
+                    "auto": lambda q=q: db.candidates(q, k),
+                    "float32": forced32,
+                }
+                for _ in range(5):  # warm-up: first touch; the path chooser times both paths of this class
+                    fns["auto"]()
+                fns["bare"]()
+                fns["float32"]()
+                t = interleaved(fns, args.rounds, device)
+                same = torch.equal(db.candidates(q, k).ids.cpu(), forced32().ids.cpu())
+                rows.append(
+                    [
+                        dim,
+                        f"{n:,}",
+                        kind,
+                        batch,
+                        t["bare"] * 1e3,
+                        t["auto"] * 1e3,
+                        t["float32"] * 1e3,
+                        t["bare"] / t["auto"],
+                        t["auto"] / t["float32"],
+                        "yes" if same else "NO",
+                    ]
+                )
+                print(rows[-1], flush=True)
+            db.close()
+    headers = [
+        "dim",
+        "keys",
+        "kind",
+        "batch",
+        "bare torch ms",
+        "candidates ms",
+        "forced float32 ms",
+        "speed-up vs bare (>= 1)",
+        "x forced float32 (<= 1.1)",
+        "ids = float32's",
+    ]
+    return table(headers, rows)
+
+
+# ----------------------------------------------------------------------------------------------- 2. layer
+
+
+def bare_topk_attention(q: Tensor, keys: Tensor, values: Tensor, k: int) -> Tensor:
+    """Top-k scaled-dot softmax attention in bare torch: (b, dim) -> (b, value_dim)."""
+    with torch.no_grad():
+        idx = torch.topk(q @ keys.T, k).indices  # (b, k)
+    cand_k, cand_v = keys[idx], values[idx]  # (b, k, dim), (b, k, value_dim)
+    scores = (cand_k @ q.unsqueeze(-1)).squeeze(-1) / math.sqrt(q.shape[-1])  # (b, k)
+    return (torch.softmax(scores, dim=-1).unsqueeze(1) @ cand_v).squeeze(1)  # (b, value_dim)
+
+
+def bench_layer(args: argparse.Namespace, device: torch.device) -> str:
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for dim, n in ((64, 51_200), (384, 100_000)):
+        keys = torch.randn(n, dim, generator=g)
+        values = torch.randn(n, 32, generator=g)
+        db = Database(None, dim=dim, value_dim=32, score="dot", device=device)
+        db.add(keys, values)
+        layer = KVAttention(db, k=args.k)
+        keys_dev, values_dev = keys.to(device), values.to(device)
+        for batch in (16, 256):
+            q = torch.randn(batch, dim, generator=g).to(device).requires_grad_()
+
+            def ours(q: Tensor = q) -> None:
+                layer(q).sum().backward()
+
+            def bare(q: Tensor = q) -> None:
+                bare_topk_attention(q, keys_dev, values_dev, args.k).sum().backward()
+
+            q.grad = None
+            ours()
+            g_ours = q.grad.clone()
+            q.grad = None
+            bare()
+            close = torch.allclose(g_ours, q.grad, rtol=1e-4, atol=1e-5)
+            for _ in range(3):
+                ours()
+            t = interleaved({"bare": bare, "ours": ours}, args.rounds, device)
+            rows.append([dim, f"{n:,}", batch, args.k, t["bare"] * 1e3, t["ours"] * 1e3, t["ours"] / t["bare"], close])
+            print(rows[-1], flush=True)
+    headers = ["dim", "keys", "batch", "k", "bare torch ms", "KVAttention ms", "x bare (<= 1.1)", "same gradient"]
+    return table(headers, rows)
+
+
+# ----------------------------------------------------------------------------------------------- 3. kNN memory
+
+
+class BareMemory:
+    """The bare-torch kNN memory: a preallocated buffer grown by doubling, the newest ``capacity`` rows kept."""
+
+    def __init__(self, dim: int, value_dim: int, device: torch.device, capacity: int | None) -> None:
+        self.keys = torch.empty(1024, dim, device=device)
+        self.values = torch.empty(1024, value_dim, device=device)
+        self.start, self.end, self.capacity = 0, 0, capacity
+
+    def add(self, keys: Tensor, values: Tensor) -> None:
+        r = len(keys)
+        if self.end + r > len(self.keys):  # move the live rows to the front, or grow
+            live = self.end - self.start
+            size = max(len(self.keys), 2 * (live + r)) if self.capacity is None else 2 * self.capacity + r
+            new_k = torch.empty(size, self.keys.shape[1], device=self.keys.device)
+            new_v = torch.empty(size, self.values.shape[1], device=self.values.device)
+            new_k[:live], new_v[:live] = self.keys[self.start : self.end], self.values[self.start : self.end]
+            self.keys, self.values, self.start, self.end = new_k, new_v, 0, live
+        self.keys[self.end : self.end + r], self.values[self.end : self.end + r] = keys, values
+        self.end += r
+        if self.capacity is not None:
+            self.start = max(self.start, self.end - self.capacity)
+
+    def attend(self, q: Tensor, k: int) -> Tensor:
+        keys, values = self.keys[self.start : self.end], self.values[self.start : self.end]
+        return bare_topk_attention(q, keys, values, min(k, len(keys)))
+
+
+def bench_memory(args: argparse.Namespace, device: torch.device) -> str:
+    dim, value_dim, k = 64, 64, args.k
+    rows = []
+    for capacity in (None, args.capacity):
+        g = torch.Generator().manual_seed(2)
+        stream = [
+            (
+                torch.randn(args.grow, dim, generator=g).to(device),
+                torch.randn(args.grow, value_dim, generator=g).to(device),
+                torch.randn(args.batch, dim, generator=g).to(device),
+            )
+            for _ in range(args.steps)
+        ]
+        proj = nn.Linear(dim, dim).to(device)
+
+        def ours() -> None:
+            kwargs = {} if capacity is None else {"capacity": capacity}
+            db = Database(None, dim=dim, value_dim=value_dim, score="dot", device=device, **kwargs)
+            layer = KVAttention(db, k=k)
+            for new_k, new_v, q in stream:
+                db.add(new_k, new_v)
+                layer(proj(q)).sum().backward()
+
+        def bare() -> None:
+            mem = BareMemory(dim, value_dim, device, capacity)
+            for new_k, new_v, q in stream:
+                mem.add(new_k, new_v)
+                mem.attend(proj(q), k).sum().backward()
+
+        t = interleaved({"bare": bare, "ours": ours}, args.memory_rounds, device)
+        rows.append(
+            [
+                "-" if capacity is None else f"{capacity:,}",
+                args.steps,
+                args.grow,
+                args.batch,
+                k,
+                t["bare"] * 1e3 / args.steps,
+                t["ours"] * 1e3 / args.steps,
+                t["ours"] / t["bare"],
+            ]
+        )
+        print(rows[-1], flush=True)
+    headers = ["capacity", "steps", "rows added / step", "queries / step", "k", "bare torch ms / step",
+               "kvsearch ms / step", "x bare (<= 1.2)"]  # fmt: skip
+    return table(headers, rows)
+
+
+# ----------------------------------------------------------------------------------------------- 4-5. autocast, compile
+
+
+def model_over(db: Database, dim: int, k: int) -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(32, dim), KVAttention(db, k=k), nn.Linear(32, 5))
+
+
+def bench_precision_and_compile(args: argparse.Namespace, device: torch.device) -> tuple[str, str]:
+    g = torch.Generator().manual_seed(4)
+    dim, n = 64, 51_200
+    db = Database(None, dim=dim, value_dim=32, score="dot", device=device)
+    db.add(torch.randn(n, dim, generator=g), torch.randn(n, 32, generator=g))
+    model = model_over(db, dim, args.k).to(device)
+    x = torch.randn(256, 32, generator=g).to(device)
+    amp = torch.bfloat16 if device.type == "cpu" else torch.float16
+
+    def step(m: nn.Module, autocast: bool) -> Tensor:
+        m.zero_grad()
+        with torch.autocast(device.type, dtype=amp, enabled=autocast):
+            out = m(x)
+        out.float().square().mean().backward()
+        return out.detach().float()
+
+    ref = step(model, False)
+    low = step(model, True)
+    err = float((low - ref).abs().max() / ref.abs().max())
+    t = interleaved({"fp32": lambda: step(model, False), "amp": lambda: step(model, True)}, args.rounds, device)
+    prec = table(
+        ["autocast dtype", "float32 ms", "autocast ms", "x float32", "max rel. error of the output"],
+        [[str(amp).removeprefix("torch."), t["fp32"] * 1e3, t["amp"] * 1e3, t["amp"] / t["fp32"], err]],
+    )
+    compiled = torch.compile(model)
+    start = time.perf_counter()
+    out_c = step(compiled, False)
+    first = time.perf_counter() - start
+    same = torch.allclose(out_c, ref, rtol=1e-4, atol=1e-5)
+    t = interleaved({"eager": lambda: step(model, False), "compiled": lambda: step(compiled, False)}, args.rounds,
+                    device)  # fmt: skip
+    comp = table(
+        ["eager ms", "compiled ms", "x eager", "first call (compile) s", "outputs equal"],
+        [[t["eager"] * 1e3, t["compiled"] * 1e3, t["compiled"] / t["eager"], first, same]],
+    )
+    return prec, comp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (a smoke run)")
+    parser.add_argument("--sections", default="candidates,layer,memory,precision")
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 4096])
+    parser.add_argument("--keys-mb", type=float, default=25.0, help="size of the keys of section 1 (n = MB / dim)")
+    parser.add_argument("--k", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--grow", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--capacity", type=int, default=20_000)
+    parser.add_argument("--memory-rounds", type=int, default=3)
+    parser.add_argument("--no-append", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.dims, args.batches, args.rounds, args.steps, args.keys_mb = [64], [1, 64, 1024], 3, 40, 5.0
+    device = torch.device(args.device)
+    info = machine()
+    sections = []
+    wanted = set(args.sections.split(","))
+    if "candidates" in wanted:
+        sections.append(("Exact candidates vs bare torch.topk(q @ K.T, k)", bench_candidates(args, device)))
+    if "layer" in wanted:
+        sections.append(("KVAttention forward + backward vs bare-torch top-k attention", bench_layer(args, device)))
+    if "memory" in wanted:
+        sections.append(("kNN memory in a training loop vs bare torch", bench_memory(args, device)))
+    if "precision" in wanted:
+        prec, comp = bench_precision_and_compile(args, device)
+        sections += [("Autocast vs float32 (KVAttention model, batch 256)", prec)]
+        sections += [("torch.compile vs eager (same model)", comp)]
+    report(f"Layer benchmark ({device.type})", command_line(), info, sections, append=not args.no_append)
+
+
+if __name__ == "__main__":
+    main()
