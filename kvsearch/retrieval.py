@@ -29,6 +29,7 @@ from kvsearch.index.base import CandidateIndex
 from kvsearch.index.factory import load_index, make_index
 from kvsearch.limits import check_fits
 from kvsearch.nn.attend import Candidates
+from kvsearch.nn.precision import autocast_off
 from kvsearch.nn.scores import check_db_score
 from kvsearch.storage import folder as folders
 from kvsearch.storage.store import Store
@@ -208,7 +209,8 @@ class Retriever:
         take = max(1, min(int(k), len(store) if allowed is None else len(allowed)))
         per_candidate = (self.dim + store.values.shape[-1]) * 4 * 3 + 24  # gathered, scored, their gradients; ids
         check_fits(queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates")
-        ids = self.index.search(queries.detach(), take, allowed=allowed).ids.cpu()  # (b, take)
+        with autocast_off(queries.device, device):  # the index scores in its own dtype, never autocast's
+            ids = self.index.search(queries.detach(), take, allowed=allowed).ids.cpu()  # (b, take)
         if targets is not None:
             targets = targets.cpu()
             missing = (targets >= 0) & ~(ids == targets.unsqueeze(1)).any(1)  # (b,)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvsearch.checks import COSINE_EPS, check_dim, check_finite, check_real_tensor
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.nn.precision import autocast_off
 from kvsearch.nn.scores import compute_scores
 
 __all__ = [
@@ -348,8 +349,8 @@ def merge_candidates(
         values = torch.cat([values, torch.zeros(b, take - c, values.shape[-1])], 1)
     if b == 0:
         return ids[:, :take], keys[:, :take], values[:, :take]
-    with torch.no_grad():
-        scores = compute_scores(q.unsqueeze(1), keys, score).squeeze(1)  # (b, c')
+    with torch.no_grad(), autocast_off(q.device, keys.device):  # ranked in float32, as one database ranks them
+        scores = compute_scores(q.unsqueeze(1).float(), keys.float(), score).squeeze(1)  # (b, c')
         scores = scores.masked_fill(ids < 0, -math.inf)
         by_id = torch.argsort(torch.where(ids < 0, torch.iinfo(torch.long).max, ids), dim=1, stable=True)  # (b, c')
         order = by_id.gather(1, torch.argsort(scores.gather(1, by_id), dim=1, descending=True, stable=True))

@@ -3,8 +3,9 @@
     output, weights = attend(queries, keys, values, score="scaled_dot", pooling="softmax", mask=mask)
 
 It owns :class:`Candidates` (the gathered tensors a database hands over), the layouts ``attend`` accepts (shared
-keys, gathered candidates, batched), valid lengths, dropout, the score / pooling pairing check and the overflow
-checks of scores and output. Scores come from :mod:`kvsearch.nn.scores`, weights from :mod:`kvsearch.nn.pooling`.
+keys, gathered candidates, batched), valid lengths, dropout, the score / pooling pairing check, the overflow
+checks of scores and output (in eager mode) and the precision rule under autocast (float32 math inside, see
+:mod:`kvsearch.nn.precision`). Scores come from :mod:`kvsearch.nn.scores`, weights from :mod:`kvsearch.nn.pooling`.
 
 It knows nothing of FAISS, SQLite or text: it takes already-gathered tensors and gives back tensors that gradients
 flow through.
@@ -22,6 +23,7 @@ from torch import Tensor
 from kvsearch.checks import all_finite, check_finite, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError
 from kvsearch.nn.pooling import POOLINGS, exact_matches, keep_mask, pool
+from kvsearch.nn.precision import autocast_dtype, compute_dtype, eager_checks, full_precision, output_dtype
 from kvsearch.nn.scores import ScoreFn, check_float_tensor, check_option, check_score, compute_scores, describe
 
 __all__ = ["Candidates", "attend", "check_pairing", "check_dropout"]
@@ -89,7 +91,7 @@ def _valid_lens_mask(valid_lens: object, shape: torch.Size, device: torch.device
         raise InvalidArgumentError(
             f"valid_lens must have shape {' or '.join(map(str, allowed))}, got {tuple(valid_lens.shape)}"
         )
-    if valid_lens.numel() and int(valid_lens.min()) < 0:
+    if eager_checks() and valid_lens.numel() and int(valid_lens.min()) < 0:
         raise InvalidArgumentError(f"valid_lens must be >= 0, got {int(valid_lens.min())}")
     trailing = (1,) * (len(shape) - valid_lens.dim())
     lens = valid_lens.to(device).reshape(*valid_lens.shape, *trailing)  # (batch, 1, 1) | (..., n, 1)
@@ -111,6 +113,38 @@ def _count_nonfinite(x: Tensor) -> int:
 def _largest(x: Tensor) -> float:
     """The largest absolute entry of ``x`` (0 for an empty tensor), for error messages."""
     return _peak(x) if x.numel() else 0.0
+
+
+def _score_pool_blend(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    score: str | ScoreFn,
+    pooling: str,
+    keep: Tensor | None,
+    match: Tensor | None,
+    temperature: float,
+    dropout: float,
+) -> tuple[Tensor, Tensor]:
+    """``attend``'s math on checked inputs of one dtype: queries (..., n, dim), keys (..., m, dim) -> output
+    (..., n, value_dim) and weights (..., n, m)."""
+    scores = compute_scores(queries, keys, score)  # (..., n, m)
+    expected = torch.Size((*queries.shape[:-1], keys.shape[-2]))
+    if not isinstance(scores, Tensor) or scores.shape != expected:
+        got = tuple(scores.shape) if isinstance(scores, Tensor) else describe(scores)
+        raise DimensionMismatchError(f"the score function must return shape {tuple(expected)}, got {got}")
+    if isinstance(score, str) and eager_checks() and not all_finite(scores):
+        raise NonFiniteError(
+            f"the {score} scores overflowed: expected queries and keys whose scores fit in {scores.dtype}, got "
+            f"{_count_nonfinite(scores)} non-finite scores from finite inputs (largest entry "
+            f"{max(_largest(queries), _largest(keys)):.3g}); scale them down or use float64"
+        )
+    if pooling == "exact" and match is None:
+        match = exact_matches(queries, keys)  # (..., n, m)
+    weights = pool(scores, keep, pooling, temperature=temperature, match=match)  # (..., n, m)
+    if dropout > 0:
+        weights = F.dropout(weights, p=dropout, training=True)  # (..., n, m)
+    return weights @ values, weights  # (..., n, value_dim), (..., n, m)
 
 
 # ----------------------------------------------------------------------------- attend
@@ -144,6 +178,18 @@ def attend(
     Keys, values, masks and lengths are moved to the queries' device and the three
     embedding tensors promoted to a common dtype, so the results are on the queries' device.
 
+    Precision, as fused ``scaled_dot_product_attention``: under ``torch.autocast`` enabled for the
+    queries' device type, the inputs are upcast to float32 (float64 stays float64) and the scores,
+    the pooling (a callable score included, called with autocast off) and the weighted sum run in
+    float32 with autocast off; the output comes out in the autocast dtype
+    (``torch.get_autocast_dtype(device_type)``: bfloat16 or float16, float64 for float64 inputs) and
+    the weights in float32. Gradients flow back to low-precision queries in their own dtype. Without
+    autocast both come out in the inputs' promoted dtype.
+
+    Under ``torch.compile`` the checks that read tensor values back to the host (NaN / Inf inputs,
+    overflow, negative ``valid_lens``) are skipped, as torch's own ops do not check: a compiled model
+    gets no ``NonFiniteError``. The options and shapes are checked either way.
+
     Args:
         queries: the queries (see the layouts).
         keys: the keys.
@@ -163,13 +209,15 @@ def attend(
         training: whether dropout applies.
 
     Returns:
-        ``(output, weights)``, with ``output == weights @ values`` (the weights after dropout).
+        ``(output, weights)``, with ``output == weights @ values`` (the weights after dropout); output in
+        the autocast dtype under autocast, weights in float32 (see Precision).
 
     Raises:
         DimensionMismatchError: the shapes fit no layout, or batch, m or dim disagree.
-        NonFiniteError: the queries, keys or values hold NaN or Inf; a built-in score overflowed
-            (finite inputs too large for the dtype); a callable score gave NaN or +inf on a kept
-            candidate (-inf drops the candidate, see ``pool``); or the output overflowed.
+        NonFiniteError: (eager mode) the queries, keys or values hold NaN or Inf; a built-in score
+            overflowed (finite inputs too large for the dtype); a callable score gave NaN or +inf on a
+            kept candidate (-inf drops the candidate, see ``pool``); or the output overflowed (in its
+            output dtype: float16 under CUDA float16 autocast).
         InvalidArgumentError: a bad option value, non-float embeddings, a valid_lens, mask or match of the
             wrong dtype or shape, or the gaussian score with normalize / nonnegative pooling (all weights 0).
         UnknownOptionError: an unknown score or pooling name.
@@ -206,12 +254,15 @@ def attend(
         if queries.shape[-1] == 0:
             raise DimensionMismatchError("embeddings must have dim >= 1, got 0")
     check_pairing(score, pooling)
-    check_finite(queries)
-    check_finite(keys, "keys")
-    check_finite(values, "values")
+    if eager_checks():
+        check_finite(queries)
+        check_finite(keys, "keys")
+        check_finite(values, "values")
 
     device = queries.device
+    amp = autocast_dtype(device)  # None unless autocast is on for the queries' device
     dtype = torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), values.dtype)
+    dtype = compute_dtype(dtype, amp)  # at least float32 under autocast
     queries = queries.to(dtype)  # as given
     keys = keys.to(device, dtype)  # (m, dim) | (b, k, dim) | (b, m, dim)
     values = values.to(device, dtype)  # (m, value_dim) | (b, k, value_dim) | (b, m, value_dim)
@@ -228,25 +279,12 @@ def attend(
         keep = None if keep is None else keep.unsqueeze(-2)  # (b, 1, k)
         match = None if match is None else match.unsqueeze(-2)  # (b, 1, k)
 
-    scores = compute_scores(queries, keys, score)  # (n, m) | (b, 1, k) | (b, n, m)
-    expected = torch.Size((*queries.shape[:-1], keys.shape[-2]))
-    if not isinstance(scores, Tensor) or scores.shape != expected:
-        got = tuple(scores.shape) if isinstance(scores, Tensor) else describe(scores)
-        raise DimensionMismatchError(f"the score function must return shape {tuple(expected)}, got {got}")
-    if isinstance(score, str) and not all_finite(scores):
-        raise NonFiniteError(
-            f"the {score} scores overflowed: expected queries and keys whose scores fit in {scores.dtype}, got "
-            f"{_count_nonfinite(scores)} non-finite scores from finite inputs (largest entry "
-            f"{max(_largest(queries), _largest(keys)):.3g}); scale them down or use float64"
-        )
-    if pooling == "exact" and match is None:
-        match = exact_matches(queries, keys)  # (n, m) | (b, 1, k) | (b, n, m)
-
-    weights = pool(scores, keep, pooling, temperature=temperature, match=match)  # like scores
-    if training and dropout > 0:
-        weights = F.dropout(weights, p=dropout, training=True)  # like scores
-    output = weights @ values  # (n, value_dim) | (b, 1, value_dim) | (b, n, value_dim)
-    if not all_finite(output):
+    with full_precision(device, amp):  # autocast off: scores, pooling and the blend in ``dtype``
+        output, weights = _score_pool_blend(
+            queries, keys, values, score, pooling, keep, match, temperature, dropout if training else 0.0
+        )  # (n, value_dim) | (b, 1, value_dim) | (b, n, value_dim), like the scores
+    output = output.to(output_dtype(dtype, amp))  # the autocast dtype under autocast
+    if eager_checks() and not all_finite(output):
         raise NonFiniteError(
             f"the output overflowed: expected weights @ values to fit in {output.dtype}, got "
             f"{_count_nonfinite(output)} non-finite entries (largest weight {_largest(weights):.3g}, "

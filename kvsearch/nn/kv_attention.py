@@ -5,7 +5,8 @@
 
 It owns the layer's options (k, score, pooling, temperature, dropout; ``score="additive"`` creates an
 :class:`~kvsearch.nn.scores.AdditiveScore` submodule), asks the database for candidates and hands them to
-:func:`~kvsearch.nn.attend.attend`. The database is duck-typed (``dim``, ``candidates``, optionally
+:func:`~kvsearch.nn.attend.attend` (the call into the database runs eagerly: under ``torch.compile`` it is the
+layer's one graph break). The database is duck-typed (``dim``, ``candidates``, optionally
 ``exact_targets``): this module knows nothing of FAISS, SQLite, text or files.
 """
 
@@ -14,11 +15,12 @@ from __future__ import annotations
 from numbers import Integral
 from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from kvsearch.checks import check_finite, check_k, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError
-from kvsearch.nn.attend import attend, check_dropout, check_pairing
+from kvsearch.nn.attend import Candidates, attend, check_dropout, check_pairing
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import AdditiveScore, ScoreFn, check_float_tensor, check_option, check_score
 
@@ -35,6 +37,22 @@ class KVAttention(nn.Module):
     found, also when several are equal); without it, the candidates' embeddings are compared.
     The last weights and ids are kept on ``last_weights`` / ``last_ids`` (detached; ids are
     expanded to the weights' shape for ``k="all"``).
+
+    Under ``torch.autocast`` (CPU bfloat16, CUDA float16 / bfloat16) the index searches in its own
+    dtype (autocast off), and the scores, pooling and weighted sum run in float32 with autocast off, as
+    fused ``scaled_dot_product_attention`` does; the output comes out in the autocast dtype
+    (``torch.get_autocast_dtype(device_type)`` of the queries' device) and ``last_weights`` in float32.
+    Without autocast the output has the promoted dtype of queries, keys and values (float32 for a
+    ``Database``). Gradients reach low-precision queries in their own dtype.
+
+    Under ``torch.compile`` the call into the database (``candidates``, ``exact_targets``) is a graph
+    break (``torch.compiler.disable``): it runs eagerly and checks the queries for NaN / Inf there; the
+    scores, pooling and blend compile, without the host-syncing overflow checks of eager mode (a
+    compiled model raises no ``NonFiniteError`` for an overflow, as torch's own ops do not).
+
+    The database is a resource, not state: ``state_dict()`` never holds it, ``copy.deepcopy`` / ``AveragedModel``
+    share it by reference, and pickling the layer pickles it as it pickles itself (a ``Database`` on disk as its
+    folder, reopened on load; one in memory raises ``NotPicklableError``: save the ``state_dict()`` instead).
     """
 
     def __init__(
@@ -92,7 +110,7 @@ class KVAttention(nn.Module):
             queries: (batch, dim).
 
         Returns:
-            Output (batch, value_dim).
+            Output (batch, value_dim): in the autocast dtype under autocast, else the promoted dtype.
 
         Raises:
             InvalidArgumentError: queries are not a floating-point tensor.
@@ -102,16 +120,7 @@ class KVAttention(nn.Module):
                 batch (0, dim) is answered with an empty output (0, value_dim).
         """
         check_float_tensor(queries, "queries")
-        if queries.dim() != 2 or queries.shape[-1] != self.db.dim:
-            raise DimensionMismatchError(
-                f"expected queries of shape (batch, {self.db.dim}), got {tuple(queries.shape)}"
-            )
-        check_finite(queries)  # before the index sees them
-        exact_targets = getattr(self.db, "exact_targets", None)
-        if self.pooling == "exact" and callable(exact_targets):  # the database's rule: one equal stored key
-            cand = self.db.candidates(queries, self.k, targets=exact_targets(queries))
-        else:
-            cand = self.db.candidates(queries, self.k)
+        cand = self._candidates(queries)  # eager: a graph break under torch.compile
         output, weights = attend(
             queries,
             cand.keys,
@@ -128,6 +137,23 @@ class KVAttention(nn.Module):
         self.last_weights = weights.detach()  # (batch, k | m)
         self.last_ids = ids.detach()  # (batch, k | m)
         return output  # (batch, value_dim)
+
+    @torch.compiler.disable
+    def _candidates(self, queries: Tensor) -> Candidates:
+        """The database's candidates for checked queries (batch, db.dim), searched in eager mode.
+
+        ``torch.compile`` breaks its graph here: the index search (FAISS, SQLite reads, Python bookkeeping) is not
+        torch math, and it runs eagerly, its checks of the queries included; the attention around it compiles.
+        """
+        if queries.dim() != 2 or queries.shape[-1] != self.db.dim:
+            raise DimensionMismatchError(
+                f"expected queries of shape (batch, {self.db.dim}), got {tuple(queries.shape)}"
+            )
+        check_finite(queries)  # before the index sees them
+        exact_targets = getattr(self.db, "exact_targets", None)
+        if self.pooling == "exact" and callable(exact_targets):  # the database's rule: one equal stored key
+            return self.db.candidates(queries, self.k, targets=exact_targets(queries))
+        return self.db.candidates(queries, self.k)
 
     def extra_repr(self) -> str:
         """The options, for ``repr``."""

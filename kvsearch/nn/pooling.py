@@ -18,6 +18,7 @@ from torch import Tensor
 
 from kvsearch.checks import all_finite, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError
+from kvsearch.nn.precision import eager_checks
 from kvsearch.nn.scores import check_float_tensor, check_option, describe
 
 __all__ = ["PoolingName", "POOLINGS", "pool", "keep_mask", "exact_matches"]
@@ -94,9 +95,13 @@ def _masked_softmax(scores: Tensor, keep: Tensor, temperature: float) -> Tensor:
 def _keep_finite_scores(scores: Tensor, keep: Tensor) -> Tensor:
     """The keep-mask with the candidates scored -inf dropped; NaN or +inf on a kept candidate raises.
 
+    Under ``torch.compile`` nothing is read back to the host: -inf still drops, NaN or +inf is not looked for.
+
     Raises:
-        NonFiniteError: a kept candidate's score is NaN or +inf.
+        NonFiniteError: (eager mode) a kept candidate's score is NaN or +inf.
     """
+    if not eager_checks():
+        return keep & (scores != -math.inf)  # (..., m)
     if all_finite(scores):
         return keep
     bad = (torch.isnan(scores) | (scores == math.inf)) & keep  # (..., m)

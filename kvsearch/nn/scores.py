@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from kvsearch.checks import COSINE_EPS, all_finite, check_dim
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.nn.precision import eager_checks
 
 __all__ = [
     "ScoreName",
@@ -123,10 +124,11 @@ def _unit_rows(x: Tensor) -> Tensor:
     """Rows scaled to unit norm as ``F.normalize`` does (norms clamped to ``COSINE_EPS``: a zero row stays zero).
 
     A row whose squared norm overflows (entries near 1e19 and above in float32) is first divided by its largest
-    entry, which the cosine does not see: its norm is then finite and its direction exact.
+    entry, which the cosine does not see: its norm is then finite and its direction exact (in eager mode: under
+    ``torch.compile`` such a row is not looked for, and scores 0).
     """
     norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
-    if not all_finite(norms):
+    if eager_checks() and not all_finite(norms):
         peak = x.detach().abs().amax(-1, keepdim=True)  # (..., 1)
         x = x / torch.where(peak > 1, peak, 1)  # (..., dim) huge rows brought to [-1, 1]; small rows as they are
         norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)

@@ -10,6 +10,9 @@ Scores supported (the database's): ``dot``, ``scaled_dot`` (/ sqrt(dim)), ``cosi
 ``gaussian`` (-||q - k||^2 / 2, computed as ``q'.k' - |k'|^2 / 2 - |q'|^2 / 2`` on points centred on a common
 reference, the query itself for one query, else the keys' mean — each chunk of keys is centred as it is read —
 so that it stays accurate far from the origin). Gradients flow to queries, keys and values.
+
+Under ``torch.autocast`` both passes run in float32 with autocast off, and the output comes out in the autocast
+dtype (see :func:`streaming_attention`), as fused ``scaled_dot_product_attention`` does.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_temper
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 from kvsearch.limits import check_fits
 from kvsearch.nn.attend import Candidates, attend
+from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, output_dtype
 from kvsearch.nn.scores import ScoreFn, compute_scores
 
 __all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
@@ -115,6 +119,12 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor, _grad_lse: Tensor, _grad_best: Tensor) -> tuple:
+        queries = ctx.saved_tensors[0]
+        with full_precision(queries.device, autocast_dtype(queries.device)):  # a backward() called under autocast
+            return _StreamingSoftmaxAttention._backward(ctx, grad_output.to(queries.dtype))
+
+    @staticmethod
+    def _backward(ctx: Any, grad_output: Tensor) -> tuple:
         queries, keys, values, output, lse, center = ctx.saved_tensors
         scale, normalize, gaussian, chunk = ctx.scale, ctx.normalize, ctx.gaussian, ctx.chunk
         want_q, want_k, want_v = ctx.needs_input_grad[:3]
@@ -178,7 +188,11 @@ def streaming_attention(
             (batch,) — the argmax of the weights — both without gradient.
 
     Returns:
-        output (batch, value_dim); with ``return_stats``, ``(output, lse, best_row)``.
+        output (batch, value_dim); with ``return_stats``, ``(output, lse, best_row)``. Under ``torch.autocast``
+        enabled for the queries' device type, the inputs are upcast to float32 (float64 stays float64), every
+        chunk's scores, softmax and blend run in float32 with autocast off (the backward too), and the output
+        comes out in the autocast dtype (``torch.get_autocast_dtype(device_type)``), the log-sum-exp in float32;
+        without autocast everything is in the inputs' promoted dtype.
 
     Raises:
         UnknownOptionError: a score not in ``STREAMING_SCORES``.
@@ -203,23 +217,27 @@ def streaming_attention(
         chunk = default_chunk(queries.shape[0])
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise InvalidArgumentError(f"expected a positive integer chunk, got {chunk!r}")
-    dtype = torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), values.dtype)
     device = queries.device
+    amp = autocast_dtype(device)  # None unless autocast is on for the queries' device
+    dtype = torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), values.dtype)
+    dtype = compute_dtype(dtype, amp)  # at least float32 under autocast
     queries = queries.to(dtype)  # (batch, dim)
     keys = keys.to(device, dtype)  # (m, dim)
     values = values.to(device, dtype)  # (m, value_dim)
     scale = 1.0 / float(temperature)
     if score == "scaled_dot":
         scale /= math.sqrt(queries.shape[1])
-    if score == "cosine":
-        queries = F.normalize(queries, dim=-1, eps=COSINE_EPS)  # (batch, dim), differentiable
-    center = None
-    if score == "gaussian":  # a common reference, subtracted from the queries here and from each chunk of keys
-        center = queries.detach()[0] if queries.shape[0] == 1 else keys.detach().mean(0)  # (dim,)
-        queries = queries - center  # (batch, dim), differentiable
-    output, lse, best_row = _StreamingSoftmaxAttention.apply(
-        queries, keys, values, scale, score == "cosine", score == "gaussian", int(chunk), center
-    )  # (batch, value_dim), (batch,), (batch,)
+    with full_precision(device, amp):  # autocast off: every chunk's scores, softmax and blend in ``dtype``
+        if score == "cosine":
+            queries = F.normalize(queries, dim=-1, eps=COSINE_EPS)  # (batch, dim), differentiable
+        center = None
+        if score == "gaussian":  # a common reference, subtracted from the queries here and from each chunk of keys
+            center = queries.detach()[0] if queries.shape[0] == 1 else keys.detach().mean(0)  # (dim,)
+            queries = queries - center  # (batch, dim), differentiable
+        output, lse, best_row = _StreamingSoftmaxAttention.apply(
+            queries, keys, values, scale, score == "cosine", score == "gaussian", int(chunk), center
+        )  # (batch, value_dim), (batch,), (batch,)
+    output = output.to(output_dtype(dtype, amp))  # (batch, value_dim): the autocast dtype under autocast
     if not all_finite(output):
         raise NonFiniteError(
             f"the {score} scores overflowed: expected queries and keys whose scores fit in {output.dtype}, got "
@@ -239,8 +257,10 @@ def streaming_attend(
         temperature: finite and > 0.
 
     Returns:
-        output (batch, value_dim), differentiable, whose autograd graph holds O(batch x chunk) memory; and
-        weights (batch, m), detached — the answer's own size, filled a chunk at a time.
+        output (batch, value_dim), differentiable, whose autograd graph holds O(batch x chunk) memory (in the
+        autocast dtype under autocast, see :func:`streaming_attention`); and weights (batch, m), detached — the
+        answer's own size, filled a chunk at a time, in the dtype the scores were computed in (float32 under
+        autocast).
 
     Raises:
         As :func:`streaming_attention`.
@@ -248,11 +268,14 @@ def streaming_attend(
     output, lse, _ = streaming_attention(
         queries, keys, values, score=score, temperature=temperature, return_stats=True
     )  # (batch, value_dim), (batch,)
-    weights = torch.empty(queries.shape[0], keys.shape[0], dtype=output.dtype, device=queries.device)  # (batch, m)
+    dtype = lse.dtype  # the dtype the scores were computed in: float32 under autocast
+    weights = torch.empty(queries.shape[0], keys.shape[0], dtype=dtype, device=queries.device)  # (batch, m)
     step = max(1024, CHUNK_ELEMENTS // queries.shape[0])
-    with torch.no_grad():
+    q = queries.detach().to(dtype)  # (batch, dim)
+    with torch.no_grad(), full_precision(queries.device, autocast_dtype(queries.device)):
         for start in range(0, keys.shape[0], step):
-            scores = compute_scores(queries.detach(), keys[start : start + step], score) / temperature  # (b, c)
+            chunk = keys[start : start + step].to(queries.device, dtype)  # (c, dim)
+            scores = compute_scores(q, chunk, score) / temperature  # (batch, c)
             weights[:, start : start + step] = torch.exp(scores - lse.unsqueeze(1))  # (batch, c)
     return output, weights
 

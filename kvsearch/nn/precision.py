@@ -1,0 +1,67 @@
+"""Mixed precision and ``torch.compile`` for the attention math: which dtype it runs in and comes out in, and
+whether the checks that read numbers back to the host run.
+
+    amp = autocast_dtype(queries.device)          # torch.bfloat16 inside torch.autocast("cpu"), else None
+    with full_precision(queries.device, amp):     # autocast off: scores, pooling and the blend in float32
+        ...
+    output = output.to(output_dtype(dtype, amp))  # the autocast dtype, as matmul-like ops give under autocast
+
+The rule is fused ``scaled_dot_product_attention``'s: under autocast the scores, the pooling and the weighted sum
+run in float32 (float64 inputs stay float64, which autocast never casts), and the output comes out in the autocast
+dtype; weights stay in the computing dtype. Without autocast nothing changes: the inputs' promoted dtype.
+
+It knows nothing of scores, pooling, candidates, FAISS, SQLite or text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["autocast_dtype", "compute_dtype", "output_dtype", "full_precision", "autocast_off", "eager_checks"]
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast gives matmul-like ops on ``device``'s type, or None where autocast is off there."""
+    kind = device.type
+    try:
+        enabled = torch.is_autocast_enabled(kind)
+    except RuntimeError:  # a device type autocast does not know ("meta")
+        return None
+    return torch.get_autocast_dtype(kind) if enabled else None
+
+
+def compute_dtype(dtype: torch.dtype, amp: torch.dtype | None) -> torch.dtype:
+    """The dtype the attention math runs in: the inputs' promoted ``dtype``, at least float32 under autocast."""
+    return dtype if amp is None else torch.promote_types(dtype, torch.float32)
+
+
+def output_dtype(dtype: torch.dtype, amp: torch.dtype | None) -> torch.dtype:
+    """The output's dtype: the autocast dtype under autocast (float64 math stays float64), else ``dtype``."""
+    return dtype if amp is None or dtype == torch.float64 else amp
+
+
+def full_precision(device: torch.device, amp: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """A context with autocast off for ``device``'s type where it is on (``amp`` not None); else does nothing."""
+    return contextlib.nullcontext() if amp is None else torch.autocast(device.type, enabled=False)
+
+
+def autocast_off(*devices: torch.device) -> contextlib.ExitStack:
+    """A context with autocast off for each of these devices' types where it is on: an exact search scores in the
+    dtype it chose, not in autocast's (eager code only; :func:`full_precision` is the one ``torch.compile`` traces).
+    """
+    stack = contextlib.ExitStack()
+    for kind in dict.fromkeys(device.type for device in devices):
+        if autocast_dtype(torch.device(kind)) is not None:
+            stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
+
+
+def eager_checks() -> bool:
+    """Whether the checks that read tensor values on the host (NaN, Inf, overflow) run: not under ``torch.compile``.
+
+    A compiled graph does not stop to look at its numbers, as torch's own ops do not: a compiled model is not
+    checked for non-finite inputs or overflow (the database still checks the queries it searches with).
+    """
+    return not torch.compiler.is_compiling()
