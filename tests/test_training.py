@@ -430,7 +430,7 @@ def test_finetune_config_is_frozen_and_canonical():
     keywords = set(inspect.signature(FinetuneConfig).parameters)
     assert fields == keywords == {
         "loss", "targets", "k", "epochs", "refresh_every", "train", "train_values", "score", "pooling",
-        "optimizer", "lr", "batch_size", "temperature", "seed", "verbose", "keep", "metric",
+        "optimizer", "lr", "batch_size", "temperature", "seed", "verbose", "keep", "metric", "precision",
     }  # fmt: skip
     assert (FinetuneConfig().keep, FinetuneConfig().metric) == ("best", None)
 

@@ -318,6 +318,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "keep": args.keep,
         "metric": args.metric,
+        "precision": args.precision,
         "verbose": not args.quiet,
     }
     for name in ("targets", "lr", "batch_size"):

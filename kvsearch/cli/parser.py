@@ -235,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="recall@1",
         help="the eval metric that --keep best compares (default recall@1)",
     )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="train in float32 (default), or under autocast with bfloat16 (CPU or CUDA) or float16 (CUDA only); "
+        "the weights written stay float32",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
     p = sub.add_parser(

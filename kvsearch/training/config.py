@@ -26,6 +26,7 @@ from kvsearch.nn.pooling import POOLINGS, PoolingName
 from kvsearch.nn.scores import ScoreFn, check_score
 from kvsearch.training.losses import ANSWER_LOSSES, LossFn, LossName, get_loss
 from kvsearch.training.metrics import METRICS, TARGET_KINDS, MetricName, TargetKind, higher_is_better
+from kvsearch.training.precision import PRECISIONS, PrecisionName
 
 __all__ = [
     "TrainMode",
@@ -95,12 +96,18 @@ class FinetuneConfig:
         metric: what "best" means: ``"recall@1"``, ``"recall@k"`` or ``"mrr"`` on text eval pairs (higher is
             better), ``"loss"`` on tensor eval pairs (lower is better). None (the default): ``"recall@1"`` on
             text pairs, ``"loss"`` on tensor pairs.
+        precision: ``"fp32"`` (the default: float32 throughout), ``"bf16"`` (the forward — encoders, attention —
+            under ``torch.autocast`` with bfloat16, on the CPU or CUDA) or ``"fp16"`` (float16 autocast with a
+            gradient scaler, CUDA only). The loss is computed in float32, the weights stay float32 (autocast does
+            not change them), evaluations run in float32 (as the database answers after the commit), and what is
+            committed is float32 as before (see :mod:`kvsearch.training.precision`).
 
     Raises:
         InvalidArgumentError: a value of the wrong type or out of range (``k=0``, ``epochs=True``,
             ``temperature=inf``, ``lr=-1``, ``seed="x"``, ...), the retrieval loss with value targets, or
             ``pooling="exact"``.
-        UnknownOptionError: an unknown loss, targets, train mode, score, pooling, optimizer, keep or metric name.
+        UnknownOptionError: an unknown loss, targets, train mode, score, pooling, optimizer, keep, metric or
+            precision name.
     """
 
     loss: LossName | LossFn = "answer"
@@ -120,6 +127,7 @@ class FinetuneConfig:
     verbose: bool = True
     keep: KeepName = "best"
     metric: MetricName | None = None
+    precision: PrecisionName = "fp32"
 
     def __post_init__(self) -> None:
         get_loss(self.loss)  # UnknownOptionError unless a registered name or a callable
@@ -155,6 +163,7 @@ class FinetuneConfig:
         _check_name(self.keep, KEEPS, "keep")
         if self.metric is not None:
             _check_name(self.metric, METRICS, "metric")
+        _check_name(self.precision, PRECISIONS, "precision")
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # a checked value in its canonical type (np.int64 -> int, ...)

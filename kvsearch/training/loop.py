@@ -36,6 +36,11 @@ databases without text (kernel regression, see :class:`~kvsearch.nn.scores.Gauss
 that match nothing (no stored key, no stored value text) are refused before any step; the message says when
 the other ``targets=`` would match them.
 
+Precision. ``precision="bf16"`` runs each step's forward (the encoders, the attention) under ``torch.autocast``
+with bfloat16 (CPU or CUDA), ``"fp16"`` under float16 with a gradient scaler (CUDA only); the loss is taken in
+float32, evaluations run in float32, the weights stay float32, and the guarantees above hold unchanged
+(:mod:`kvsearch.training.precision`).
+
 This module owns the loop (its options, :class:`FinetuneConfig` and :class:`History`, are in
 :mod:`kvsearch.training.config`). The losses live in :mod:`kvsearch.training.losses`, the metrics in
 :mod:`kvsearch.training.metrics`. It talks to the database through the facade's public methods only
@@ -46,6 +51,7 @@ encoders): it knows nothing of the store, the index or the file formats.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -98,6 +104,7 @@ from kvsearch.training.metrics import (
     higher_is_better,
     is_tensor_pairs,
 )
+from kvsearch.training.precision import PRECISIONS, MixedPrecision, PrecisionName
 from kvsearch.training.team import SOLO, average_gradients, batches, team_of
 
 if TYPE_CHECKING:
@@ -112,6 +119,8 @@ __all__ = [
     "MetricName",
     "METRICS",
     "OPTIMIZERS",
+    "PrecisionName",
+    "PRECISIONS",
     "FinetuneConfig",
     "History",
     "finetune",
@@ -268,8 +277,8 @@ def finetune(
         config: the options as a :class:`FinetuneConfig`; default ``FinetuneConfig()``.
         **options: any field of :class:`FinetuneConfig` (``loss``, ``targets``, ``k``, ``epochs``,
             ``refresh_every``, ``train``, ``train_values``, ``score``, ``pooling``, ``optimizer``, ``lr``,
-            ``batch_size``, ``temperature``, ``seed``, ``verbose``, ``keep``, ``metric``); given with ``config``,
-            they override it.
+            ``batch_size``, ``temperature``, ``seed``, ``verbose``, ``keep``, ``metric``, ``precision``); given
+            with ``config``, they override it.
 
     Returns:
         A :class:`History` (``committed``, ``kept_epoch``, ``generation``, ``summary()``). After a commit the
@@ -279,7 +288,9 @@ def finetune(
     Raises:
         InvalidArgumentError: bad pairs or options, a metric that does not fit the eval pairs, value target
             texts that no record holds, an unknown option name, or nothing to train (all before any step).
-        UnknownOptionError: an unknown loss, train mode, targets, score, pooling, optimizer, keep or metric.
+        UnknownOptionError: an unknown loss, train mode, targets, score, pooling, optimizer, keep, metric or
+            precision.
+        NotSupportedError: ``precision="fp16"`` on a device other than CUDA (before any step).
         KeyNotFoundError: a target key is not stored (before any step).
         DimensionMismatchError: tensor pairs of the wrong shape.
         EmptyDatabaseError: the database is empty.
@@ -301,6 +312,7 @@ def finetune(
         raise EmptyDatabaseError("expected a database with records to fine-tune on, got an empty one")
 
     def check_options() -> str:
+        MixedPrecision(config.precision, db.device)  # NotSupportedError: fp16 off CUDA
         if team is not SOLO and config.train_values:
             raise NotSupportedError("train_values=True is not supported across shards yet")
         check_pairs(train_pairs, "train_pairs", db)
@@ -319,6 +331,7 @@ def finetune(
     score = db.score if config.score is None else config.score
     loss_fn = get_loss(config.loss)
     device = db.device
+    mixed = MixedPrecision(config.precision, device)
 
     # what each training pair asks for, and the targets of the eval pairs: checked before the draft begins
     if tensor_pairs:
@@ -419,7 +432,9 @@ def finetune(
                 if tensor_pairs:
                     q = query_items[batch.to(device)]  # (b, dim)
                 elif len(batch):
-                    q = run.query_encoder([query_items[i] for i in batch.tolist()]).float()  # (b, dim)
+                    with mixed.autocast():
+                        q = run.query_encoder([query_items[i] for i in batch.tolist()])  # (b, dim)
+                    q = q.float()  # (b, dim) the index searches float32 queries
                 else:
                     q = torch.zeros(0, db.dim, device=device)  # (0, dim): this rank has no batch left
                 if team.max(int(not all_finite(q))):
@@ -429,17 +444,17 @@ def finetune(
                     )
                 tid = None if wanted is None else wanted[batch]  # (b,)
                 value_t = target_values[batch.to(device)]  # (b, value_dim)
-                loss_value = _step_loss(draft, db, run, q, tid, value_t, k, force, pooling, temperature, loss_fn)
+                loss_value = _step_loss(draft, db, run, q, tid, value_t, k, force, pooling, temperature, loss_fn, mixed)
                 opt.zero_grad(set_to_none=True)
                 if len(batch):
-                    loss_value.backward()
+                    mixed.backward(loss_value)  # scaled first under fp16
                 loss_float = average_gradients(team, params, float(loss_value.detach()), len(batch))
                 if not math.isfinite(loss_float):
                     raise NonFiniteError(
                         f"the training loss is {loss_float} at step {step + 1} (epoch {epoch}); nothing was written"
                     )
                 step += 1
-                _optimizer_step(opt, step, epoch)  # NonFiniteError when a weight is no longer finite
+                mixed.step(opt, step, epoch)  # NonFiniteError when a weight is no longer finite
                 epoch_losses.append(loss_float)
                 if step % config.refresh_every == 0:
                     refresh(step)
@@ -530,43 +545,6 @@ def _restore(run: _Run, state: dict[str, Any]) -> None:
             run.values.copy_(state["values"].to(run.values.device))  # (m, value_dim)
 
 
-def _optimizer_step(opt: torch.optim.Optimizer, step: int, epoch: int) -> None:
-    """One optimizer step, then a check that every trained parameter is still usable.
-
-    A huge learning rate (finite, say 1e38) overflows float32 in the optimizer's own arithmetic (Adam's
-    ``lr / bias_correction``: torch raises a RuntimeError "value cannot be converted to type float without
-    overflow"), or in the weights: NaN / Inf, or weights so large that their squares overflow (beyond
-    ``sqrt(finfo.max)``, 1.8e19 in float32: a norm or a dot product with them is Inf, a normalised embedding
-    0). Each ends as NonFiniteError.
-
-    Raises:
-        NonFiniteError: the step overflowed, or left a weight NaN, Inf or beyond the square-root range
-            (naming the step and epoch).
-    """
-    try:
-        opt.step()
-    except RuntimeError as exc:
-        if "overflow" not in str(exc):
-            raise
-        lrs = sorted({group.get("lr") for group in opt.param_groups}, key=str)
-        raise NonFiniteError(
-            f"the optimizer step {step} (epoch {epoch}) overflowed float32 with lr={lrs}: {exc}; nothing was written"
-        ) from exc
-    params = [(p, group.get("lr")) for group in opt.param_groups for p in group["params"] if p.numel()]
-    oks = []
-    for param, _ in params:
-        low, high = torch.aminmax(param.detach())  # NaN propagates; the comparisons below are then False
-        limit = math.sqrt(torch.finfo(param.dtype).max)
-        oks.append((low > -limit) & (high < limit))
-    if oks and not bool(torch.stack(oks).all()):  # one device sync per step
-        param, lr = next(pl for pl, ok in zip(params, oks) if not bool(ok))
-        raise NonFiniteError(
-            f"a trained weight of shape {tuple(param.shape)} is NaN, Inf or beyond "
-            f"{math.sqrt(torch.finfo(param.dtype).max):.2g} (its square overflows) after step {step} "
-            f"(epoch {epoch}) with lr={lr!r}: the run diverged; nothing was written"
-        )
-
-
 @torch.no_grad()
 def _probe(run: _Run, query_items: Any, batch_size: int, tensor_pairs: bool) -> None:
     """Check the kept query encoder on a batch of training queries before committing it.
@@ -616,6 +594,7 @@ def _summary(history: History, config: FinetuneConfig, steps: int) -> dict[str, 
         "seconds": round(history.seconds, 3),
         "train": config.train,
         "train_values": config.train_values,
+        "precision": config.precision,
         "loss": str(loss),
         "final_loss": history.epoch_losses[-1] if history.epoch_losses else None,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -634,19 +613,26 @@ def _step_loss(
     pooling: str,
     temperature: float,
     loss_fn: LossFn,
+    mixed: MixedPrecision | None = None,
 ) -> Tensor:
-    """One batch through candidates (from the draft), attention and the loss. Returns a 0-dim tensor."""
-    # ids (b, k), keys, values, mask (b, k)
+    """One batch through candidates (from the draft), attention and the loss. Returns a 0-dim tensor.
+
+    The key encoder and the attention run under ``mixed``'s autocast (none by default); the scores the loss sees
+    and the loss itself are float32, outside it.
+    """
+    # ids (b, k), keys, values, mask (b, k): chosen in float32 (the index sees the detached queries, outside autocast)
     cand = retriever.candidates(q, k, targets=targets if force else None)
-    keys = run.candidate_keys(cand.ids, cand.keys, cand.mask)  # (b, k, dim)
-    values = run.candidate_values(cand.ids, cand.values, cand.mask)  # (b, k, value_dim)
-    if q.shape[0] == 0:  # a rank with no batch left took part in the collectives above; it has no loss
-        return torch.zeros((), device=db.device)
-    q = q.to(db.device)  # (b, dim)
-    output, weights = attend(
-        q, keys, values, score=run.score, pooling=pooling, mask=cand.mask, temperature=temperature
-    )  # (b, value_dim), (b, k)
-    scores = compute_scores(q.unsqueeze(1), keys, run.score).squeeze(1)  # (b, k)
+    with contextlib.nullcontext() if mixed is None else mixed.autocast():
+        keys = run.candidate_keys(cand.ids, cand.keys, cand.mask)  # (b, k, dim) float32
+        values = run.candidate_values(cand.ids, cand.values, cand.mask)  # (b, k, value_dim)
+        if q.shape[0] == 0:  # a rank with no batch left took part in the collectives above; it has no loss
+            return torch.zeros((), device=db.device)
+        q = q.to(db.device)  # (b, dim)
+        output, weights = attend(
+            q, keys, values, score=run.score, pooling=pooling, mask=cand.mask, temperature=temperature
+        )  # (b, value_dim), (b, k) in autocast's dtype where it lowered them
+    output, weights = output.float(), weights.float()  # (b, value_dim), (b, k): the loss is taken in float32
+    scores = compute_scores(q.unsqueeze(1), keys, run.score).squeeze(1)  # (b, k) float32, outside autocast
     match = None
     if targets is not None:
         match = (cand.ids == targets.to(cand.ids.device).unsqueeze(1)) & cand.mask  # (b, k)
