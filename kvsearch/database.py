@@ -5,13 +5,10 @@
     db.lookup("Li")                                  # "Mu": an exact database lookup
     db.query("Lipto", k=4, pooling="softmax")        # Answer: a differentiable blend of candidate values
 
-It checks what it is given, opens (creates or reopens) the folder (:mod:`kvsearch.view`) and hands each operation
-to the part that does it: the locks, the read snapshot, bringing a stale view up to date, ``atomic()``, generation
-switches, saving and closing to the :class:`~kvsearch.view.View`; writes to :class:`~kvsearch.writes.Writes` (checked
-input, one transaction, the index following the commit); searches, queries, lookups and reads by id to
-:class:`~kvsearch.reads.Reads`; generations to :mod:`kvsearch.generations`, records to the
-:class:`~kvsearch.storage.store.Store`, candidates to the :class:`~kvsearch.retrieval.Retriever`. It knows nothing of
-training loops or file formats. The folder layout is in :mod:`kvsearch.storage.folder`.
+It checks what it is given, opens the folder (:mod:`kvsearch.view`) and hands each operation to the part that does
+it: locks, snapshots, catch-up, ``atomic()``, switches, saving and closing to the :class:`~kvsearch.view.View`; writes
+to :class:`~kvsearch.writes.Writes`; searches, queries, lookups and reads by id to :class:`~kvsearch.reads.Reads`;
+generations to :mod:`kvsearch.generations`. It knows nothing of training loops or file formats.
 """
 
 from __future__ import annotations
@@ -39,18 +36,18 @@ from kvsearch.results import Answer, Hit, LazyKeys
 from kvsearch.retrieval import Retriever
 from kvsearch.storage.locking import DEFAULT_LOCK_TIMEOUT
 from kvsearch.storage.store import Record, Store
-from kvsearch.view import Given, View, check_options, open_store, open_view
-from kvsearch.writes import Writes
+from kvsearch.view import Given, View, check_options, open_store, open_view, reduce_database, same_object
+from kvsearch.writes import Writes, check_capacity
 
 __all__ = ["Database", "Hit", "Answer", "LazyKeys", "DB_SCORES"]
 
 
 class Database:
-    """A differentiable key-value database.
+    """A differentiable key-value database; a resource like a dataset: copies of a model share it (deepcopy: itself).
 
     Args:
         path: a folder (created if missing, reopened with what it was created with if it holds a database),
-            or None for a database in memory only.
+            or None for a database in memory only (a pickle refuses it; one on disk pickles as folder + options).
         encoder: encodes key texts and query texts (e.g. :class:`~kvsearch.NgramEncoder`). Optional when
             keys and queries are given as embeddings.
         value_encoder: encodes value texts; by default the key encoder, when its dim fits ``value_dim``.
@@ -68,6 +65,7 @@ class Database:
         read_only: open an existing database for reading only: nothing in its folder is written (not even the
             index on close) and writes raise ``ReadOnlyDatabaseError``. A database whose folder (or store file)
             cannot be written is opened so anyway, with one ``RuntimeWarning``.
+        capacity: keep the newest ``capacity`` records, the oldest dropped first (in memory; NotSupportedError on disk).
 
     Raises:
         InvalidArgumentError: no encoder and no dim, or a bad argument (``read_only`` without a database).
@@ -93,19 +91,21 @@ class Database:
         search_params: Mapping[str, float] | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         read_only: bool = False,
+        capacity: int | None = None,
     ) -> None:
         self.device = check_device(device)
         check_path(path)
         lock_timeout = check_seconds(lock_timeout, "lock_timeout")
         check_options(search_params, read_only)
         self.path = None if path is None else Path(path)
+        capacity = check_capacity(capacity, self.path)  # InvalidArgumentError; NotSupportedError on disk
         store, creation = open_store(self.path, self.device, read_only=read_only, lock_timeout=lock_timeout)
         self._view = view = View(self.path, store)  # the store, encoders, retriever; the locks and the catch-up
         given = Given(encoder, value_encoder, dim, value_dim, index, score, search_params)
         open_view(view, creation, self.device, given)  # create or reopen; the store closed if it fails
         self.dim, self.value_dim = view.dim, view.value_dim
         self.score, self.index_spec = view.score, view.index_spec
-        self._writes = Writes(view)  # add, upsert, delete
+        self._writes = Writes(view, capacity)  # add, upsert, delete, clear
         self._reads = Reads(view)  # search, query, lookup, reads by id
 
     @property
@@ -130,6 +130,10 @@ class Database:
         return self._view.atomic()
 
     # ------------------------------------------------------------------ small things
+    __copy__ = __deepcopy__ = same_object  # a resource: model copies share it (deepcopy, AveragedModel)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # as its folder and options; NotPicklableError in memory
+        return reduce_database(self._view, self.device, type(self))
 
     def __len__(self) -> int:
         with self._view.reading():
@@ -145,12 +149,7 @@ class Database:
         self.close()
 
     def __repr__(self) -> str:
-        where = "memory" if self.path is None else str(self.path)
-        state = "closed" if self._view.closed else f"{len(self._view.store)} records"
-        return (
-            f"Database({where!r}, {state}, dim={self.dim}, value_dim={self.value_dim}, "
-            f"index={self.index_spec!r}, score={self.score!r}, device={self.device})"
-        )
+        return self._view.summary(self.device)
 
     @property
     def index(self) -> CandidateIndex:
@@ -190,8 +189,7 @@ class Database:
     def query_encoder(self) -> Encoder | None:
         """The encoder of text queries when it differs from the key encoder (a fine-tuned query side), else None.
 
-        Text queries are encoded with it when it is set, with :attr:`encoder` otherwise. It is saved with the
-        database (prefix ``query_encoder``) by :meth:`save_encoders` and :meth:`close`.
+        Text queries are encoded with it when set, else with :attr:`encoder`; saved by :meth:`save_encoders`.
 
         Raises:
             InvalidArgumentError: (on assignment) not an Encoder or None.
@@ -296,6 +294,10 @@ class Database:
         """
         self._view.check_open()
         return self._writes.delete(key_or_keys, missing=missing)
+
+    def clear(self) -> None:
+        """Delete every record in one transaction (ids are never reused); see :meth:`Writes.clear`."""
+        self._writes.clear()
 
     def set_search_params(self, **params: float) -> None:
         """Set FAISS search parameters (``nprobe``, ``efSearch``...) and remember them with the database.

@@ -29,6 +29,7 @@ __all__ = [
     "ReadOnlyDatabaseError",
     "MissingFileError",
     "StoreChangedError",
+    "NotPicklableError",
 ]
 
 
@@ -145,3 +146,7 @@ class DistributedError(KVSearchError, RuntimeError):
 
 class NotSupportedError(KVSearchError, NotImplementedError):
     """What was asked is not supported here yet (e.g. across shards); the message says what is."""
+
+
+class NotPicklableError(KVSearchError, TypeError):
+    """This database cannot be pickled (one in memory, a sharded one): the message says what to save instead."""

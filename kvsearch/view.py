@@ -27,17 +27,22 @@ Opening, in four steps (the facade first checks the kinds of its options: :func:
 4. generation 1 of a new database is recorded, or the keys of one whose stored key embeddings are not its encoder's
    (:func:`kvsearch.generations.key_mismatch`) are re-encoded (:func:`repair`), both through :meth:`View.switch`.
 
+A database is a resource like a dataset, never duplicated by a copy of the model that holds it: :func:`same_object`
+is its ``copy.copy`` and ``copy.deepcopy``, and :func:`reduce_database` its ``__reduce__`` (a folder and the options
+that reopen it; a database in memory refuses).
+
 It knows nothing of the facade, nor of the writes and reads that use it: input checks, encoding, answers.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -51,6 +56,7 @@ from kvsearch.errors import (
     InconsistentDatabaseError,
     InvalidArgumentError,
     NonFiniteError,
+    NotPicklableError,
     NotSupportedError,
     ReadOnlyDatabaseError,
 )
@@ -61,7 +67,21 @@ from kvsearch.storage.config import check_reopen, new_config
 from kvsearch.storage.encoder_files import EncoderFiles
 from kvsearch.storage.store import Store
 
-__all__ = ["View", "Given", "Parts", "check_options", "open_store", "open_view", "repair", "create", "reopen"]
+__all__ = [
+    "View",
+    "Given",
+    "Parts",
+    "check_options",
+    "open_store",
+    "open_view",
+    "repair",
+    "create",
+    "reopen",
+    "same_object",
+    "reduce_database",
+]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -247,6 +267,15 @@ class View:
             self.config["search_params"] = {**self.config.get("search_params", {}), **params}
             self.store.set_meta("config", self.config)
 
+    def summary(self, device: torch.device) -> str:
+        """``repr(db)``: where the database lives, its records (or closed) and its options."""
+        where = "memory" if self.path is None else str(self.path)
+        state = "closed" if self.closed else f"{len(self.store)} records"
+        return (
+            f"Database({where!r}, {state}, dim={self.dim}, value_dim={self.value_dim}, "
+            f"index={self.index_spec!r}, score={self.score!r}, device={device})"
+        )
+
     def describe(self) -> dict[str, Any]:
         """The encoders and their generation, read in one snapshot (see :func:`kvsearch.generations.describe`)."""
         with self.reading():
@@ -293,6 +322,60 @@ class View:
         finally:
             self.closed = True
             self.store.close()
+
+
+# --------------------------------------------------------------------------- copies and pickles
+
+
+def same_object(obj: T, memo: object = None) -> T:
+    """``copy.copy`` and ``copy.deepcopy`` of a database: the database itself.
+
+    A database is a resource like a dataset: ``copy.deepcopy(model)`` and ``AveragedModel(model)`` share it by
+    reference, never duplicate it (``memo``: the deep copy's, unused).
+    """
+    return obj
+
+
+def reduce_database(view: View, device: torch.device, opener: Callable[..., T]) -> tuple[Callable[..., T], tuple[str]]:
+    """``Database.__reduce__``: a database on disk pickles as its folder and the options that reopen it.
+
+    The encoders, dims, index and score are in the folder; the pickle holds the folder's absolute path, ``device``,
+    ``read_only``, ``lock_timeout`` and the search parameters when set. Loading it opens a fresh handle on the folder
+    in the loading process (on the same device), which sees the records as they are then. Encoders changed in
+    memory but not saved are not in the folder: a ``RuntimeWarning`` says so (``save_encoders()`` first).
+
+    Args:
+        view: the database's view. device: its device. opener: what reopens it (the database's class).
+
+    Returns:
+        ``(functools.partial(opener, **options), (path,))``, as ``__reduce__`` returns it.
+
+    Raises:
+        NotPicklableError: the database is in memory: nothing outside this process could reopen it.
+        DatabaseClosedError: the database was closed (open the folder again, and pickle that).
+    """
+    if view.path is None:
+        raise NotPicklableError(
+            "a database in memory (Database(None)) cannot be pickled: its records live only in this process. "
+            "Save the model's state_dict() instead (it never holds the database) and pass a database to the layer "
+            "when you rebuild it, or use a database on disk, which pickles as its folder"
+        )
+    view.check_open()
+    if view.encoders.changed():
+        warnings.warn(
+            f"kvsearch: pickling {view.path}: its encoders changed and were not saved; the pickle reopens the folder "
+            "with the saved ones (call save_encoders() first to keep the changes)",
+            RuntimeWarning,
+            stacklevel=3,  # the caller of pickle.dumps (reduce_database <- __reduce__ <- dumps, which is C)
+        )
+    options: dict[str, Any] = {
+        "device": str(device),
+        "read_only": view.store.read_only is not None,
+        "lock_timeout": view.store.write_lock.timeout,
+    }
+    if view.config.get("search_params"):
+        options["search_params"] = dict(view.config["search_params"])
+    return functools.partial(opener, **options), (str(view.path.absolute()),)
 
 
 # --------------------------------------------------------------------------- opening

@@ -1,11 +1,17 @@
 """The write path of one database: checked input, then one store transaction, then the index follows the commit.
 
-:class:`Writes` is what :class:`~kvsearch.Database` hands ``add``, ``upsert`` and ``delete`` to. Each write checks
-what came (texts or embeddings, one value per key, metadata, the memory the grown mirror needs) before taking the
-lock; under the write lock (:meth:`View.writing <kvsearch.view.View.writing>`: the view brought up to date first)
-it resolves the keys already stored — for keys given as embeddings, the stored key embedding equal to each
+:class:`Writes` is what :class:`~kvsearch.Database` hands ``add``, ``upsert``, ``delete`` and ``clear`` to. Each
+write checks what came (texts or embeddings, one value per key, metadata, the memory the grown mirror needs) before
+taking the lock; under the write lock (:meth:`View.writing <kvsearch.view.View.writing>`: the view brought up to date
+first) it resolves the keys already stored — for keys given as embeddings, the stored key embedding equal to each
 (:meth:`Writes.equal_keys`) — encodes what has no embedding, writes the records in ONE store transaction, and then
 removes / adds just those ids in the candidate index.
+
+A database in memory may have a *capacity* (:func:`check_capacity`): it keeps its newest ``capacity`` records, as a
+memorizing transformer's kNN memory keeps its ``max_memories``. A write that would hold more deletes the oldest
+records (the smallest ids) in the same transaction (:meth:`Writes.write`), so a failed write leaves every record as it
+was; the store, its in-memory tensors and the exact index drop them without copying the rest (O(records added or
+dropped), amortised: see :class:`~kvsearch.storage.buffers.RowWindow`).
 
 It knows nothing of search, generations, file formats or how the lock is taken: it is given the database's
 :class:`~kvsearch.view.View` (the store, the encoders, the retriever, the dims, the write context) and the index
@@ -14,7 +20,9 @@ spec.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -23,7 +31,13 @@ from torch import Tensor
 
 from kvsearch.checks import check_batch
 from kvsearch.encoders.base import Encoder
-from kvsearch.errors import DimensionMismatchError, DuplicateKeyError, UnknownOptionError
+from kvsearch.errors import (
+    DimensionMismatchError,
+    DuplicateKeyError,
+    InvalidArgumentError,
+    NotSupportedError,
+    UnknownOptionError,
+)
 from kvsearch.inputs import KeysIn, check_metadata, delete_items, encode_side, record_side
 from kvsearch.limits import check_fits, index_bytes
 from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE
@@ -33,7 +47,33 @@ if TYPE_CHECKING:  # annotations only
     from kvsearch.storage.store import Store
     from kvsearch.view import View
 
-__all__ = ["Writes"]
+__all__ = ["Writes", "check_capacity"]
+
+
+def check_capacity(capacity: object, path: Path | None) -> int | None:
+    """``Database(capacity=)``: None (no limit), or the most records a database in memory keeps.
+
+    Args:
+        capacity: None, or a positive int (the newest records are kept, the oldest dropped first).
+        path: the database's folder, None in memory.
+
+    Returns:
+        The capacity, or None.
+
+    Raises:
+        InvalidArgumentError: not None and not a positive int.
+        NotSupportedError: a capacity for a database on disk.
+    """
+    if capacity is None:
+        return None
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise InvalidArgumentError(f"expected capacity as a positive int (or None), got {capacity!r}")
+    if path is not None:
+        raise NotSupportedError(
+            f"capacity= is for a database in memory (Database(None, ...)), got capacity={capacity} with the folder "
+            f"{path}: a database on disk keeps every record until it is deleted (delete(), clear())"
+        )
+    return capacity
 
 
 class Writes:
@@ -44,11 +84,13 @@ class Writes:
             reloaded later is used), its dims and index spec, and its write context
             (:meth:`~kvsearch.view.View.writing`: the write lock held and the view up to date; it raises
             DatabaseClosedError, ReadOnlyDatabaseError, DatabaseLockedError, DiskFullError, StoreChangedError).
+        capacity: the most records kept (checked by :func:`check_capacity`), or None for no limit.
     """
 
-    def __init__(self, view: View) -> None:
+    def __init__(self, view: View, capacity: int | None = None) -> None:
         self.view = view
         self.dim, self.value_dim, self.index_spec = view.dim, view.value_dim, view.index_spec
+        self.capacity = capacity
 
     @property
     def store(self) -> Store:
@@ -79,6 +121,9 @@ class Writes:
     ) -> list[int]:
         """``Database.add`` (``upsert=False``: every key must be new) or ``Database.upsert``: the ids, in order.
 
+        With a capacity, the oldest records beyond it are deleted in the same transaction (those of this write too,
+        when it alone holds more: their ids are returned all the same); a replaced record keeps its place.
+
         Raises:
             EmptyKeyError, DuplicateKeyError, DimensionMismatchError, NonFiniteError, InvalidArgumentError,
                 MissingEncoderError, MemoryLimitError: before anything is written.
@@ -101,13 +146,42 @@ class Writes:
                 return []
             key_embs = encode_side(key_texts, key_embs, self.encoder, self.dim, "keys")  # (n, dim)
             value_embs = encode_side(value_texts, value_embs, self.value_encoder, self.value_dim, "values")
-            ids = self.store.write(key_texts, value_texts, metadata, key_embs, value_embs, existing, [given] * n)
-            self.retriever.apply(removed=[i for i in existing if i is not None], added=ids, keys=key_embs)
+            over = self.capacity is not None and len(self.store) + existing.count(None) > self.capacity
+            with self.view.atomic() if over else contextlib.nullcontext():  # the write and the drop: all or nothing
+                ids = self.store.write(key_texts, value_texts, metadata, key_embs, value_embs, existing, [given] * n)
+                dropped = set(self.drop_oldest()) if over else set()
+            removed, added = [i for i in existing if i is not None], ids
+            if dropped:  # the index loses what it held of them, and never gets those of this write
+                new = {id_ for id_, stored in zip(ids, existing) if stored is None}  # the ids this write made
+                removed = sorted(set(removed) | (dropped - new))
+                kept = [p for p, id_ in enumerate(ids) if id_ not in dropped]  # positions still stored
+                added = [ids[p] for p in kept]
+                key_embs = key_embs[torch.tensor(kept, dtype=torch.long, device=key_embs.device)]  # (kept, dim)
+            self.retriever.apply(removed=removed, added=added, keys=key_embs)
         return ids
 
+    def drop_oldest(self) -> list[int]:
+        """Delete the oldest records (the smallest ids) beyond the capacity: their ids (the caller holds the lock)."""
+        excess = len(self.store) - self.capacity
+        if excess <= 0:
+            return []
+        oldest = self.store.ids[:excess].tolist()  # the mirror is sorted by id
+        self.store.delete(oldest)
+        return oldest
+
+    def clear(self) -> None:
+        """``Database.clear``: delete every record in one transaction; the index follows (emptied).
+
+        Raises:
+            DatabaseClosedError, ReadOnlyDatabaseError, DatabaseLockedError, DiskFullError: see the view's writing.
+        """
+        with self.view.writing():
+            self.store.clear()
+            self.retriever.rebuild()
+
     def check_memory(self, n: int) -> None:
-        """Refuse (MemoryLimitError) a write of ``n`` records whose grown mirror (copied once by torch.cat) and
-        index additions cannot fit."""
+        """Refuse (MemoryLimitError) a write of ``n`` records whose grown mirror (copied once when its buffer is
+        full) and index additions cannot fit."""
         need = (len(self.store) + 2 * n) * (self.dim + self.value_dim) * 4 + index_bytes(self.index_spec, n, self.dim)
         check_fits(need, f"adding {n:,} records")
 

@@ -402,6 +402,7 @@ def database_slots() -> list[Slot]:
         ("encoder", "None"),
         ("value_encoder", "None"),
         ("read_only", ""),
+        ("capacity", "None, huge int"),
     ]:
         out.append(
             slot(
@@ -747,6 +748,7 @@ VALID_CALLS: dict[str, Callable[[kvsearch.Database], object]] = {
     "add": lambda db: db.add(["new"], ["v"], [{"n": 9}]),
     "upsert": lambda db: db.upsert(["Li"], ["Mu!"]),
     "delete": lambda db: db.delete("Hu"),
+    "clear": lambda db: db.clear(),
     "get": lambda db: db.get(int(db.ids_of_keys(["Li"])[0])),
     "lookup": lambda db: db.lookup("Li"),
     "search": lambda db: db.search("Li", k=2, where={"tag": "t"}),
@@ -1071,7 +1073,7 @@ def test_the_sweep_covers_the_public_api():
     covered = {case.name.split(".")[1] for case in SLOTS if case.name.startswith("Database.")} | set(VALID_CALLS)
     assert methods <= covered, methods - covered
     constructor = {"path", "encoder", "value_encoder", "dim", "value_dim", "index", "score", "device"}
-    constructor |= {"search_params", "lock_timeout", "read_only"}
+    constructor |= {"search_params", "lock_timeout", "read_only", "capacity"}
     assert {f"Database.__init__.{option}" for option in constructor} <= {case.name for case in SLOTS}
 
 

@@ -65,6 +65,7 @@ from kvsearch.distributed.writes import ShardWrites
 from kvsearch.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
+    NotPicklableError,
     NotSupportedError,
     UnknownOptionError,
 )
@@ -75,6 +76,7 @@ from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
 from kvsearch.results import Answer, Hit, make_answer, make_hits
+from kvsearch.view import same_object
 
 if TYPE_CHECKING:
     from kvsearch.encoders.base import Encoder
@@ -89,6 +91,10 @@ _MISSING: Any = object()
 
 class ShardedDatabase:
     """A database split into ``num_shards`` shards, served by this process alone or by the ranks of a process group.
+
+    A resource like :class:`~kvsearch.Database`: ``copy.copy`` / ``copy.deepcopy`` return it itself, so copies of a
+    model share it; it is bound to its ranks' process group, so pickling it raises
+    :class:`~kvsearch.errors.NotPicklableError` (reopen it on the loading side and pass it to the rebuilt model).
 
     Args:
         path: the root folder (``shards.json`` and ``shard-0000/`` ...).
@@ -219,6 +225,20 @@ class ShardedDatabase:
         return (
             f"ShardedDatabase({str(self.path)!r}, {self.num_shards} shards, rank {self.rank} of {self.world_size} "
             f"holding {sorted(self.shards)}, dim={self.dim}, index={self.index_spec!r}, score={self.score!r})"
+        )
+
+    __copy__ = __deepcopy__ = same_object  # a resource: model copies share it (deepcopy, AveragedModel)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Refused: a sharded database is bound to its process group.
+
+        Raises:
+            NotPicklableError: always; the message says to reopen it on the loading side.
+        """
+        raise NotPicklableError(
+            f"a ShardedDatabase cannot be pickled: it is bound to its ranks' process group. Save the model's "
+            f"state_dict() instead (it never holds the database), and on the loading side reopen "
+            f"ShardedDatabase({str(self.path)!r}) on its ranks and pass it to the rebuilt model"
         )
 
     @property

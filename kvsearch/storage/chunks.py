@@ -160,9 +160,12 @@ def _write_rows(
 def _patch(
     conn: sqlite3.Connection, first: int, capacity: int, column: str, offsets: np.ndarray, rows: np.ndarray
 ) -> None:
-    """Overwrite the slots at ``offsets`` (g,) of one column with ``rows`` (g, width): many of them by reading,
-    changing and writing the whole blob once, a few row by row."""
-    if len(offsets) > capacity * _WHOLE_BLOB_SHARE:
+    """Overwrite the slots at ``offsets`` (g,) of one column with ``rows`` (g, width): a run of consecutive slots
+    (the oldest records of a kNN memory) by one write, many others by reading, changing and writing the whole blob
+    once, a few row by row."""
+    if len(offsets) > 1 and bool((np.diff(offsets) == 1).all()):
+        _write_rows(conn, first, capacity, column, rows, int(offsets[0]))
+    elif len(offsets) > capacity * _WHOLE_BLOB_SHARE:
         whole = _read_rows(conn, first, capacity, column, rows.shape[1], rows.dtype, 0, capacity).copy()
         whole[offsets] = rows
         _write_rows(conn, first, capacity, column, whole, 0)

@@ -4,9 +4,9 @@
 value embeddings (n, value_dim) in id order on the store's device, the key text <-> id maps, and which records' texts
 came with their own embedding. It reads them whole (:meth:`Mirror.load`), catches up on other processes' commits
 from the change log (:meth:`Mirror.catch_up`, which says what changed in a :class:`CatchUp`), follows the store's own
-committed writes (:meth:`Mirror.apply_write`, :meth:`Mirror.drop`, :meth:`Mirror.replace_all`), finds ids by key
-text (:meth:`Mirror.id_of`, :meth:`Mirror.resolve`), and finds and gathers rows by id (:meth:`Mirror.rows_of`,
-:meth:`Mirror.gather`, :meth:`Mirror.locate`).
+committed writes (:meth:`Mirror.apply_write`, :meth:`Mirror.drop`, :meth:`Mirror.replace_all`, :meth:`Mirror.clear`),
+finds ids by key text (:meth:`Mirror.id_of`, :meth:`Mirror.resolve`), and finds and gathers rows by id
+(:meth:`Mirror.rows_of`, :meth:`Mirror.gather`, :meth:`Mirror.locate`).
 
 It reads through its :class:`~kvsearch.storage.store.Store` (the connection, the version, the lock) and writes
 nothing to SQLite: the store commits a write first, then changes the mirror. It knows nothing of transactions,
@@ -30,7 +30,7 @@ from torch import Tensor
 from kvsearch.errors import CorruptDatabaseError, DuplicateKeyError, KeyNotFoundError
 from kvsearch.inputs import normalize_key
 from kvsearch.storage import changelog, chunks, legacy
-from kvsearch.storage.buffers import row_buffer
+from kvsearch.storage.buffers import MIN_ROOM, RowWindow, row_buffer
 from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE, select_in
 
 if TYPE_CHECKING:
@@ -59,6 +59,11 @@ class Mirror:
 
     Args:
         store: the store mirrored: the mirror reads through its connection, under its lock.
+
+    The ids, keys and values are views of buffers with room (:class:`~kvsearch.storage.buffers.RowWindow`): appending
+    new rows (larger ids) copies the new rows only, and dropping the oldest rows (:meth:`drop` of the smallest ids, a
+    memory at capacity) copies nothing; the live rows are copied once the dropped ones outnumber them. Every append
+    and such a drop is therefore O(rows added or dropped), amortised, whatever the number of rows held.
 
     Attributes:
         ids: (n,) int64 ids on the CPU, sorted.
@@ -91,7 +96,8 @@ class Mirror:
         self.key_of_id: dict[int, str] = {}
         self.given_keys: set[int] = set()
         self.given_values: set[int] = set()
-        self._spare: tuple[Tensor, Tensor] | None = None  # the buffers keys / values are views of (room to grow)
+        # the buffers ids / keys / values are views of (room to grow), each used while it holds them
+        self._windows = (RowWindow(), RowWindow(), RowWindow())
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -107,7 +113,7 @@ class Mirror:
         buffers: list[Tensor] = []
 
         def alloc(rows: int, width: int) -> np.ndarray:
-            buffer = row_buffer(rows + max(64, rows // 8), width, like=torch.empty(0))  # (capacity, width)
+            buffer = row_buffer(rows + max(MIN_ROOM, rows // 8), width, like=torch.empty(0))  # (capacity, width)
             buffers.append(buffer)
             return buffer[:rows].numpy()
 
@@ -137,9 +143,11 @@ class Mirror:
             self.ids = torch.from_numpy(ids)
             self.keys = torch.from_numpy(keys).to(self.device)  # (n, dim)
             self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
-            # read into buffers with room to grow: the first append after a load does not copy the mirror
-            same = len(buffers) == 2 and buffers[0].data_ptr() == self.keys.data_ptr()
-            self._spare = (buffers[0], buffers[1]) if same and buffers[1].data_ptr() == self.values.data_ptr() else None
+            # read into buffers with room to grow: the first append after a load does not copy the keys and values
+            self._windows = (RowWindow(), RowWindow(), RowWindow())
+            for window, buffer, read in zip(self._windows[1:], buffers, (self.keys, self.values)):
+                if buffer.data_ptr() == read.data_ptr():
+                    window.adopt(buffer, len(read))
             self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
             self.id_of_key = _id_of_key(self.key_of_id, store.path)
             self.given_keys = {i for i, bits in given if bits & GIVEN_KEY}
@@ -324,6 +332,16 @@ class Mirror:
                 self.id_of_key[normalize_key(key)] = ids[i]
                 self.key_of_id[ids[i]] = key
 
+    def clear(self) -> None:
+        """Follow a committed deletion of every record: no rows (the dims kept), no keys, no flags."""
+        width = (0, 0) if self.keys is None else (self.keys.shape[1], self.values.shape[1])
+        self._windows = (RowWindow(), RowWindow(), RowWindow())
+        self.ids = torch.empty(0, dtype=torch.long)
+        self.keys = torch.empty(0, width[0], device=self.device)
+        self.values = torch.empty(0, width[1], device=self.device)
+        self.id_of_key, self.key_of_id = {}, {}
+        self.given_keys, self.given_values = set(), set()
+
     def replace_all(self, keys: Tensor | None, values: Tensor | None) -> None:
         """Follow a committed overwrite of every key and/or value embedding: keys (n, dim), values (n, value_dim)."""
         if keys is not None:
@@ -334,27 +352,22 @@ class Mirror:
     def _append(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
         """Append rows to the mirror: ids (a,), keys (a, dim), values (a, value_dim), copied.
 
-        The key / value tensors are views of buffers with room to grow (:func:`kvsearch.storage.buffers.row_buffer`: an
-        eighth more rows, or a reservation for as many as memory holds), so an append copies the new rows, not the
-        whole mirror. Ids larger than every stored one keep the mirror
-        sorted (new ids always are); otherwise it is sorted again.
+        The ids / key / value tensors are views of buffers with room to grow (:class:`RowWindow`), so an append copies
+        the new rows, not the whole mirror. Ids larger than every stored one keep the mirror sorted (new ids always
+        are); otherwise it is sorted again.
         """
+        n = len(self.ids)
         if self.keys is None:
-            self.ids, self.keys, self.values = ids.clone(), keys.clone(), values.clone()
-            return
-        n, a = len(self.ids), len(ids)
-        spare = self._spare or (None, None)
-        spare = (_room_for(spare[0], self.keys, a), _room_for(spare[1], self.values, a))  # each grown if full
-        self._spare = spare
-        spare[0][n : n + a] = keys
-        spare[1][n : n + a] = values
-        self.keys, self.values = spare[0][: n + a], spare[1][: n + a]  # (n + a, dim), (n + a, value_dim)
-        self.ids = torch.cat([self.ids, ids])  # (n + a,)
-        if n and a and int(ids.min()) <= int(self.ids[n - 1]):
+            self.keys, self.values = keys[:0], values[:0]  # (0, dim), (0, value_dim): the windows copy what comes
+        ids_rows, key_rows, value_rows = self._windows
+        sorted_after = not n or not len(ids) or int(ids.min()) > int(self.ids[n - 1])
+        self.ids = ids_rows.extend(self.ids, ids)  # (n + a,)
+        self.keys = key_rows.extend(self.keys, keys)  # (n + a, dim)
+        self.values = value_rows.extend(self.values, values)  # (n + a, value_dim)
+        if not sorted_after:
             order = torch.argsort(self.ids)  # (n + a,)
             self.ids = self.ids[order]
             self.keys, self.values = self.keys[order.to(self.device)], self.values[order.to(self.device)]
-            self._spare = None
 
     def _forget_key(self, id_: int) -> None:
         """Drop a record's key from the key maps (the normalised key only if it names this record)."""
@@ -363,21 +376,38 @@ class Mirror:
             del self.id_of_key[normalize_key(key)]
 
     def drop(self, ids: Sequence[int]) -> None:
-        """Drop records from the mirror by id (committed deletes), with their keys and given flags."""
+        """Drop records from the mirror by id (committed deletes), with their keys and given flags.
+
+        The oldest records (the smallest ids, as a memory at capacity drops them) are dropped in O(len(ids)),
+        without copying the rest; any other ids in O(n).
+        """
         if not len(ids):
             return
-        drop = torch.as_tensor(list(ids), dtype=torch.long)
-        keep = ~torch.isin(self.ids, drop)  # (n,)
-        self.ids = self.ids[keep]
-        keep_dev = keep.to(self.device)
-        self.keys = self.keys[keep_dev]
-        self.values = self.values[keep_dev]
-        for id_ in drop.tolist():
+        drop = torch.as_tensor(list(ids), dtype=torch.long)  # (r,)
+        r = len(drop)
+        if r <= len(self.ids) and torch.equal(torch.sort(drop).values, self.ids[:r]):  # the oldest r rows
+            windows, rows = self._windows, (self.ids, self.keys, self.values)
+            self.ids, self.keys, self.values = (w.extend(t, t[:0], drop=r) for w, t in zip(windows, rows))
+        else:
+            keep = ~torch.isin(self.ids, drop)  # (n,)
+            self.ids = self.ids[keep]
+            keep_dev = keep.to(self.device)
+            self.keys = self.keys[keep_dev]
+            self.values = self.values[keep_dev]
+        for id_ in drop.tolist() if self.key_of_id or self.given_keys or self.given_values else ():  # texts only
             self._forget_key(id_)
             self.given_keys.discard(id_)
             self.given_values.discard(id_)
 
     # ------------------------------------------------------------------ finding by id and by key
+
+    def missing_ids(self, ids: Sequence[int]) -> list[int]:
+        """Those of ``ids`` that are not stored, in order (one vectorised look-up, not one per id)."""
+        ids = [int(i) for i in ids]
+        if any(not 0 <= i < 2**63 for i in ids):  # never stored: SQLite holds int64 ids only
+            return [i for i in ids if not self.contains_id(i)]
+        rows = self.rows_of(torch.tensor(ids, dtype=torch.long)).tolist()  # (r,) -1 where not stored
+        return [i for i, row in zip(ids, rows) if row < 0]
 
     def contains_id(self, id_: int) -> bool:
         """Whether a record with this id is stored (never one outside int64, which SQLite cannot hold)."""
@@ -541,16 +571,3 @@ def _id_of_key(key_of_id: dict[int, str], where: Path | None) -> dict[str, int]:
         stacklevel=5,  # the line it named before the mirror left Store: one frame more (Store.load -> Mirror.load)
     )
     return {key: ids[0] for key, ids in groups.items()}
-
-
-def _room_for(buffer: Tensor | None, rows: Tensor, a: int) -> Tensor:
-    """The buffer ``rows`` (n, width) is a view of, if it has room for ``a`` more rows, else a new one holding them.
-
-    A new buffer has an eighth more rows than needed, or is reserved (:func:`kvsearch.storage.buffers.row_buffer`).
-    """
-    n = rows.shape[0]
-    if buffer is not None and buffer.shape[0] >= n + a and buffer.data_ptr() == rows.data_ptr():
-        return buffer
-    grown = row_buffer(n + a + max(64, (n + a) // 8), rows.shape[1], like=rows)  # (capacity, width)
-    grown[:n] = rows
-    return grown

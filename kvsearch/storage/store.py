@@ -377,10 +377,8 @@ class Store:
                     slots = chunks.append(
                         self.conn, new_ids, key_np if every else key_np[new], value_np if every else value_np[new]
                     ).tolist()
-                    self.conn.executemany(
-                        "INSERT INTO records (key, value, metadata, slot, id) VALUES (?, ?, ?, ?, ?)",
-                        ((keys[i], values[i], meta(i), slot, out[i]) for i, slot in zip(new, slots)),
-                    )
+                    rows = ([keys[i] for i in new], [values[i] for i in new], [meta(i) for i in new])
+                    schema.insert_records(self.conn, *rows, slots, [out[i] for i in new])
                 if old:
                     chunks.write(self.conn, self._slots_of([out[i] for i in old]), key_np[old], value_np[old])
                     self.conn.executemany(  # metadata None: keep the stored
@@ -409,7 +407,7 @@ class Store:
             KeyNotFoundError: an id is not stored (nothing is deleted then).
         """
         with self.lock:
-            missing = [i for i in ids if not self.mirror.contains_id(i)]
+            missing = self.mirror.missing_ids(ids)
             if missing:
                 raise KeyNotFoundError(f"expected stored ids, got unknown ids {missing[:10]}")
             with self.transaction():
@@ -421,6 +419,15 @@ class Store:
                         "UPDATE records SET slot = ? WHERE id = ?", zip(slots.tolist(), moved.tolist())
                     )
             self.mirror.drop(ids)
+
+    def clear(self) -> None:
+        """Delete every record in one transaction (a few statements, whatever the count); ids are never reused."""
+        with self.lock:
+            with self.transaction():
+                for table in ("records", "given", "chunks", "chunk_data"):
+                    self.conn.execute(f"DELETE FROM {table}")  # our own table names
+                self.bump_version()  # a change of every row: another process reloads its mirror
+            self.mirror.clear()
 
     def start_ids_after(self, floor: int) -> None:
         """Make the next new id ``floor + 1`` or more: seeds SQLite's AUTOINCREMENT sequence (a shard's id range).
@@ -465,10 +472,7 @@ class Store:
             self.mirror.replace_all(keys, values)
 
     def _delete_rows(self, ids: Iterable[int]) -> None:
-        ids = [int(i) for i in ids]
-        chunks.erase(self.conn, self._slots_of(ids))
-        self.conn.executemany("DELETE FROM records WHERE id = ?", ((int(i),) for i in ids))
-        self.conn.executemany("DELETE FROM given WHERE id = ?", ((int(i),) for i in ids))
+        chunks.erase(self.conn, schema.delete_records(self.conn, [int(i) for i in ids]))  # slots emptied
 
     def bump_version(self, changes: Mapping[str, Sequence[int]] | None = None) -> None:
         """Record one more committed write: the version and its change log entry, inside the open transaction
