@@ -103,7 +103,7 @@ def bench_candidates(args: argparse.Namespace, device: torch.device) -> str:
             for batch in args.batches:
                 q = make_queries(kind, like, batch, g).to(device)
 
-                def forced32(q: Tensor = q) -> object:
+                def forced32(q: Tensor = q, db: Database = db) -> object:
                     set_exact_path("float32")
                     try:
                         return db.candidates(q, k)
@@ -111,8 +111,8 @@ def bench_candidates(args: argparse.Namespace, device: torch.device) -> str:
                         set_exact_path(None)
 
                 fns = {
-                    "bare": lambda q=q: torch.topk(q @ keys_dev.T, k),
-                    "auto": lambda q=q: db.candidates(q, k),
+                    "bare": lambda q=q, keys_dev=keys_dev: torch.topk(q @ keys_dev.T, k),
+                    "auto": lambda q=q, db=db: db.candidates(q, k),
                     "float32": forced32,
                 }
                 for _ in range(5):  # warm-up: first touch; the path chooser times both paths of this class
@@ -177,11 +177,11 @@ def bench_layer(args: argparse.Namespace, device: torch.device) -> str:
         for batch in (16, 256):
             q = torch.randn(batch, dim, generator=g).to(device).requires_grad_()
 
-            def ours(q: Tensor = q) -> None:
+            def ours(q: Tensor = q, layer: nn.Module = layer) -> None:
                 layer(q).sum().backward()
 
-            def bare(q: Tensor = q) -> None:
-                bare_topk_attention(q, keys_dev, values_dev, args.k).sum().backward()
+            def bare(q: Tensor = q, keys: Tensor = keys_dev, values: Tensor = values_dev) -> None:
+                bare_topk_attention(q, keys, values, args.k).sum().backward()
 
             q.grad = None
             ours()
@@ -243,7 +243,7 @@ def bench_memory(args: argparse.Namespace, device: torch.device) -> str:
         ]
         proj = nn.Linear(dim, dim).to(device)
 
-        def ours() -> None:
+        def ours(capacity: int | None = capacity, stream: list = stream, proj: nn.Module = proj) -> None:
             kwargs = {} if capacity is None else {"capacity": capacity}
             db = Database(None, dim=dim, value_dim=value_dim, score="dot", device=device, **kwargs)
             layer = KVAttention(db, k=k)
@@ -251,7 +251,7 @@ def bench_memory(args: argparse.Namespace, device: torch.device) -> str:
                 db.add(new_k, new_v)
                 layer(proj(q)).sum().backward()
 
-        def bare() -> None:
+        def bare(capacity: int | None = capacity, stream: list = stream, proj: nn.Module = proj) -> None:
             mem = BareMemory(dim, value_dim, device, capacity)
             for new_k, new_v, q in stream:
                 mem.add(new_k, new_v)
