@@ -79,6 +79,14 @@ _HALF_WIDE = 2048
 _TIE_EXTRA = 8
 
 
+def _nothing(batch: int, k: int, device: torch.device) -> SearchResult:
+    """A result with no ids: scores (batch, k) NaN, ids (batch, k) -1."""
+    return SearchResult(
+        torch.full((batch, k), math.nan, dtype=torch.float32, device=device),
+        torch.full((batch, k), -1, dtype=torch.long, device=device),
+    )
+
+
 def parse_torch_spec(spec: str) -> torch.dtype | None:
     """The key dtype of a ``"torch"`` index spec, or None when ``spec`` is not one.
 
@@ -351,10 +359,8 @@ class TorchIndex:
             q = F.normalize(q, dim=-1, eps=COSINE_EPS)  # (batch, dim)
         self.last_rechecked = self.last_widened = 0
         self.last_path = ""
-        out_scores = torch.full((batch, k), math.nan, dtype=torch.float32, device=device)  # (batch, k)
-        out_ids = torch.full((batch, k), -1, dtype=torch.long, device=device)  # (batch, k)
         if n == 0 or batch == 0:
-            return self._on(SearchResult(out_scores, out_ids), queries.device)
+            return self._on(_nothing(batch, k, device), queries.device)
         keep = None
         if allowed is not None:
             rows = self._rows_of(d, check_allowed(allowed))  # (m,) CPU rows of the live allowed ids
@@ -362,7 +368,7 @@ class TorchIndex:
                 self.last_path = "float32"
                 take = min(k, len(rows))
                 if take == 0:
-                    return self._on(SearchResult(out_scores, out_ids), queries.device)
+                    return self._on(_nothing(batch, k, device), queries.device)
                 rows = rows.to(device)  # (m,)
                 vals, pos = chunked_topk(
                     q,
@@ -375,22 +381,15 @@ class TorchIndex:
                 )  # (batch, m) each
                 found = rows[pos.clamp(min=0)].masked_fill(pos < 0, -1)  # (batch, m) key rows
                 vals, found = best_by_score_then_id(vals, found, d.device_ids, take)  # (batch, take) each
-                return self._finish(q, d, vals, found, out_scores, out_ids, queries.device)
+                return self._finish(q, d, vals, found, k, queries.device)
             keep = torch.zeros(n, dtype=torch.bool, device=device).index_fill_(0, rows.to(device), True)  # (n,)
         vals, found = self._top(q, d, min(k, n), keep)  # (batch, take) each
-        return self._finish(q, d, vals, found, out_scores, out_ids, queries.device)
+        return self._finish(q, d, vals, found, k, queries.device)
 
     def _finish(
-        self,
-        q: Tensor,
-        d: DerivedKeys,
-        vals: Tensor,
-        rows: Tensor,
-        out_scores: Tensor,
-        out_ids: Tensor,
-        device: torch.device,
+        self, q: Tensor, d: DerivedKeys, vals: Tensor, rows: Tensor, k: int, device: torch.device
     ) -> SearchResult:
-        """Scores (l2: distances) and ids of the top rows (batch, take) into the (batch, k) outputs, on ``device``."""
+        """Scores (l2: distances) and ids (batch, k) of the top rows (batch, take), padded past take, on ``device``."""
         take = vals.shape[1]
         if self.metric == "l2":
             q_sq = q.pow(2).sum(-1, keepdim=True)  # (batch, 1)
@@ -398,10 +397,11 @@ class TorchIndex:
         missing = rows < 0  # (batch, take) filtered out or absent
         scores = vals.masked_fill(missing, math.nan)  # (batch, take)
         ids = d.device_ids[rows.clamp(min=0)].masked_fill(missing, -1)  # (batch, take)
-        if take == out_ids.shape[1]:
+        if take == k:
             return self._on(SearchResult(scores, ids), device)
-        out_scores[:, :take], out_ids[:, :take] = scores, ids  # (batch, k): NaN / -1 beyond take
-        return self._on(SearchResult(out_scores, out_ids), device)
+        out = _nothing(len(ids), k, ids.device)  # (batch, k) each: NaN / -1 beyond take
+        out.scores[:, :take], out.ids[:, :take] = scores, ids
+        return self._on(out, device)
 
     def half_error_bound(self, queries: Tensor) -> Tensor:
         """A proven bound (batch,) on |half-precision score - float32 score| of any key, for each query.
