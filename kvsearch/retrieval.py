@@ -211,11 +211,16 @@ class Retriever:
         check_fits(queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates")
         with autocast_off(queries.device, device):  # the index scores in its own dtype, never autocast's
             ids = self.index.search(queries.detach(), take, allowed=allowed).ids.cpu()  # (b, take)
+        rows = getattr(self.index, "last_rows", None) if getattr(self.index, "source", None) is store else None
         if targets is not None:
             targets = targets.cpu()
             missing = (targets >= 0) & ~(ids == targets.unsqueeze(1)).any(1)  # (b,)
             ids[missing, -1] = targets[missing]
-        keys, values, mask = store.gather(ids)  # (b, take, dim), (b, take, value_dim), (b, take)
+            rows = None if bool(missing.any()) else rows
+        if rows is not None:  # an exact index over the store's own tensors: its rows, no lookup by id
+            keys, values, mask = store.gather_rows(rows)  # (b, take, dim), (b, take, value_dim), (b, take)
+        else:
+            keys, values, mask = store.gather(ids)  # (b, take, dim), (b, take, value_dim), (b, take)
         ids = ids.to(device)  # (b, take)
         match = None if targets is None else (ids == targets.to(device).unsqueeze(1)) & (ids >= 0)  # (b, take)
         return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)

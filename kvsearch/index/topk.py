@@ -255,7 +255,7 @@ def _row_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     rows than threads: torch's CPU top-k runs one thread per row (one query: 2x faster on 2 cores, split in 2)."""
     batch, c = scores.shape
     parts = torch.get_num_threads() if scores.device.type == "cpu" else 1
-    if parts < 2 or batch >= parts or c < max(4 * parts * k, 1 << 14):  # small: the split costs more than it saves
+    if parts < 2 or batch >= parts or c < max(4 * parts * k, 1 << 16):  # small: the split costs more than it saves
         return torch.topk(scores, k, dim=1)
     seg = -(-c // parts)  # columns per part; the last part is padded with -inf (never picked: >= 4k real each)
     if seg * parts != c:

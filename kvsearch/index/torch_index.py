@@ -192,6 +192,9 @@ class TorchIndex:
         self.removable = True
         #: The path of the last search: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"faiss"``.
         self.last_path = ""
+        #: With a source: the rows (batch, k) of the last search's ids in the source's key tensor (-1 where none), on
+        #: the keys' device, valid for the source's version the search read; else None.
+        self.last_rows: Tensor | None = None
         #: Queries of the last half-precision search whose first k' the bound did not settle (rescored wider).
         self.last_widened = 0
         #: Queries of the last half-precision search that the wider k' did not settle either: searched in float32.
@@ -358,7 +361,7 @@ class TorchIndex:
         if self.normalize:
             q = F.normalize(q, dim=-1, eps=COSINE_EPS)  # (batch, dim)
         self.last_rechecked = self.last_widened = 0
-        self.last_path = ""
+        self.last_path, self.last_rows = "", None
         if n == 0 or batch == 0:
             return self._on(_nothing(batch, k, device), queries.device)
         keep = None
@@ -397,6 +400,8 @@ class TorchIndex:
         missing = rows < 0  # (batch, take) filtered out or absent
         scores = vals.masked_fill(missing, math.nan)  # (batch, take)
         ids = d.device_ids[rows.clamp(min=0)].masked_fill(missing, -1)  # (batch, take)
+        if self.source is not None and take == k:
+            self.last_rows = rows  # (batch, k) rows of the source's keys: its reader gathers by them, no id lookup
         if take == k:
             return self._on(SearchResult(scores, ids), device)
         out = _nothing(len(ids), k, ids.device)  # (batch, k) each: NaN / -1 beyond take

@@ -491,7 +491,17 @@ class Mirror:
             keys (*ids.shape, dim), values (*ids.shape, value_dim) with zeros where ids are missing,
             and a keep-mask of ids.shape — all on the store's device.
         """
-        rows = self.rows_of(ids).to(self.device)  # (*shape)
+        return self.gather_rows(self.rows_of(ids).to(self.device))  # (*shape)
+
+    def gather_rows(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`gather` by row positions in the in-memory tensors (any shape, -1 where none), as an exact index
+        over these tensors found them: no id lookup.
+
+        Returns:
+            keys (*rows.shape, dim), values (*rows.shape, value_dim) with zeros where rows are -1, and a keep-mask of
+            rows.shape — all on the store's device.
+        """
+        rows = rows.to(self.device)  # (*shape)
         mask = rows >= 0
         if len(self.keys) == 0:  # nothing stored: every id is missing (no row 0 to clamp to)
             shape = rows.shape

@@ -303,6 +303,10 @@ class Store:
         """Keys (*ids.shape, dim), values (*ids.shape, value_dim) and a keep-mask by id (:meth:`Mirror.gather`)."""
         return self.mirror.gather(ids)
 
+    def gather_rows(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`gather` by row positions in :attr:`keys` (-1 where none), as :meth:`Mirror.gather_rows`."""
+        return self.mirror.gather_rows(rows)
+
     def __len__(self) -> int:
         return len(self.mirror)
 
