@@ -387,7 +387,11 @@ class FrozenRecords:
 
     def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """keys (*shape, dim), values (*shape, value_dim) and the mask (*shape), zeros where ids are missing."""
-        rows = self.rows_of(ids).to(self.device)  # (*shape)
+        return self.gather_rows(self.rows_of(ids))
+
+    def gather_rows(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`gather` by row positions in :attr:`keys` (any shape, -1 where none), as an exact index found them."""
+        rows = rows.to(self.device)  # (*shape)
         mask = rows >= 0
         flat = rows.clamp(min=0).reshape(-1)  # (n,)
         keys = self.keys.index_select(0, flat).reshape(*rows.shape, -1) * mask.unsqueeze(-1)  # (*shape, dim)
