@@ -42,6 +42,7 @@ from kvsearch.errors import InvalidArgumentError, NonFiniteError, NothingToRollB
 from kvsearch.nn.attend import Candidates
 from kvsearch.retrieval import Retriever
 from kvsearch.storage import encoder_files
+from kvsearch.storage.mirror import find_rows, gather_rows
 from kvsearch.storage.store import Store
 
 if TYPE_CHECKING:
@@ -379,24 +380,15 @@ class FrozenRecords:
 
     def rows_of(self, ids: Tensor) -> Tensor:
         """Row of each id (any shape), -1 where absent. On the CPU."""
-        flat = ids.reshape(-1).cpu()  # (n,)
-        if len(self.ids) == 0:
-            return torch.full_like(ids.cpu(), -1)
-        pos = torch.searchsorted(self.ids, flat).clamp(max=len(self.ids) - 1)  # (n,)
-        return torch.where((self.ids[pos] == flat) & (flat >= 0), pos, -1).reshape(ids.shape)
+        return find_rows(self.ids, ids)
 
     def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """keys (*shape, dim), values (*shape, value_dim) and the mask (*shape), zeros where ids are missing."""
-        return self.gather_rows(self.rows_of(ids))
+        return gather_rows(self.keys, self.values, self.rows_of(ids))
 
     def gather_rows(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`gather` by row positions in :attr:`keys` (any shape, -1 where none), as an exact index found them."""
-        rows = rows.to(self.device)  # (*shape)
-        mask = rows >= 0
-        flat = rows.clamp(min=0).reshape(-1)  # (n,)
-        keys = self.keys.index_select(0, flat).reshape(*rows.shape, -1) * mask.unsqueeze(-1)  # (*shape, dim)
-        values = self.values.index_select(0, flat).reshape(*rows.shape, -1) * mask.unsqueeze(-1)
-        return keys, values, mask
+        return gather_rows(self.keys, self.values, rows)
 
     def ids_where(self, where: dict[str, Any]) -> Tensor:
         """The ids matching a metadata filter (read from the live store), among these records. (m,) sorted."""

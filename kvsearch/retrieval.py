@@ -211,7 +211,7 @@ class Retriever:
         check_fits(queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates")
         with autocast_off(queries.device, device):  # the index scores in its own dtype, never autocast's
             ids = self.index.search(queries.detach(), take, allowed=allowed).ids.cpu()  # (b, take)
-        rows = getattr(self.index, "last_rows", None) if getattr(self.index, "source", None) is store else None
+        rows = self.index.last_rows if self.index.source is store else None  # (b, take) or None
         if targets is not None:
             targets = targets.cpu()
             missing = (targets >= 0) & ~(ids == targets.unsqueeze(1)).any(1)  # (b,)

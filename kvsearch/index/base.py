@@ -14,7 +14,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from kvsearch.index.topk import Metric, SearchResult
+from kvsearch.index.topk import KeySource, Metric, SearchResult
 
 __all__ = ["CandidateIndex"]
 
@@ -37,8 +37,15 @@ class CandidateIndex(Protocol):
             ids scans exactly those rows; above, the index searches with the filter and redoes exactly the
             queries that got too few. Public to tune, and for tests to force either path. Default 4096.
         params: the search parameters set by the user (empty for exact indexes).
+        source: the :class:`~kvsearch.index.topk.KeySource` the index is bound to, or None (standalone).
+        last_rows: after a search, where the index scanned its source's own key tensor: the row (batch, k) of each
+            id it returned in that tensor (-1 where none), valid for the source's version the search read, so that
+            the source can gather the candidates without looking the ids up; None otherwise (FAISS, standalone,
+            fewer than k rows).
     """
 
+    source: KeySource | None
+    last_rows: Tensor | None
     spec: str
     dim: int
     metric: Metric

@@ -106,6 +106,7 @@ class Index:
         #: Queries of the last filtered search that the FAISS selector search gave too few results and that were
         #: searched again exactly (0 when the admitted set was small enough to be scanned exactly outright).
         self.last_redone = 0
+        self.last_rows: Tensor | None = None  # FAISS ids are not rows of the source's tensor: gathered by id
         self.params: dict[str, int] = {}
         template = parse_spec(dim, spec, metric)
         check_supported(template, spec)

@@ -484,27 +484,32 @@ class TorchIndex:
             vals, rows, todo = self._top_half(q, d, take, keep, TORCH_DTYPES[path])
             path = "float32"
         else:  # the whole batch at once first (no indexing): it almost always settles
-            width = min(n, take + _TIE_EXTRA)
-            v, r = self._scan32(q, d, width, keep, path)  # (batch, width) each, best first
-            vals, rows = best_of_sorted(v, r, d.device_ids, take)  # (batch, take) each
-            if width >= n:
-                todo = None
-            else:  # the take-th value above the best left out (-inf: nothing admissible was left out)
-                left_out = torch.where(r[:, -1] < 0, -math.inf, v[:, -1])  # (batch,)
-                todo = (v[:, take - 1] <= left_out) & ~torch.isneginf(left_out)  # (batch,)
+            vals, rows, ok = self._scan_top(q, d, min(n, take + _TIE_EXTRA), keep, path, take)  # (batch, take) each
+            todo = None if ok is None else ~ok  # (batch,)
         width = min(n, 8 * (take + _TIE_EXTRA))
         while todo is not None and todo.any():  # widened until the take-th value is above everything left out
             at = todo.nonzero().squeeze(1)  # (r,)
-            v, r = self._scan32(q[at], d, width, keep, path)  # (r, width) each
-            left_out = torch.where(r[:, -1] < 0, -math.inf, v[:, -1])  # (r,)
-            ok = settled(v, take, left_out) if width < n else torch.ones_like(at, dtype=torch.bool)  # (r,)
-            v, r = best_by_score_then_id(v, r, d.device_ids, take)  # (r, take) each
+            v, r, ok = self._scan_top(q[at], d, width, keep, path, take)  # (r, take) each, (r,) or None
+            ok = torch.ones_like(at, dtype=torch.bool) if ok is None else ok  # (r,)
             vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
             todo[at[ok]] = False
             width = min(n, 8 * width)
         if self.dtype is None and keep is None:  # todo.any() above waited for the device: the time is the call's
             self.paths.record(batch, n, chosen, time.perf_counter() - started)
         return vals, rows
+
+    def _scan_top(
+        self, q: Tensor, d: DerivedKeys, width: int, keep: Tensor | None, path: str, take: int
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The top ``take`` rows of a float32 / FAISS scan kept ``width`` wide, ties by id: values and rows (batch,
+        take), and which queries (batch,) it settled -- the ``take``-th value above the best one left out (ties
+        with it could not be ordered by id) -- or None where the scan kept every row."""
+        v, r = self._scan32(q, d, width, keep, path)  # (batch, width) each, best first
+        vals, rows = best_of_sorted(v, r, d.device_ids, take)  # (batch, take) each
+        if width >= len(d.ids):
+            return vals, rows, None
+        left_out = torch.where(r[:, -1] < 0, -math.inf, v[:, -1])  # (batch,) -inf: nothing admissible left out
+        return vals, rows, settled(v, take, left_out)
 
     def _top_half(
         self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None, dtype: torch.dtype

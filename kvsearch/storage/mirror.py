@@ -36,7 +36,7 @@ from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE, select_in
 if TYPE_CHECKING:
     from kvsearch.storage.store import Store
 
-__all__ = ["Mirror", "CatchUp"]
+__all__ = ["Mirror", "CatchUp", "find_rows", "gather_rows"]
 
 
 @dataclass(frozen=True)
@@ -476,13 +476,7 @@ class Mirror:
         Returns:
             LongTensor of the same shape, on the CPU.
         """
-        flat = ids.reshape(-1).cpu().numpy()  # (n,) numpy: a search's few ids cost ~1 us per op, torch's ~3
-        stored = self.ids.numpy()  # (m,) sorted
-        if len(stored) == 0:
-            return torch.full_like(ids.cpu(), -1)
-        pos = np.minimum(np.searchsorted(stored, flat), len(stored) - 1)  # (n,)
-        found = (stored[pos] == flat) & (flat >= 0)
-        return torch.from_numpy(np.where(found, pos, -1)).reshape(ids.shape)
+        return find_rows(self.ids, ids)
 
     def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Key and value embeddings for ids (any shape, -1 allowed), gathered by id.
@@ -501,19 +495,7 @@ class Mirror:
             keys (*rows.shape, dim), values (*rows.shape, value_dim) with zeros where rows are -1, and a keep-mask of
             rows.shape — all on the store's device.
         """
-        rows = rows.to(self.device)  # (*shape)
-        mask = rows >= 0
-        if len(self.keys) == 0:  # nothing stored: every id is missing (no row 0 to clamp to)
-            shape = rows.shape
-            zeros = self.keys.new_zeros
-            return zeros(*shape, self.keys.shape[-1]), zeros(*shape, self.values.shape[-1]), mask
-        flat = rows.clamp(min=0).reshape(-1)  # (n,) index_select: far cheaper than fancy indexing for small n
-        keys = self.keys.index_select(0, flat).reshape(*rows.shape, self.keys.shape[-1])  # (*shape, dim)
-        values = self.values.index_select(0, flat).reshape(*rows.shape, self.values.shape[-1])  # (*shape, value_dim)
-        if not bool(mask.all()):
-            keys = keys * mask.unsqueeze(-1)  # (*shape, dim) zeros where missing
-            values = values * mask.unsqueeze(-1)  # (*shape, value_dim)
-        return keys, values, mask
+        return gather_rows(self.keys, self.values, rows)
 
     def locate(self, ids: list[int]) -> tuple[Tensor, tuple[np.ndarray, np.ndarray] | None]:
         """Where stored ids are in memory; those committed since the mirror was loaded are read from the store.
@@ -581,3 +563,39 @@ def _id_of_key(key_of_id: dict[int, str], where: Path | None) -> dict[str, int]:
         stacklevel=5,  # the line it named before the mirror left Store: one frame more (Store.load -> Mirror.load)
     )
     return {key: ids[0] for key, ids in groups.items()}
+
+
+def find_rows(stored: Tensor, ids: Tensor) -> Tensor:
+    """The row of each id (any shape, -1 allowed) among ``stored`` (m,) sorted CPU ids; -1 where absent. On the CPU.
+
+    numpy: a search's few ids cost ~1 us per op there, ~3 in torch.
+    """
+    flat = ids.reshape(-1).cpu().numpy()  # (n,)
+    known = stored.numpy()  # (m,) sorted
+    if len(known) == 0:
+        return torch.full_like(ids.cpu(), -1)
+    pos = np.minimum(np.searchsorted(known, flat), len(known) - 1)  # (n,)
+    found = (known[pos] == flat) & (flat >= 0)
+    return torch.from_numpy(np.where(found, pos, -1)).reshape(ids.shape)
+
+
+def gather_rows(keys: Tensor, values: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The keys and values at row positions (any shape, -1 where none), zeros there, and the keep-mask.
+
+    Args:
+        keys: (m, dim). values: (m, value_dim), on the keys' device. rows: row positions, any device.
+
+    Returns:
+        keys (*rows.shape, dim), values (*rows.shape, value_dim), mask (*rows.shape), on the keys' device.
+    """
+    rows = rows.to(keys.device)  # (*shape)
+    mask = rows >= 0
+    if len(keys) == 0:  # nothing stored: every row is missing (no row 0 to clamp to)
+        return keys.new_zeros(*rows.shape, keys.shape[-1]), values.new_zeros(*rows.shape, values.shape[-1]), mask
+    flat = rows.clamp(min=0).reshape(-1)  # (n,) index_select: far cheaper than fancy indexing for small n
+    out_k = keys.index_select(0, flat).reshape(*rows.shape, keys.shape[-1])  # (*shape, dim)
+    out_v = values.index_select(0, flat).reshape(*rows.shape, values.shape[-1])  # (*shape, value_dim)
+    if not bool(mask.all()):
+        out_k = out_k * mask.unsqueeze(-1)  # (*shape, dim) zeros where missing
+        out_v = out_v * mask.unsqueeze(-1)  # (*shape, value_dim)
+    return out_k, out_v, mask
