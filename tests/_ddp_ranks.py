@@ -17,17 +17,15 @@ them. It spawns and joins as ``tests/_distributed_ranks.py`` does (spawn start m
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-from _distributed_ranks import TIMEOUT, Results, free_port, result_path
+from _distributed_ranks import TIMEOUT, Results, free_port, join_group, result_path
 from torch import nn
 
 IN, DIM, VALUE_DIM, CLASSES = 32, 64, 32, 5
@@ -105,21 +103,9 @@ def train(db: Any, rank: int, world: int) -> dict[str, Any]:
 
 def rank_main(rank: int, world: int, port: int, root: str) -> None:
     """The entry point of a spawned rank: one thread, gloo on localhost, then both phases."""
-    import faiss
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
-    faulthandler.dump_traceback_later(120, exit=True)  # a hang shows where it hung, and never outlives the test
     out = Results(result_path(root, SCENARIO, rank))
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=TIMEOUT),
-        )
+        join_group(rank, world, port, hang_after=120)
         start = time.perf_counter()
         out["memory"] = train(memory_db(), rank, world)
         out.save()

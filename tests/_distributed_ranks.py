@@ -303,23 +303,25 @@ def result_path(root: str | Path, scenario: str, rank: int) -> Path:
     return Path(root) / f"{scenario}-rank{rank}.pkl"
 
 
-def rank_main(rank: int, world: int, port: int, root: str, scenario: str) -> None:
-    """The entry point of a spawned rank: one thread, gloo on localhost, then the scenario's phases."""
+def join_group(rank: int, world: int, port: int, hang_after: float) -> None:
+    """A spawned rank's start: one thread (torch and FAISS), a traceback dump if it hangs past ``hang_after``
+    seconds (it never outlives the test), then the default gloo group on localhost."""
     import faiss
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)
-    faulthandler.dump_traceback_later(280, exit=True)  # a hang shows where it hung, and never outlives the test
+    faulthandler.dump_traceback_later(hang_after, exit=True)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT)
+    )
+
+
+def rank_main(rank: int, world: int, port: int, root: str, scenario: str) -> None:
+    """The entry point of a spawned rank: one thread, gloo on localhost, then the scenario's phases."""
     out = Results(result_path(root, scenario, rank))
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=TIMEOUT),
-        )
+        join_group(rank, world, port, hang_after=280)
         SCENARIOS[scenario](rank, world, Path(root), out)
     except BaseException:
         out["crash"] = traceback.format_exc()
