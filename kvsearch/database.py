@@ -32,6 +32,7 @@ from kvsearch.inputs import KeysIn, Queries, generation_args
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.scores import DB_SCORES, ScoreFn
 from kvsearch.reads import MISSING, Reads
+from kvsearch.rerank import Rerank
 from kvsearch.results import Answer, Hit, LazyKeys
 from kvsearch.retrieval import Retriever
 from kvsearch.storage.locking import DEFAULT_LOCK_TIMEOUT
@@ -114,8 +115,7 @@ class Database:
         return self._view.store.read_only is not None
 
     def atomic(self) -> AbstractContextManager[None]:
-        """``with db.atomic(): ...`` — the writes inside (``add``, ``upsert``, ``delete``) are one transaction:
-        all kept, or none.
+        """``with db.atomic(): ...``: its writes (``add``, ``upsert``, ``delete``) are one transaction: all or none.
 
         The write lock is held for the whole block: other processes read what was committed before it and wait to
         write (``lock_timeout``); other threads of this process wait too (they would see the writes uncommitted).
@@ -462,16 +462,18 @@ class Database:
         return self._reads.lookup(key, default)
 
     def search(
-        self, queries: Queries, k: int = 10, *, where: Mapping[str, Any] | None = None
+        self, queries: Queries, k: int = 10, *, where: Mapping[str, Any] | None = None, rerank: Rerank | None = None
     ) -> list[Hit] | list[list[Hit]]:
         """The k nearest records to each query, best first.
 
         Args:
             queries: a text, a list of texts, a query embedding (dim,) or a batch (batch, dim).
             k: how many; fewer come back when the database holds fewer.
-            where: a metadata filter such as ``{"lang": "en", "year": {"$gte": 2000}}`` (operators
-                ``$eq $ne $gt $gte $lt $lte $in $nin``, see :mod:`kvsearch.filters`): k matching records
-                come back when k exist.
+            where: a metadata filter (operators ``$eq $ne $gt $gte $lt $lte $in $nin``, :mod:`kvsearch.filters`) such
+                as ``{"lang": "en", "year": {"$gte": 2000}}``: k matching records come back when k exist.
+            rerank: (text queries) re-order the top ``max(k, 32)`` by the similarity of key and query text: ``"osa"``,
+                ``"levenshtein"``, ``"jaro_winkler"``, ``"indel"`` (rapidfuzz) or ``(query_text, key_text) -> float``;
+                ``Hit.score`` stays the database's. Not differentiable (``query()`` unaffected): :mod:`kvsearch.rerank`.
 
         Returns:
             A list of :class:`Hit` for one query, a list of lists for a batch; empty lists when the database is
@@ -479,10 +481,10 @@ class Database:
 
         Raises:
             InvalidArgumentError, DimensionMismatchError, NonFiniteError, MissingEncoderError (text queries and no
-            encoder for them).
+            encoder for them); for ``rerank``: UnknownOptionError, MissingDependencyError (``kvsearch[fuzzy]``).
         """
         self._view.check_open()
-        return self._reads.search(queries, k, where)
+        return self._reads.search(queries, k, where, rerank)
 
     def query(
         self,
@@ -565,8 +567,7 @@ class Database:
             (batch,) int64 ids on the CPU.
 
         Raises:
-            InvalidArgumentError: not a floating-point tensor.
-            DimensionMismatchError: queries are not (batch, dim).
+            InvalidArgumentError: not a floating-point tensor. DimensionMismatchError: queries are not (batch, dim).
             NonFiniteError: NaN or Inf in the queries.
         """
         return self._reads.exact_targets(queries)

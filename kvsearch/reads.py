@@ -38,6 +38,7 @@ from kvsearch.nn.attend import Candidates
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
 from kvsearch.nn.streaming import attend_candidates
+from kvsearch.rerank import Rerank, check_rerank, require_texts, rerank_depth, rerank_hits
 from kvsearch.results import Answer, Hit, make_answer, make_hits
 
 if TYPE_CHECKING:  # annotations only
@@ -79,16 +80,23 @@ class Reads:
         """The database's retriever now."""
         return self.view.retriever
 
-    def search(self, queries: Queries, k: int, where: Mapping[str, Any] | None) -> list[Hit] | list[list[Hit]]:
-        """``Database.search``: the k nearest records to each query, best first."""
+    def search(
+        self, queries: Queries, k: int, where: Mapping[str, Any] | None, rerank: Rerank | None = None
+    ) -> list[Hit] | list[list[Hit]]:
+        """``Database.search``: the k nearest records to each query, best first (re-ranked: see
+        :mod:`kvsearch.rerank`)."""
+        similarity = None if rerank is None else check_rerank(rerank)
         k = check_k(k)
         if where is not None:
             check_where(where)
-        q, _, single = self.prepare_queries(queries)
+        q, texts, single = self.prepare_queries(queries)
+        if similarity is not None:
+            texts = require_texts(texts, q.shape[0])  # InvalidArgumentError for query embeddings
         with self.view.reading():
             if len(self.store) == 0:
                 return [] if single else [[] for _ in range(q.shape[0])]
-            cand = self.retriever.candidates(q, k, where=where)
+            depth = k if similarity is None else rerank_depth(k)
+            cand = self.retriever.candidates(q, depth, where=where)
             scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, k)
             scores = torch.where(cand.mask, scores, -math.inf)  # (b, k)
             order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
@@ -97,6 +105,8 @@ class Reads:
             values = self.answer_values(found, gathered=cand)
             metadata = self.store.metadata_texts(found)
             hits = make_hits(ids, scores.gather(1, order).cpu(), self.store.key_of_id, values, metadata)
+        if similarity is not None:
+            hits = rerank_hits(similarity, texts, hits, k)  # outside the snapshot: the user's callable may be slow
         return hits[0] if single else hits
 
     def query(

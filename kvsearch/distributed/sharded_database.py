@@ -75,6 +75,7 @@ from kvsearch.inputs import KeysIn, Queries, query_tensor, query_texts
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
+from kvsearch.rerank import Rerank, Similarity, check_rerank, require_texts, rerank_depth, rerank_hits
 from kvsearch.results import Answer, Hit, make_answer, make_hits
 from kvsearch.view import same_object
 
@@ -589,22 +590,34 @@ class ShardedDatabase:
         return q, texts, isinstance(queries, str)
 
     def search(
-        self, queries: Queries, k: int = 10, *, where: Mapping[str, Any] | None = None
+        self, queries: Queries, k: int = 10, *, where: Mapping[str, Any] | None = None, rerank: Rerank | None = None
     ) -> list[Hit] | list[list[Hit]]:
         """The k nearest records to each of this rank's queries, over every shard (see :meth:`Database.search`).
 
         Collective; a rank with no queries passes an empty list (or a (0, dim) tensor). An empty database gives
-        empty lists.
+        empty lists. ``rerank`` re-orders each query's global top ``max(k, 32)`` on its rank by the similarity of
+        key and query text, as :meth:`Database.search` does (:mod:`kvsearch.rerank`; outside the differentiable
+        path: :meth:`query` is unaffected); a tensor query with it raises InvalidArgumentError on every rank.
         """
         self._check_open()
-        q, _, single = self._agree(lambda: self._queries(queries))
+
+        def check() -> tuple[Tensor, list[str] | None, bool, Similarity | None, Any]:
+            similarity = None if rerank is None else check_rerank(rerank)
+            q, texts, single = self._queries(queries)
+            if similarity is None:
+                return q, texts, single, None, k  # k is checked by candidates()
+            return q, require_texts(texts, q.shape[0]), single, similarity, rerank_depth(int(check_k(k)))
+
+        q, texts, single, similarity, depth = self._agree(check)
         if len(self) == 0:
             return [] if single else [[] for _ in range(q.shape[0])]
-        cand = self.candidates(q, k, where=where)
+        cand = self.candidates(q, depth, where=where)
         scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, t)
         scores = scores.masked_fill(~cand.mask, -math.inf).cpu()  # (b, t): already ranked
         keys, values, metadata = self._reads.texts(cand.ids[cand.ids >= 0].tolist())
         hits = make_hits(cand.ids.cpu(), scores, keys, values, metadata)
+        if similarity is not None:  # a bad similarity is raised on every rank
+            hits = self._agree(lambda: rerank_hits(similarity, texts, hits, int(k)))
         return hits[0] if single else hits
 
     def query(

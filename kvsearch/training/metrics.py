@@ -10,8 +10,8 @@ runs with :func:`evaluate` (searching its draft generation through ``retriever=`
 :data:`METRICS` (:func:`higher_is_better` says which way is better).
 
 This module owns the metrics, their names, their ranking helpers and the checks of the pairs. It talks to the
-database through its public methods only (``candidates``, ``ids_of_keys``, ``values_present``,
-``value_texts``, the encoders); it knows nothing of the store, the index, the losses or the training loop.
+database through its public methods only (``candidates``, ``ids_of_keys``, ``values_present``, ``value_texts``,
+``key_texts``, the encoders); it knows nothing of the store, the index, the losses or the training loop.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from kvsearch.errors import (
 from kvsearch.inputs import normalize_key
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.scores import ScoreFn, compute_scores
-from kvsearch.training.team import batches, team_of
+from kvsearch.rerank import Rerank, Similarity, check_rerank, rerank_depth, rerank_order
+from kvsearch.training.team import Team, batches, team_of
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
@@ -297,6 +298,17 @@ def ranked_ids(retriever: CandidateSource, queries: Tensor, k: int, score: str |
     return cand.ids.gather(1, order.to(cand.ids.device))  # (b, t)
 
 
+def _reranked_ids(db: Database, team: Team, similarity: Similarity, texts: list[str], ids: Tensor, k: int) -> Tensor:
+    """(b, min(k, t)) of ``ids`` (b, t): each row re-ordered by ``similarity`` of its key texts to the query text."""
+    keys = db.key_texts(ids)  # b * t texts, None for -1 and keys given as embeddings; collective when sharded
+    t = ids.shape[1]
+    orders = team.agree(
+        lambda: [rerank_order(similarity, text, keys[i * t : (i + 1) * t]) for i, text in enumerate(texts)]
+    )
+    order = torch.tensor(orders, dtype=torch.long, device=ids.device).reshape(len(texts), t)  # (b, t)
+    return ids.gather(1, order)[:, :k]  # (b, min(k, t))
+
+
 @torch.no_grad()
 def evaluate(
     db: Database,
@@ -308,11 +320,15 @@ def evaluate(
     score: str | ScoreFn | None = None,
     batch_size: int = 512,
     retriever: CandidateSource | None = None,
+    rerank: Rerank | None = None,
 ) -> dict[str, float]:
     """Retrieval metrics of a database on (query text, target) pairs: recall@1, recall@k and MRR over the top k.
 
     A query counts as answered at rank r when the r-th best candidate (by ``score``, among the ``k`` the index
-    picks) is the target record (``targets="key"``) or holds the target value text (``targets="value"``).
+    picks) is the target record (``targets="key"``) or holds the target value text (``targets="value"``). With
+    ``rerank``, the candidates are the top ``max(k, 32)`` re-ordered by the re-ranker, the first ``k`` kept, as
+    ``db.search(query, k, rerank=rerank)`` returns them (:mod:`kvsearch.rerank`; not differentiable: a measure,
+    not a training signal).
 
     Args:
         db: the database.
@@ -324,6 +340,8 @@ def evaluate(
         batch_size: queries per index search.
         retriever: what picks the candidates (anything with ``candidates(queries, k)``, such as the draft
             generation of a fine-tuning run); default the database.
+        rerank: a re-ranker name of :data:`~kvsearch.rerank.RERANKERS` or a callable ``(query_text, key_text) ->
+            float``; default none (the order of ``score``).
 
     Returns:
         ``{"recall@1": ..., "recall@k": ..., "mrr": ...}``, fractions in [0, 1].
@@ -331,12 +349,14 @@ def evaluate(
     Raises:
         InvalidArgumentError: bad pairs, k, batch size or retriever.
         KeyNotFoundError: a target key is not stored.
-        UnknownOptionError: an unknown ``targets``.
+        UnknownOptionError: an unknown ``targets`` or ``rerank`` name.
+        MissingDependencyError: a ``rerank`` name and no rapidfuzz (``pip install "kvsearch[fuzzy]"``).
         NonFiniteError: the query encoder gives NaN or Inf (e.g. diverged weights).
     """
     team = team_of(db)  # a sharded database's ranks: each evaluates its own pairs, the metrics are over all
 
-    def check() -> tuple[int, int, Any]:
+    def check() -> tuple[int, int, Any, Similarity | None]:
+        similarity = None if rerank is None else check_rerank(rerank)
         check_pairs(pairs, "pairs", db)
         if is_tensor_pairs(pairs):
             raise InvalidArgumentError("expected (query text, target) pairs for retrieval metrics, got tensors")
@@ -349,9 +369,9 @@ def evaluate(
             raise InvalidArgumentError(
                 f"expected a kvsearch Encoder or None as query_encoder, got {type(query_encoder).__name__}"
             )
-        return check_k(k), check_int(batch_size, "batch_size"), source
+        return check_k(k), check_int(batch_size, "batch_size"), source, similarity
 
-    k, batch_size, source = team.agree(check)
+    k, batch_size, source, similarity = team.agree(check)
     encoder = next(e for e in (query_encoder, db.query_encoder, db.encoder) if e is not None)
     score = db.score if score is None else score
     queries = [normalize_key(q) for q, _ in pairs]  # as Database.query encodes text queries
@@ -362,7 +382,10 @@ def evaluate(
         q = encoder.encode(chunk).float() if chunk else torch.zeros(0, db.dim)  # (b, dim)
         if team.max(int(not all_finite(q))):
             raise NonFiniteError(f"expected finite query embeddings, got NaN or Inf for pairs[{rows.start}:]")
-        ids = ranked_ids(source, q, k, score)  # (b, t)
+        if similarity is None:
+            ids = ranked_ids(source, q, k, score)  # (b, t)
+        else:  # the top max(k, 32), re-ordered by the re-ranker, the first k kept
+            ids = _reranked_ids(db, team, similarity, chunk, ranked_ids(source, q, rerank_depth(k), score), k)
         tid = None if wanted is None else wanted[rows]  # (b,)
         texts = None if wanted is not None else [t for _, t in pairs[rows]]
         hits = hit_matrix(db, ids, tid, texts).cpu()  # (b, t)
