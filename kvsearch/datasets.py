@@ -3,7 +3,7 @@
 The US census surname list shipped in the PyPI package ``names`` (MIT licence; ``names/dist.all.last``,
 88,799 surnames, most frequent first) becomes a directory surname -> first name (first names from
 ``dist.male.first`` and ``dist.female.first``; the assignment is a seeded draw, so it is the same on every
-machine). Queries are surnames written wrong, in three kinds:
+machine). Queries are surnames written wrong, in three kinds (the first two are noise models of :mod:`kvsearch.noise`):
 
 1. ``"edit"``: one random single edit (substitute, delete, insert, or transpose two adjacent letters);
 2. ``"phonetic"``: one or two respelling rules (ph<->f, c<->k, y<->i, ie<->ei, s<->z, doubled <-> single
@@ -27,12 +27,12 @@ what an encoder learned, not what it memorised.
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable, Collection, Sequence
 from importlib import resources
 from typing import Literal, get_args
 
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
+from kvsearch.noise import phonetic_respelling, single_edit
 
 __all__ = [
     "NoiseKind",
@@ -52,7 +52,6 @@ NoiseKind = Literal["edit", "phonetic", "cyrillic"]
 NOISE_KINDS: tuple[str, ...] = get_args(NoiseKind)
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
-_VOWELS = set("aeiouy")
 _TRIES = 20  # draws before a name is given up (its queries all spell stored surnames)
 
 # Latin -> Cyrillic, longest match first (a fixed, many-to-one map: c, k and q all become к).
@@ -73,36 +72,6 @@ _CYRILLIC_MULTI = (
     ("ck", "к"),
 )
 _CYRILLIC_SINGLE = dict(zip(_LETTERS, "а б к д е ф г х и дж к л м н о п к р с т у в в кс й з".split()))
-
-# Phonetic respelling rules: (pattern, replacement), each applied at one random match.
-_PHONETIC_RULES: tuple[tuple[str, str], ...] = (
-    ("ph", "f"),
-    ("f", "ph"),
-    ("c(?=[aou])", "k"),
-    ("k", "c"),
-    ("ck", "k"),
-    ("(?<=[a-z])y", "i"),
-    ("(?<=[a-z])i", "y"),
-    ("ie", "ei"),
-    ("ei", "ie"),
-    ("s", "z"),
-    ("z", "s"),
-    ("x", "ks"),
-    ("ks", "x"),
-    ("qu", "kw"),
-    ("ee", "ea"),
-    ("ea", "ee"),
-    ("oo", "u"),
-    ("ou", "ow"),
-    ("w", "v"),
-    ("v", "w"),
-    ("th", "t"),
-    ("sch", "sh"),
-    ("(?<=[a-z]{3})e$", ""),  # drop a final e (not from a name of 3 letters or fewer)
-    ("(?<=[^aeiouy])$", "e"),
-    (r"([b-df-hj-np-tv-z])\1", r"\1"),  # doubled consonant -> single
-    (r"(?<=[aeiouy])([bdgklmnprst])(?=[aeiouy])", r"\1\1"),  # single consonant between vowels -> doubled
-)
 
 
 def _package_file(name: str) -> list[str]:
@@ -185,68 +154,6 @@ def split_names(names: Sequence[str], held_out: float = 0.2, *, seed: int = 0) -
     return [x for i, x in enumerate(names) if i not in out], [x for i, x in enumerate(names) if i in out]
 
 
-def _restore_case(noisy: str, original: str) -> str:
-    return noisy.capitalize() if original[:1].isupper() else noisy
-
-
-def single_edit(name: str, rng: random.Random) -> str:
-    """One random edit: substitute, delete, insert a letter, or transpose two adjacent different letters.
-
-    Args:
-        name: a surname (at least 2 letters for a deletion; shorter names get the other edits).
-        rng: the random source.
-
-    Returns:
-        The edited name (lower case, then capitalised like ``name``); always different from ``name``.
-    """
-    s = name.lower()
-    ops = ["substitute", "insert"]
-    if len(s) >= 2:
-        ops.append("delete")
-    if any(a != b for a, b in zip(s, s[1:])):
-        ops.append("transpose")
-    op = rng.choice(ops)
-    if op == "substitute":
-        i = rng.randrange(len(s))
-        s = s[:i] + rng.choice(_LETTERS.replace(s[i], "")) + s[i + 1 :]
-    elif op == "insert":
-        i = rng.randrange(len(s) + 1)
-        s = s[:i] + rng.choice(_LETTERS) + s[i:]
-    elif op == "delete":
-        i = rng.randrange(len(s))
-        s = s[:i] + s[i + 1 :]
-    else:
-        spots = [i for i in range(len(s) - 1) if s[i] != s[i + 1]]
-        i = rng.choice(spots)
-        s = s[:i] + s[i + 1] + s[i] + s[i + 2 :]
-    return _restore_case(s, name)
-
-
-def phonetic_respelling(name: str, rng: random.Random) -> str | None:
-    """Apply one or two phonetic respelling rules, each at a random place where it fits.
-
-    Args:
-        name: a surname.
-        rng: the random source.
-
-    Returns:
-        The respelled name (capitalised like ``name``), or None when no rule fits.
-    """
-    s = name.lower()
-    applied = 0
-    for _ in range(1 if rng.random() < 0.5 else 2):
-        fits = [(rule, list(re.finditer(rule[0], s))) for rule in _PHONETIC_RULES]
-        fits = [(rule, found) for rule, found in fits if found]
-        rng.shuffle(fits)
-        for (_, repl), found in fits:
-            m = rng.choice(found)
-            new = s[: m.start()] + m.expand(repl) + s[m.end() :]
-            if new and new != s:
-                s, applied = new, applied + 1
-                break
-    return _restore_case(s, name) if applied and s != name.lower() else None  # two rules may undo each other
-
-
 def to_cyrillic(name: str) -> str:
     """Transliterate a Latin surname into Cyrillic letters with a fixed letter map (longest match first).
 
@@ -267,7 +174,8 @@ def to_cyrillic(name: str) -> str:
         else:
             out.append(_CYRILLIC_SINGLE.get(s[i], s[i]))
             i += 1
-    return _restore_case("".join(out), name)
+    text = "".join(out)
+    return text.capitalize() if name[:1].isupper() else text
 
 
 _NOISERS: dict[str, Callable[[str, random.Random], str | None]] = {

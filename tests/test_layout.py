@@ -25,10 +25,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvsearch"
 # __init__ (the public names), above everything.
 RANKS: list[tuple[str, ...]] = [
     ("errors",),
+    ("noise",),
     ("checks", "limits", "datasets", "plot"),
     ("results", "filters"),
     ("nn", "encoders"),
-    ("inputs",),
+    ("inputs", "rerank"),
     ("storage",),
     ("index",),
     ("retrieval",),
