@@ -108,6 +108,35 @@ def _build_minilm(folder: Path, names: int | None) -> None:
     (folder / "build_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}")
 
 
+def _study(args: argparse.Namespace) -> None:
+    """The study behind finetune's defaults (see benchmarks/finetune_study.py), appended to RESULTS.md."""
+    from finetune_study import study
+
+    started = time.perf_counter()
+    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    table, results = study(args.study_names, args.eval, args.workers)
+    minutes = (time.perf_counter() - started) / 60
+    notes = [
+        f"- {args.study_names:,} surnames (the default `NgramEncoder()`, in memory), names split 80 / 20; "
+        f"{args.eval} held-out queries per task on held-out names; the user's pairs are noisy queries of train "
+        "names. A cell is held-out recall@1 x 100 after the run (the kept epoch; the start when none beat it) and "
+        "its gain over the start. Empty cells were not run (a row with one option changed runs at 2,000 pairs).",
+        "- the generated pairs (`kvsearch.noise`, default models typos + phonetic, 2 per stored key and epoch, at "
+        "most 50,000) never draw the eval pairs' target keys. The typo task's noise (uniform random single edits) "
+        "differs from the generator's keyboard slips; the phonetic task shares the generator's respelling rules; "
+        "the Cyrillic task is not generated at all (only the user's pairs teach it).",
+        f"- {len(results)} runs in {minutes:.0f} min, {args.workers} side by side, one thread each; load average "
+        f"(1/5/15 min) at the start {load_before}. Machine: {_machine()}.",
+    ]
+    text = table + "\n\n" + "\n".join(notes)
+    print(text)
+    if not args.no_write:
+        cmd = "python benchmarks/bench_finetune.py " + " ".join(sys.argv[1:])
+        with open(RESULTS, "a", encoding="utf-8") as f:
+            f.write(f"\n## Fine-tuning defaults: the study (issue 22)\n\n`{cmd.strip()}`\n\n{text}\n")
+        print(f"\nappended to {RESULTS}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--names", type=int, default=None, help="keep the N most frequent surnames (default all)")
@@ -138,6 +167,14 @@ def main() -> None:
     parser.add_argument("--train", default="query+keys", choices=["query", "query+keys"])
     parser.add_argument("--build-minilm", default=None, help=argparse.SUPPRESS)  # internal: the worker process
     parser.add_argument(
+        "--study",
+        action="store_true",
+        help="run the study behind finetune's defaults instead (benchmarks/finetune_study.py): options x pair "
+        "counts x tasks on --study-names surnames",
+    )
+    parser.add_argument("--study-names", type=int, default=10_000, help="surnames in the study's database")
+    parser.add_argument("--workers", type=int, default=2, help="study runs side by side (one thread each)")
+    parser.add_argument(
         "--faiss-threads", type=int, default=1, help="FAISS OpenMP threads (1: its spin-waits stall on a shared CPU)"
     )
     parser.add_argument("--no-minilm", action="store_true")
@@ -147,6 +184,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.build_minilm:
         _build_minilm(Path(args.build_minilm), args.names)
+        return
+    if args.study:
+        _study(args)
         return
     started = time.perf_counter()
     torch.manual_seed(0)

@@ -617,12 +617,24 @@ def grad_options() -> dict[str, Any]:
         "optimizer": "sgd",
         "lr": FT_LR,
         "k": FT_K,
+        "generated": 0,  # a sharded database generates no pairs (yet): the single-process reference must not either
         "verbose": False,
     }
 
 
 def improve_options() -> dict[str, Any]:
-    return {"loss": "retrieval", "k": FT_K, "epochs": 2, "batch_size": 64, "verbose": False}
+    # the options of before issue 22: without generated pairs (none across shards yet), a query-side copy learns
+    return {
+        "loss": "retrieval",
+        "k": FT_K,
+        "epochs": 2,
+        "batch_size": 64,
+        "train": "query",
+        "lr": 1e-2,
+        "lr_decay": "none",
+        "generated": 0,
+        "verbose": False,
+    }
 
 
 def finetune_scenario(rank: int, world: int, root: Path, out: Results) -> None:

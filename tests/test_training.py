@@ -36,6 +36,15 @@ names = pytest.importorskip("names")
 
 from kvsearch.datasets import noisy_queries, split_names, surname_directory  # noqa: E402
 
+#: The defaults of finetune before issue 22 (no generated pairs, a query-side copy, lr 1e-2 for n-grams, batches of
+#: 64, a constant learning rate): the tests of the loop's mechanics below were written against them.
+BEFORE_22 = {"train": "query", "lr": 1e-2, "batch_size": 64, "lr_decay": "none", "generated": 0}
+
+
+def finetune_as_before(db, *args, **options):
+    """``finetune`` with the defaults of before issue 22 (options given override them)."""
+    return finetune(db, *args, **{**BEFORE_22, **options})
+
 
 def small_encoder() -> NgramEncoder:
     return NgramEncoder(dim=32, num_buckets=4096, device="cpu")
@@ -80,7 +89,9 @@ def test_held_out_accuracy_rises_on_cyrillic_queries():
     held_pairs = noisy_queries(held, "cyrillic", avoid=stored)
     db = Database(None, encoder=NgramEncoder(dim=64, num_buckets=2**13, device="cpu"), device="cpu")
     db.add(keys=keys, values=values)
-    history = finetune(db, train_pairs, eval_pairs=held_pairs, loss="retrieval", k=16, epochs=3, verbose=False)
+    history = finetune_as_before(
+        db, train_pairs, eval_pairs=held_pairs, loss="retrieval", k=16, epochs=3, verbose=False
+    )
     before, after = history.metrics[0], history.metrics[-1]
     assert before["recall@1"] < 0.05  # Latin keys share no n-gram with Cyrillic queries
     assert after["recall@1"] > 0.5  # 0.755 when written
@@ -151,7 +162,7 @@ def test_train_query_leaves_keys_and_key_encoder_alone(directory, tmp_path):
     db = make_db(tmp_path / "db", directory)
     keys_before = db.store.keys.clone()
     weights_before = db.encoder.embedding.weight.detach().clone()
-    history = finetune(db, directory["train"], loss="retrieval", k=8, epochs=1, batch_size=32, verbose=False)
+    history = finetune_as_before(db, directory["train"], loss="retrieval", k=8, epochs=1, batch_size=32, verbose=False)
     assert isinstance(history, History) and history.refreshes == 0
     assert len(history.losses) == math.ceil(len(directory["train"]) / 32)
     assert torch.equal(db.store.keys, keys_before)
@@ -166,7 +177,7 @@ def test_train_query_and_keys_refreshes_the_index(directory, tmp_path):
     db = make_db(tmp_path / "db", directory)
     values_before = db.store.values.clone()
     pairs = directory["train"][:200]
-    history = finetune(
+    history = finetune_as_before(
         db, pairs, loss="retrieval", k=8, epochs=2, batch_size=20, refresh_every=4, train="query+keys", verbose=False
     )
     assert history.refreshes == 6  # 10 steps per epoch: after steps 4, 8, 10 (end of epoch 1), 12, 16, 20
@@ -222,7 +233,7 @@ def test_answer_loss_learns_without_key_labels(directory):
     held_names = [t for _, t in directory["held"]]
     train = [(q, value_of[t]) for q, t in noisy_queries(train_names, "phonetic", avoid=stored)]
     held = [(q, value_of[t]) for q, t in noisy_queries(held_names, "phonetic", avoid=stored)]
-    history = finetune(
+    history = finetune_as_before(
         db, train, eval_pairs=held, loss="answer", k=16, epochs=3, batch_size=32, metric="mrr", verbose=False
     )
     assert history.epoch_losses[-1] < 0.5 * history.epoch_losses[0]  # 0.27 -> 0.07 when written
@@ -239,11 +250,11 @@ def test_a_custom_loss_sees_the_forced_target(directory):
         seen.append(bool(batch.match.any(-1).all()))
         return retrieval_loss(batch)
 
-    finetune(db, directory["train"][:64], loss=loss, k=2, epochs=1, batch_size=16, verbose=False)
+    finetune_as_before(db, directory["train"][:64], loss=loss, k=2, epochs=1, batch_size=16, verbose=False)
     assert seen == [True] * 4  # with k=2 the index misses most Cyrillic targets: they are forced in
 
     with pytest.raises(InvalidArgumentError, match="0-dim"):
-        finetune(db, directory["train"][:8], loss=lambda batch: batch.scores, k=2, epochs=1, verbose=False)
+        finetune_as_before(db, directory["train"][:8], loss=lambda batch: batch.scores, k=2, epochs=1, verbose=False)
 
 
 def test_progress_bar_and_its_silence(directory, capsys):
@@ -431,6 +442,7 @@ def test_finetune_config_is_frozen_and_canonical():
     assert fields == keywords == {
         "loss", "targets", "k", "epochs", "refresh_every", "train", "train_values", "score", "pooling",
         "optimizer", "lr", "batch_size", "temperature", "seed", "verbose", "keep", "metric", "precision",
+        "lr_decay", "noise", "generated",
     }  # fmt: skip
     assert (FinetuneConfig().keep, FinetuneConfig().metric) == ("best", None)
 
@@ -477,7 +489,13 @@ def test_finetune_with_a_config_equals_finetune_with_the_same_options(directory,
     assert other_seed.losses != by_options.losses  # the seed is not ignored
 
 
-TRAINING_MODULES = ("kvsearch.training.loop", "kvsearch.training.losses", "kvsearch.training.metrics")
+TRAINING_MODULES = (
+    "kvsearch.training.loop",
+    "kvsearch.training.losses",
+    "kvsearch.training.metrics",
+    "kvsearch.training.pairs",
+    "kvsearch.training.defaults",
+)
 
 
 class NoStoreDatabase(Database):
@@ -507,7 +525,7 @@ def test_training_never_touches_the_store(directory, loss):
         held = [(q, value_of[t]) for q, t in held]
     ids = db.ids()
     _, before, _ = db.embeddings(ids)
-    history = finetune(
+    history = finetune_as_before(
         db,
         pairs,
         eval_pairs=held,
@@ -619,7 +637,9 @@ def test_sentence_encoder_finetunes_and_persists(tmp_path):
     keys = ["Zhang", "Lipton", "Li", "Smola", "Hu", "Werness", "Smith", "Johnson"]
     db.add(keys=keys, values=["Aston", "Zachary", "Mu", "Alex", "Rachel", "Brent", "John", "Mary"])
     pairs = [("Зханг", "Zhang"), ("Липтон", "Lipton"), ("Смола", "Smola"), ("Вернесс", "Werness"), ("Смит", "Smith")]
-    history = finetune(db, pairs, eval_pairs=pairs, loss="retrieval", k=4, epochs=4, batch_size=5, verbose=False)
+    history = finetune(
+        db, pairs, eval_pairs=pairs, loss="retrieval", k=4, epochs=4, batch_size=5, lr_decay="none", verbose=False
+    )
     assert history.epoch_losses[-1] < history.epoch_losses[0]
     assert history.metrics[-1]["mrr"] >= history.metrics[0]["mrr"]
     hits = top_ids(db, [q for q, _ in pairs], k=3)
@@ -738,7 +758,7 @@ def test_a_run_that_improves_commits_its_best_epoch(directory, tmp_path):
     db = Database(path)
     generation = db.generation
     pairs, held = directory["train"][:400], directory["held"][:60]
-    history = finetune(
+    history = finetune_as_before(
         db,
         pairs,
         eval_pairs=held,
@@ -778,7 +798,7 @@ def test_keep_last_commits_the_last_epoch_even_when_worse(directory, tmp_path):
     db = Database(path)
     generation = db.generation
     held = directory["held_edit"][:60]
-    history = finetune(
+    history = finetune_as_before(
         db,
         directory["train_edit"][:100],
         eval_pairs=held,
@@ -802,7 +822,9 @@ def test_keep_last_commits_the_last_epoch_even_when_worse(directory, tmp_path):
 def test_without_eval_pairs_the_last_epoch_is_committed(directory, tmp_path):
     db = make_db(tmp_path / "db", directory)
     generation = db.generation
-    history = finetune(db, directory["train"][:50], loss="retrieval", k=8, epochs=2, batch_size=25, verbose=False)
+    history = finetune_as_before(
+        db, directory["train"][:50], loss="retrieval", k=8, epochs=2, batch_size=25, verbose=False
+    )
     assert history.committed and history.kept_epoch is None and history.metrics == []
     assert history.generation == db.generation == generation + 1
     losses = history.epoch_losses
@@ -830,7 +852,7 @@ def test_a_run_that_fails_leaves_the_database_exactly_as_it_was(directory, tmp_p
     encoder, value_encoder = db.encoder, db.value_encoder
     weights = encoder.embedding.weight.detach().clone()
     with pytest.raises(error, match=match):
-        finetune(
+        finetune_as_before(
             db,
             directory["train"][:100],
             loss=failing_loss(at_step, failure),
@@ -853,7 +875,7 @@ def test_a_run_that_fails_leaves_the_database_exactly_as_it_was(directory, tmp_p
     assert folder_digests(path) == digests
     reopened = Database(path)
     assert answers(reopened, queries)[0] == ids_before
-    history = finetune(reopened, directory["train"][:50], loss="retrieval", k=8, epochs=1, verbose=False)
+    history = finetune_as_before(reopened, directory["train"][:50], loss="retrieval", k=8, epochs=1, verbose=False)
     assert history.committed and reopened.generation == generation + 1  # and it trains again
     reopened.close()
 
@@ -936,7 +958,7 @@ def test_value_targets_that_are_keys_are_refused_with_a_hint(names_db):
 def test_key_targets_that_are_values_are_refused_with_a_hint(names_db):
     pairs = [(key, value) for key, value in AUTHORS.items()][:3] + [("Lipton", "Lipton")]
     with pytest.raises(KeyNotFoundError) as caught:
-        finetune(names_db, pairs, loss="retrieval", verbose=False)
+        finetune_as_before(names_db, pairs, loss="retrieval", verbose=False)
     message = str(caught.value)
     assert "3 of 4 target texts are no stored key (e.g. 'Aston', 'Zachary', 'Mu')" in message
     assert 'they are stored value texts: pass targets="value"' in message
@@ -944,15 +966,15 @@ def test_key_targets_that_are_values_are_refused_with_a_hint(names_db):
 
 def test_targets_of_neither_kind_get_no_hint_and_eval_pairs_are_checked_too(names_db):
     with pytest.raises(KeyNotFoundError) as caught:
-        finetune(names_db, [("Lipton", "Lipton"), ("x", "Nobody")], loss="retrieval", verbose=False)
+        finetune_as_before(names_db, [("Lipton", "Lipton"), ("x", "Nobody")], loss="retrieval", verbose=False)
     assert "1 of 2 target texts are no stored key (e.g. 'Nobody')" in str(caught.value)
     assert "pass" not in str(caught.value)
     mixed = [("a", "Aston"), ("b", "Mu"), ("c", "Nobody")]  # most (2 of 3) are value texts
     with pytest.raises(KeyNotFoundError, match=r"most of them \(2 of 3\) are stored value texts"):
-        finetune(names_db, mixed, loss="retrieval", verbose=False)
+        finetune_as_before(names_db, mixed, loss="retrieval", verbose=False)
     calls: list[int] = []
     with pytest.raises(KeyNotFoundError, match="eval_pairs: 1 of 1"):
-        finetune(
+        finetune_as_before(
             names_db,
             [("Lipton", "Lipton")],
             eval_pairs=[("Li", "Mu")],
@@ -961,7 +983,9 @@ def test_targets_of_neither_kind_get_no_hint_and_eval_pairs_are_checked_too(name
             verbose=False,
         )
     with pytest.raises(InvalidArgumentError, match="eval_pairs: 1 of 2 .* no stored value text"):
-        finetune(names_db, [("Li", "Mu")], eval_pairs=[("Li", "Mu"), ("Li", "Li")], loss="answer", verbose=False)
+        finetune_as_before(
+            names_db, [("Li", "Mu")], eval_pairs=[("Li", "Mu"), ("Li", "Li")], loss="answer", verbose=False
+        )
     assert calls == [] and names_db.query_encoder is None
 
 
@@ -974,7 +998,7 @@ HOSTILE = [
     ("k", 0), ("k", -1), ("k", MAX_K + 1), ("k", 2.5), ("k", True), ("k", "8"), ("k", None), ("k", math.nan),
     ("epochs", 0), ("epochs", -3), ("epochs", 1.5), ("epochs", True), ("epochs", "2"), ("epochs", None),
     ("refresh_every", 0), ("refresh_every", None), ("refresh_every", math.inf),
-    ("train", "keys"), ("train", None), ("train", 1),
+    ("train", "keys"), ("train", "auto"), ("train", 1),
     ("train_values", "yes"), ("train_values", 1), ("train_values", None),
     ("score", "manhattan"), ("score", 3), ("score", "additive"),
     ("pooling", "exact"), ("pooling", "max"), ("pooling", None),
@@ -988,6 +1012,10 @@ HOSTILE = [
     ("verbose", 1), ("verbose", "yes"), ("verbose", None),
     ("keep", "first"), ("keep", None), ("keep", 1),
     ("metric", "accuracy"), ("metric", "loss"), ("metric", 3),
+    ("lr_decay", "step"), ("lr_decay", None), ("lr_decay", 1),
+    ("noise", "klingon"), ("noise", 3), ("noise", []), ("noise", ["typos", None]),
+    ("generated", -1), ("generated", "lots"), ("generated", 1.5), ("generated", True), ("generated", None),
+    ("generated", 10**12),
 ]  # fmt: skip
 
 

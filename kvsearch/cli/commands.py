@@ -308,28 +308,20 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             "fine-tuning is not available: this kvsearch has no kvsearch.training.loop.finetune"
         ) from None
 
-    pairs = _read_pairs(args.pairs, args)
+    pairs = None if args.pairs is None else _read_pairs(args.pairs, args)
     eval_pairs = None if args.eval is None else _read_pairs(args.eval, args)
-    options: dict[str, Any] = {
-        "epochs": args.epochs,
-        "k": args.k,
-        "loss": args.loss,
-        "train": args.train,
-        "seed": args.seed,
-        "keep": args.keep,
-        "metric": args.metric,
-        "precision": args.precision,
-        "verbose": not args.quiet,
-    }
-    for name in ("targets", "lr", "batch_size"):
+    options: dict[str, Any] = {"verbose": not args.quiet}
+    names = ("noise", "generated", "loss", "targets", "train", "epochs", "k", "lr", "temperature", "batch_size")
+    for name in (*names, "seed", "keep", "metric", "precision"):  # only what was given: the defaults are Python's
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    if options.get("noise") == ():
+        options["noise"] = None  # --noise none: generate nothing
     with _open_existing(args.db, unsharded_for="fine-tuning") as db:
         before = db.generation
         history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
         after = db.generation
-    evaluated = f", evaluated on {len(eval_pairs)} held-out pairs" if eval_pairs is not None else ""
-    print(f"fine-tuned {args.db} on {len(pairs)} pairs for {args.epochs} epochs{evaluated} ({history.seconds:.1f} s)")
+    print(f"fine-tuned {args.db} {_trained_on(history, pairs, eval_pairs)} ({history.seconds:.1f} s)")
     if history.metrics:
         print(history_table(history))
     print(history.summary())
@@ -341,6 +333,19 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     else:
         print(f"nothing was committed: {args.db} keeps its old retriever (generation {after} unchanged)")
     return 0
+
+
+def _trained_on(history: Any, pairs: list | None, eval_pairs: list | None) -> str:
+    """What a run trained and was measured on, in words: "on 6 pairs for 3 epochs, evaluated on ..."."""
+    parts = [] if pairs is None else [f"{len(pairs)} pairs"]
+    if history.generated:
+        parts.append(f"{history.generated} pairs generated from the stored keys per epoch")
+    text = f"on {' and '.join(parts)} for {len(history.epoch_losses)} epochs"
+    if eval_pairs is not None:
+        text += f", evaluated on {len(eval_pairs)} held-out pairs"
+    elif history.monitor:
+        text += f", evaluated on {history.monitor} generated queries of held-out keys"
+    return text
 
 
 def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:

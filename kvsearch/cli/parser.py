@@ -84,6 +84,107 @@ def _version() -> str:
         return "unknown"
 
 
+def _add_finetune(sub: Any) -> None:
+    """The ``finetune`` command. Its defaults are :class:`~kvsearch.FinetuneConfig`'s: an option not given is not
+    passed, so Python and the CLI train alike."""
+    from kvsearch.noise import NOISE_MODELS
+    from kvsearch.training.config import FinetuneConfig
+
+    d = FinetuneConfig()
+    noise = ",".join(d.noise or ())
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune the retriever on (query, target key) pairs, or on misspellings of the stored keys",
+        description="Fine-tune DB's encoder end to end with kvsearch.finetune, on the pairs of FILE (a CSV, TSV "
+        "or JSONL file with a query column and a target column naming a stored key) and on (misspelt key, key) "
+        "pairs generated from the stored keys (--noise, --generated); without --pairs on the generated pairs "
+        "alone. Prints the eval metrics before training (epoch 0) and after each epoch (on --eval, or on "
+        "generated queries of held-out keys), marks the epoch that was kept, and says whether the database "
+        "switched to the fine-tuned encoders (a new generation, which 'kvsearch rollback' undoes) or kept its "
+        "old retriever because the run did not improve the metric.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("--pairs", metavar="FILE", help="a .csv, .tsv or .jsonl file of training pairs (optional)")
+    p.add_argument("--eval", metavar="FILE", help="held-out pairs (same columns), measured before and after each epoch")
+    p.add_argument("--query", default="query", metavar="COL", help="the query column (default: query)")
+    p.add_argument("--target", default="target", metavar="COL", help="the target column (default: target)")
+    p.add_argument(
+        "--targets",
+        choices=("key", "value"),
+        help="the target column holds the right record's key, or the answer's value text "
+        "(default: key for the retrieval loss, value for the answer losses)",
+    )
+    p.add_argument("--format", choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)")
+    p.add_argument(
+        "--noise",
+        metavar="MODELS",
+        type=_noise,
+        help=f"comma-separated noise models of the generated pairs, among {', '.join(NOISE_MODELS)}, or none "
+        f"(default {noise})",
+    )
+    p.add_argument(
+        "--generated",
+        type=_generated,
+        metavar="N|auto",
+        help=f"how many generated pairs to mix in (default {d.generated}: see kvsearch.training.pairs)",
+    )
+    p.add_argument("--loss", choices=("retrieval", "answer", "answer_mse"), help=f"default {d.loss}")
+    p.add_argument(
+        "--train",
+        choices=("query", "query+keys"),
+        help=f"train a query-side copy of the encoder, or the shared encoder with index refreshes (default {d.train})",
+    )
+    p.add_argument("--epochs", type=_positive_int, metavar="N", help=f"passes over the pairs (default {d.epochs})")
+    p.add_argument("--k", type=_positive_int, metavar="N", help=f"candidates per query (default {d.k})")
+    p.add_argument("--lr", type=_positive_float, metavar="LR", help="learning rate (default: per encoder kind)")
+    p.add_argument("--temperature", type=_positive_float, metavar="T", help=f"default {d.temperature}")
+    p.add_argument("--batch-size", type=_positive_int, metavar="N", help=f"pairs per step (default {d.batch_size})")
+    p.add_argument("--seed", type=int, help=f"seeds the shuffling and the generated pairs (default {d.seed})")
+    p.add_argument(
+        "--keep",
+        choices=("best", "last"),
+        help=f"keep the epoch with the best eval metric, the start included, or the last epoch (default {d.keep})",
+    )
+    p.add_argument(
+        "--metric",
+        choices=("recall@1", "recall@k", "mrr"),
+        help="the eval metric that --keep best compares (default recall@1)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        help="train in float32 (default), or under autocast with bfloat16 (CPU or CUDA) or float16 (CUDA only); "
+        "the weights written stay float32",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _noise(text: str) -> tuple[str, ...]:
+    """``--noise``: comma-separated noise model names, or ``none`` (an empty tuple)."""
+    from kvsearch.noise import NOISE_MODELS
+
+    if text.strip().lower() == "none":
+        return ()
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in NOISE_MODELS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected noise models among {', '.join(NOISE_MODELS)} or none, got {text!r}")
+    return names
+
+
+def _generated(text: str) -> int | str:
+    """``--generated``: a count >= 0 or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or auto, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or auto, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvsearch`` command (build, query, info, delete, finetune, rollback, demo)."""
     parser = OneLineParser(
@@ -188,61 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("keys", nargs="+", metavar="KEY", help="the keys to delete")
     p.set_defaults(quiet=True)
 
-    p = sub.add_parser(
-        "finetune",
-        help="fine-tune the query encoder on (query, target key) pairs",
-        description="Fine-tune DB's encoder end to end on the pairs of FILE (a CSV, TSV or JSONL file with a "
-        "query column and a target column naming a stored key), with kvsearch.finetune. Prints the eval "
-        "metrics before training (epoch 0) and after each epoch, marks the epoch that was kept, and says "
-        "whether the database switched to the fine-tuned encoders (a new generation, which 'kvsearch "
-        "rollback' undoes) or kept its old retriever because the run did not improve the metric.",
-    )
-    p.add_argument("db", metavar="DB", help="the database folder")
-    p.add_argument("--pairs", metavar="FILE", required=True, help="a .csv, .tsv or .jsonl file of training pairs")
-    p.add_argument("--eval", metavar="FILE", help="held-out pairs (same columns), measured before and after each epoch")
-    p.add_argument("--query", default="query", metavar="COL", help="the query column (default: query)")
-    p.add_argument("--target", default="target", metavar="COL", help="the target column (default: target)")
-    p.add_argument(
-        "--targets",
-        choices=("key", "value"),
-        help="the target column holds the right record's key, or the answer's value text "
-        "(default: key for the retrieval loss, value for the answer losses)",
-    )
-    p.add_argument("--format", choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)")
-    p.add_argument(
-        "--loss", choices=("retrieval", "answer", "answer_mse"), default="retrieval", help="default retrieval"
-    )
-    p.add_argument(
-        "--train",
-        choices=("query", "query+keys"),
-        default="query",
-        help="train a query-side copy of the encoder (default), or the shared encoder with index refreshes",
-    )
-    p.add_argument("--epochs", type=_positive_int, default=3, metavar="N", help="passes over the pairs (default 3)")
-    p.add_argument("--k", type=_positive_int, default=32, metavar="N", help="candidates per query (default 32)")
-    p.add_argument("--lr", type=_positive_float, default=None, metavar="LR", help="learning rate")
-    p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N", help="pairs per step (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the shuffling (default 0)")
-    p.add_argument(
-        "--keep",
-        choices=("best", "last"),
-        default="best",
-        help="keep the epoch with the best eval metric, the start included (default), or the last epoch",
-    )
-    p.add_argument(
-        "--metric",
-        choices=("recall@1", "recall@k", "mrr"),
-        default="recall@1",
-        help="the eval metric that --keep best compares (default recall@1)",
-    )
-    p.add_argument(
-        "--precision",
-        choices=("fp32", "bf16", "fp16"),
-        default="fp32",
-        help="train in float32 (default), or under autocast with bfloat16 (CPU or CUDA) or float16 (CUDA only); "
-        "the weights written stay float32",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_finetune(sub)
 
     p = sub.add_parser(
         "rollback",

@@ -24,6 +24,7 @@ from kvsearch.checks import check_int, check_k, check_temperature
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.nn.pooling import POOLINGS, PoolingName
 from kvsearch.nn.scores import ScoreFn, check_score
+from kvsearch.noise import DEFAULT_NOISE, Noise, check_noise
 from kvsearch.training.losses import ANSWER_LOSSES, LossFn, LossName, get_loss
 from kvsearch.training.metrics import METRICS, TARGET_KINDS, MetricName, TargetKind, higher_is_better
 from kvsearch.training.precision import PRECISIONS, PrecisionName
@@ -32,6 +33,9 @@ __all__ = [
     "TrainMode",
     "TRAIN_MODES",
     "MAX_EPOCHS",
+    "MAX_GENERATED",
+    "LrDecay",
+    "LR_DECAYS",
     "KeepName",
     "KEEPS",
     "OPTIMIZERS",
@@ -45,6 +49,10 @@ TrainMode = Literal["query", "query+keys"]
 #: What learns: a query-side encoder only, or the shared key encoder too (the index is then refreshed).
 TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
 
+LrDecay = Literal["linear", "cosine", "none"]
+#: How the learning rate goes over a run: down to 0 at the last step along a line or a half cosine, or constant.
+LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
+
 KeepName = Literal["best", "last"]
 #: Which epoch a run with eval pairs commits: the best one (if it beats the start), or the last one.
 KEEPS: tuple[str, ...] = get_args(KeepName)
@@ -54,6 +62,8 @@ OptimizerSpec = str | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 #: The most epochs one run may ask for: a bound, so that a hostile ``epochs=2**70`` is refused, not a run forever.
 MAX_EPOCHS = 100_000
+#: The most generated pairs one run may ask for (they are held in memory as text).
+MAX_GENERATED = 10_000_000
 # ----------------------------------------------------------------------------- the options
 
 
@@ -62,9 +72,10 @@ class FinetuneConfig:
     """Every option of :func:`finetune`, checked once, when it is made.
 
     Attributes:
-        loss: ``"retrieval"`` (cross-entropy over the candidates' scores, the target record forced among
-            the candidates), ``"answer"`` (1 - cosine between the pooled answer and the target value's
-            embedding; the gradient reaches the query only through the attention weights), ``"answer_mse"``
+        loss: ``"retrieval"`` (the default: cross-entropy over the candidates' scores, the target record forced
+            among the candidates; for (query, key) pairs), ``"answer"`` (1 - cosine between the pooled answer
+            and the target value's embedding; the gradient reaches the query only through the attention
+            weights; for (query, value text) pairs), ``"answer_mse"``
             (mean squared error instead), or a callable ``(Batch) -> 0-dim tensor`` (see
             :mod:`kvsearch.training.losses`).
         targets: ``"key"`` (the target text is the right record's key) or ``"value"`` (the target text is
@@ -76,7 +87,9 @@ class FinetuneConfig:
             steps (and after each epoch, and at the end).
         train: ``"query"``: a query-side copy of the encoder learns (``db.query_encoder``; the stored keys
             and the index never change). ``"query+keys"``: the shared encoder learns, the index is refreshed;
-            a value encoder that was the key encoder is kept, untrained, as the value encoder.
+            a value encoder that was the key encoder is kept, untrained, as the value encoder. None (the
+            default): ``"query+keys"`` for an :class:`~kvsearch.NgramEncoder`, else ``"query"`` (see
+            :mod:`kvsearch.training.defaults`).
         train_values: make the value embeddings trainable; they are written to the database at the end.
         score: the score function, default (None) the database's; an ``nn.Module`` (e.g.
             :class:`~kvsearch.nn.scores.GaussianKernel`) trains along: it ends with the kept epoch's weights,
@@ -84,9 +97,11 @@ class FinetuneConfig:
         pooling: the pooling of the answer (see ``kvsearch.nn.pooling.pool``); not ``"exact"``, which has no
             gradient.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or a callable ``(param groups) -> Optimizer``.
-        lr: the learning rate; default (None) per part: 1e-2 for n-gram encoders, score modules and values,
-            2e-5 for sentence encoders.
-        batch_size: pairs per step.
+        lr: the learning rate; default (None) per part: 3e-3 for n-gram encoders, 2e-5 for sentence encoders,
+            1e-2 for score modules and values (:data:`kvsearch.training.defaults.DEFAULT_LR`).
+        lr_decay: ``"linear"`` (the default: the learning rate falls along a line to 0 at the last step),
+            ``"cosine"`` (along a half cosine) or ``"none"`` (constant).
+        batch_size: pairs per step (default 256).
         temperature: the softmax temperature of the scores, finite and > 0 (0.05 suits cosine scores).
         seed: seeds the shuffling and torch (dropout); an integer >= 0.
         verbose: show a tqdm bar with the step, the loss and the latest value of the metric.
@@ -101,6 +116,13 @@ class FinetuneConfig:
             gradient scaler, CUDA only). The loss is computed in float32, the weights stay float32 (autocast does
             not change them), evaluations run in float32 (as the database answers after the commit), and what is
             committed is float32 as before (see :mod:`kvsearch.training.precision`).
+        noise: the noise models of the pairs generated from the stored keys (see :mod:`kvsearch.noise`): a name
+            among ``"typos"``, ``"phonetic"``, ``"case"``, ``"cyrillic"``, ``"greek"``, a callable
+            ``(key, rng) -> str | None``, a sequence of them, or None (generate nothing).
+        generated: how many ``(noisy key, key)`` pairs generated from the stored keys are mixed into the user's
+            pairs (all of them without user pairs); ``"auto"`` (the default): see
+            :func:`kvsearch.training.pairs.auto_generated`. Keys the monitor measures are never drawn (see
+            :mod:`kvsearch.training.pairs`).
 
     Raises:
         InvalidArgumentError: a value of the wrong type or out of range (``k=0``, ``epochs=True``,
@@ -110,28 +132,32 @@ class FinetuneConfig:
             precision name.
     """
 
-    loss: LossName | LossFn = "answer"
+    loss: LossName | LossFn = "retrieval"
     targets: TargetKind | None = None
     k: int = 32
     epochs: int = 3
     refresh_every: int = 200
-    train: TrainMode = "query"
+    train: TrainMode | None = None
     train_values: bool = False
     score: str | ScoreFn | None = None
     pooling: PoolingName = "softmax"
     optimizer: OptimizerSpec = "adam"
     lr: float | None = None
-    batch_size: int = 64
+    batch_size: int = 256
     temperature: float = 0.05
     seed: int = 0
     verbose: bool = True
     keep: KeepName = "best"
     metric: MetricName | None = None
     precision: PrecisionName = "fp32"
+    lr_decay: LrDecay = "linear"
+    noise: Noise | None = DEFAULT_NOISE
+    generated: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         get_loss(self.loss)  # UnknownOptionError unless a registered name or a callable
-        _check_name(self.train, TRAIN_MODES, "train")
+        if self.train is not None:
+            _check_name(self.train, TRAIN_MODES, "train")
         if self.targets is not None:
             _check_name(self.targets, TARGET_KINDS, "targets")
         if self.loss == "retrieval" and self.targets == "value":
@@ -164,6 +190,12 @@ class FinetuneConfig:
         if self.metric is not None:
             _check_name(self.metric, METRICS, "metric")
         _check_name(self.precision, PRECISIONS, "precision")
+        _check_name(self.lr_decay, LR_DECAYS, "lr_decay")
+        self._set("noise", check_noise(self.noise) or None)
+        if isinstance(self.generated, str) and self.generated != "auto":
+            raise InvalidArgumentError(f'expected generated as "auto" or an integer >= 0, got {self.generated!r}')
+        if self.generated != "auto":
+            self._set("generated", check_int(self.generated, "generated", low=0, high=MAX_GENERATED))
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # a checked value in its canonical type (np.int64 -> int, ...)
@@ -224,6 +256,8 @@ class History:
             eval pairs (the last epoch was committed).
         committed: whether a new generation was committed.
         generation: the database's generation after the run (unchanged when nothing was committed).
+        generated: how many training pairs were generated from the stored keys (see ``FinetuneConfig.generated``).
+        monitor: how many eval pairs were generated from held-out keys (0 when eval pairs were given).
     """
 
     k: int
@@ -237,6 +271,8 @@ class History:
     kept_epoch: int | None = None
     committed: bool = False
     generation: int = 0
+    generated: int = 0
+    monitor: int = 0
 
     def value(self, epoch: int) -> float | None:
         """The metric measured after ``epoch`` (0: before training), or None without eval pairs."""

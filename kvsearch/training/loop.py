@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -64,8 +65,6 @@ from torch import Tensor, nn
 from kvsearch.checks import all_finite
 from kvsearch.database import Database
 from kvsearch.encoders.base import Encoder
-from kvsearch.encoders.ngram import NgramEncoder
-from kvsearch.encoders.sentence import SentenceEncoder
 from kvsearch.errors import EmptyDatabaseError, InvalidArgumentError, NonFiniteError, NotSupportedError
 from kvsearch.inputs import normalize_key
 from kvsearch.nn.attend import attend
@@ -81,6 +80,7 @@ from kvsearch.training.config import (
     TrainMode,
     make_config,
 )
+from kvsearch.training.defaults import DEFAULT_LR, auto_train, default_lr, lr_schedule
 from kvsearch.training.losses import (
     ANSWER_LOSSES,
     LOSSES,
@@ -104,6 +104,7 @@ from kvsearch.training.metrics import (
     higher_is_better,
     is_tensor_pairs,
 )
+from kvsearch.training.pairs import plan_run
 from kvsearch.training.precision import PRECISIONS, MixedPrecision, PrecisionName
 from kvsearch.training.team import SOLO, average_gradients, batches, team_of
 
@@ -141,28 +142,20 @@ _OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "sgd": torch.optim.SGD,
 }
-_DEFAULT_LR = {"ngram": 1e-2, "sentence": 2e-5, "other": 1e-2}  # per parameter group when lr is None
 
 
 # ----------------------------------------------------------------------------- set-up
 
 
-def _value_embeddings(db: Database, texts: Sequence[str]) -> Tensor:
-    """The value encoder's embeddings of value texts. (n, value_dim) on the database's device."""
+def _value_embeddings(db: Database, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
+    """The value encoder's embeddings of the distinct value texts (u, value_dim) on the database's device, and
+    each text's row among them (n,)."""
     if db.value_encoder is None:
         raise InvalidArgumentError('expected a database with a value encoder for targets="value", got none')
     unique = list(dict.fromkeys(texts))
     embs = db.value_encoder.encode(unique).float().to(db.device)  # (u, value_dim)
     pos = {t: i for i, t in enumerate(unique)}
-    return embs[torch.tensor([pos[t] for t in texts], device=db.device)]  # (n, value_dim)
-
-
-def _kind(module: nn.Module) -> str:
-    if isinstance(module, NgramEncoder):
-        return "ngram"
-    if isinstance(module, SentenceEncoder):
-        return "sentence"
-    return "other"
+    return embs, torch.tensor([pos[t] for t in texts], dtype=torch.long)  # (u, value_dim), (n,)
 
 
 def _make_optimizer(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -171,7 +164,13 @@ def _make_optimizer(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> torch.
         if not isinstance(opt, torch.optim.Optimizer):
             raise InvalidArgumentError(f"expected the optimizer callable to return a torch Optimizer, got {opt!r:.60}")
         return opt
-    return _OPTIMIZER_CLASSES[spec](groups)  # the name was checked by FinetuneConfig
+    cls = _OPTIMIZER_CLASSES[spec]  # the name was checked by FinetuneConfig
+    try:
+        # the fused kernels (CPU and CUDA): one pass over a 2**16 x 256 n-gram table takes ~30 ms, not ~180 ms;
+        # the loop bumps the weights' version counters after each step (the fused kernels do not)
+        return cls(groups, fused=True)
+    except (RuntimeError, TypeError, ValueError):  # a device or dtype the fused kernels do not take
+        return cls(groups)
 
 
 class _Run:
@@ -217,9 +216,9 @@ class _Run:
         for module in self.modules():
             params = [p for p in module.parameters() if p.requires_grad]
             if params:
-                groups.append({"params": params, "lr": _DEFAULT_LR[_kind(module)] if lr is None else lr})
+                groups.append({"params": params, "lr": default_lr(module) if lr is None else lr})
         if self.values is not None:
-            groups.append({"params": [self.values], "lr": _DEFAULT_LR["other"] if lr is None else lr})
+            groups.append({"params": [self.values], "lr": DEFAULT_LR["other"] if lr is None else lr})
         if not groups:
             raise InvalidArgumentError(
                 "expected something to train (a text encoder, a score module or train_values=True), got nothing"
@@ -258,7 +257,7 @@ class _Run:
 
 def finetune(
     db: Database,
-    train_pairs: Pairs,
+    train_pairs: Pairs | None = None,
     *,
     eval_pairs: Pairs | None = None,
     config: FinetuneConfig | None = None,
@@ -308,8 +307,12 @@ def finetune(
         raise InvalidArgumentError(f"expected a kvsearch Database or ShardedDatabase, got {type(db).__name__}")
     team = team_of(db)  # a sharded database's ranks: every check below is agreed, every loop has one length
     config = team.agree(lambda: make_config(config, options))
+    if config.train is None:
+        config = dataclasses.replace(config, train=auto_train(db))  # the default: by the key encoder's kind
     if len(db) == 0:
         raise EmptyDatabaseError("expected a database with records to fine-tune on, got an empty one")
+    plan = team.agree(lambda: plan_run(db, train_pairs, eval_pairs, config))
+    train_pairs, eval_pairs = plan.train, plan.eval
 
     def check_options() -> str:
         MixedPrecision(config.precision, db.device)  # NotSupportedError: fp16 off CUDA
@@ -334,9 +337,11 @@ def finetune(
     mixed = MixedPrecision(config.precision, device)
 
     # what each training pair asks for, and the targets of the eval pairs: checked before the draft begins
+    # the target values are held once per distinct target: target_values (u, value_dim), row of pair i target_row[i]
     if tensor_pairs:
         query_items: Any = train_pairs[0].float().to(device)  # (n, dim)
         target_values = train_pairs[1].float().to(device)  # (n, value_dim)
+        target_row = torch.arange(len(target_values))  # (n,)
         wanted = None
     else:
         query_items = [normalize_key(q) for q, _ in train_pairs]  # as Database.query encodes text queries
@@ -344,10 +349,11 @@ def finetune(
         # (n,) ids for key targets, else None (collective lookups, then an agreed error)
         wanted = team.agree(lambda: check_targets(db, texts, targets, "train_pairs"))
         if wanted is not None:
-            _, values, _ = db.embeddings(wanted)  # (n, value_dim)
-            target_values = values.to(device).detach().clone()  # (n, value_dim)
+            distinct, target_row = torch.unique(wanted, return_inverse=True)  # (u,), (n,)
+            _, values, _ = db.embeddings(distinct)  # (u, value_dim)
+            target_values = values.to(device).detach().clone()  # (u, value_dim)
         else:
-            target_values = _value_embeddings(db, texts)  # (n, value_dim)
+            target_values, target_row = _value_embeddings(db, texts)  # (u, value_dim), (n,)
     if eval_pairs is not None and not is_tensor_pairs(eval_pairs):
         team.agree(lambda: check_targets(db, [t for _, t in eval_pairs], targets, "eval_pairs"))
 
@@ -357,12 +363,14 @@ def finetune(
 
     team.agree(check_finite_targets)
     force = wanted is not None and config.loss not in ANSWER_LOSSES
-    n = len(query_items)
+    n = plan.per_epoch  # pairs per epoch: the user's and this epoch's share of the generated ones
     steps_per_epoch = team.max(math.ceil(n / batch_size))
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
 
-    history = History(k=k, metric=metric, keep=config.keep, generation=db.generation)
+    history = History(
+        k=k, metric=metric, keep=config.keep, generation=db.generation, generated=plan.generated, monitor=plan.monitor
+    )
     draft = db.begin_generation()  # from here on, every way out ends in exactly one commit or discard
     ended = False
     run: _Run | None = None
@@ -376,6 +384,7 @@ def finetune(
         groups = run.param_groups(config.lr)
         params = [p for group in groups for p in group["params"]]  # in the same order on every rank
         opt = _make_optimizer(config.optimizer, groups)
+        schedule = lr_schedule(opt, config.lr_decay, config.epochs * steps_per_epoch)
         modules = run.modules()
         modes = [(m, m.training) for m in modules]
         if isinstance(score, nn.Module):
@@ -425,7 +434,8 @@ def finetune(
             m.train()
         step = 0
         for epoch in range(1, config.epochs + 1):
-            order = torch.randperm(n, generator=generator)  # (n,)
+            rows_of_epoch = plan.rows(epoch)  # (n,) the pairs of this epoch (fresh generated ones)
+            order = rows_of_epoch[torch.randperm(n, generator=generator)]  # (n,)
             epoch_losses = []
             for rows in batches(team, n, batch_size):  # as many on every rank (empty ones at the end)
                 batch = order[rows]  # (b,)
@@ -443,7 +453,7 @@ def finetune(
                         "encoder's weights diverged (lower lr?); nothing was written"
                     )
                 tid = None if wanted is None else wanted[batch]  # (b,)
-                value_t = target_values[batch.to(device)]  # (b, value_dim)
+                value_t = target_values[target_row[batch].to(device)]  # (b, value_dim)
                 loss_value = _step_loss(draft, db, run, q, tid, value_t, k, force, pooling, temperature, loss_fn, mixed)
                 opt.zero_grad(set_to_none=True)
                 if len(batch):
@@ -455,6 +465,9 @@ def finetune(
                     )
                 step += 1
                 mixed.step(opt, step, epoch)  # NonFiniteError when a weight is no longer finite
+                if opt.defaults.get("fused"):  # fused kernels write in place without bumping the version counters
+                    torch.autograd.graph.increment_version(params)  # that tell the encoders' saved marks apart
+                schedule.step()
                 epoch_losses.append(loss_float)
                 if step % config.refresh_every == 0:
                     refresh(step)

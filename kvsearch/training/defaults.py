@@ -1,0 +1,99 @@
+"""The defaults of :func:`kvsearch.finetune` that depend on the database: chosen by a study, not by guess.
+
+``benchmarks/bench_finetune.py --study`` fine-tunes a database of surnames (the default :class:`~kvsearch.NgramEncoder`)
+on typo, phonetic and transliteration queries with 0, 500, 2,000 and 10,000 user pairs, changing one option at a time
+around these defaults; its table is in ``benchmarks/RESULTS.md``. What it found for the n-gram encoder:
+
+- pairs generated from the stored keys (:mod:`kvsearch.noise`) are what makes a run pay with little data: with
+  2,000 user pairs alone the best options gained a few points, with generated pairs mixed in many more;
+- the shared encoder must learn (``train="query+keys"``): a query-side copy alone drifts away from the keys;
+- batches of 256 at a learning rate of 3e-3 (Adam) learn as much as batches of 64 in a quarter of the steps.
+
+Sentence encoders were not studied: their defaults stay those of before (``train="query"``, lr 2e-5, no generated
+pairs), which keep the stored embeddings and are cheap to run.
+
+This module knows nothing of the loop: it maps a database (its key encoder) to option values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvsearch.encoders.ngram import NgramEncoder
+from kvsearch.encoders.sentence import SentenceEncoder
+from kvsearch.training.metrics import Pairs, is_tensor_pairs
+
+__all__ = ["AUTO_PER_KEY", "AUTO_GENERATED", "DEFAULT_LR", "auto_generated", "auto_train", "default_lr", "lr_schedule"]
+
+#: ``generated="auto"`` on a database whose key encoder is an NgramEncoder: this many generated pairs per stored key,
+AUTO_PER_KEY = 2
+#: and at most this many in all.
+AUTO_GENERATED = 50_000
+#: The learning rate of a parameter group when ``lr`` is None, by the kind of module it belongs to.
+DEFAULT_LR: dict[str, float] = {"ngram": 3e-3, "sentence": 2e-5, "other": 1e-2}
+
+
+def _lexical(db: Any) -> bool:
+    return isinstance(getattr(db, "encoder", None), NgramEncoder)
+
+
+def auto_generated(db: Any, train_pairs: Pairs | None) -> int:
+    """How many pairs ``generated="auto"`` generates for this database.
+
+    :data:`AUTO_PER_KEY` per stored key, at most :data:`AUTO_GENERATED`, when the key encoder is an
+    :class:`~kvsearch.NgramEncoder` (the lexical lookups the study measured), the pairs are text and the database is
+    a plain one; 0 otherwise — a sentence encoder (keys searched by meaning; slow to train), tensor pairs, or a
+    sharded database.
+
+    Args:
+        db: the database.
+        train_pairs: the user's pairs, or None.
+
+    Returns:
+        A count >= 0.
+    """
+    if not hasattr(db, "ids") or not _lexical(db):
+        return 0
+    if train_pairs is not None and is_tensor_pairs(train_pairs):
+        return 0
+    return min(AUTO_GENERATED, AUTO_PER_KEY * len(db))
+
+
+def auto_train(db: Any) -> str:
+    """What ``train=None`` trains: ``"query+keys"`` for an NgramEncoder key encoder, else ``"query"``."""
+    return "query+keys" if _lexical(db) else "query"
+
+
+def default_lr(module: nn.Module) -> float:
+    """The learning rate of a module's parameters when ``lr`` is None (see :data:`DEFAULT_LR`)."""
+    if isinstance(module, NgramEncoder):
+        return DEFAULT_LR["ngram"]
+    if isinstance(module, SentenceEncoder):
+        return DEFAULT_LR["sentence"]
+    return DEFAULT_LR["other"]
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, decay: str, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate over a run: constant (``"none"``), or decayed to 0 at the last step (``"linear"``,
+    ``"cosine"``), as a torch scheduler to ``step()`` after each optimizer step.
+
+    Args:
+        optimizer: the run's optimizer (its groups' learning rates are the peaks).
+        decay: ``"none"``, ``"linear"`` or ``"cosine"``.
+        steps: the run's number of steps (epochs x steps per epoch).
+
+    Returns:
+        A ``LambdaLR`` over ``optimizer``.
+    """
+    total = max(steps, 1)
+    if decay == "linear":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
+    if decay == "cosine":
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+        )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

@@ -1,0 +1,175 @@
+"""What a fine-tuning run trains and monitors on: the user's pairs, pairs generated from the stored keys, the split.
+
+    plan = plan_pairs(db, train_pairs, eval_pairs, noise=("typos", "phonetic"), generated=20_000, seed=0)
+    plan.train     # the user's pairs + (noisy key, key) pairs generated from the stored keys (kvsearch.noise)
+    plan.eval      # the user's eval pairs, or generated pairs of held-out keys (the keep-best monitor)
+
+The stored keys are training data: a key written wrong (by a noise model of :mod:`kvsearch.noise`) paired with the
+key. Keys that the monitor measures are never trained on — the user's eval pairs' target keys, or, without eval
+pairs, up to :data:`MONITOR_KEYS` keys split off by a seeded draw — so keep-best compares epochs on keys the run
+has not seen. Keys given as embeddings (no text) are not drawn from.
+
+This module knows nothing of the loop, the losses or the index: it reads key texts through the facade.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvsearch.errors import InvalidArgumentError, NotSupportedError
+from kvsearch.noise import Noise, check_noise, generate_pairs
+from kvsearch.training.config import FinetuneConfig
+from kvsearch.training.defaults import auto_generated
+from kvsearch.training.metrics import Pairs, check_pairs, check_targets, is_tensor_pairs
+
+__all__ = ["MONITOR_KEYS", "MONITOR_SHARE", "PairPlan", "plan_pairs", "plan_run"]
+
+#: Without eval pairs, at most this many stored keys are held out of the generated pairs for the keep-best monitor,
+MONITOR_KEYS = 500
+#: ... and at most this share of the keys (so that a small database keeps most of its keys to train on).
+MONITOR_SHARE = 0.1
+#: The most pairs one run draws (over all its epochs; later epochs wrap around to the first ones).
+MAX_DRAWN = 1_000_000
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """The pairs of a run.
+
+    Attributes:
+        train: the training pairs: the user's, then the generated ones of every epoch (or the user's tensor pair).
+        eval: the monitor's pairs: the user's eval pairs, generated pairs of held-out keys, or None.
+        user: how many of ``train`` are the user's (the first ones).
+        generated: how many generated pairs each epoch trains on (fresh spellings each epoch while there are).
+        monitor: how many generated monitor pairs ``eval`` holds (0 when the user gave eval pairs).
+    """
+
+    train: Any
+    eval: Any
+    user: int
+    generated: int
+    monitor: int
+
+    @property
+    def per_epoch(self) -> int:
+        """How many pairs each epoch trains on: every user pair and ``generated`` generated ones."""
+        return self.user + self.generated
+
+    def rows(self, epoch: int) -> Tensor:
+        """The rows of ``train`` that epoch ``epoch`` (1, 2, ...) trains on. Returns (per_epoch,) int64.
+
+        Epoch e takes the e-th slice of ``generated`` generated pairs, wrapping around to the first ones when the
+        keys gave fewer spellings than the epochs ask for.
+        """
+        user = torch.arange(self.user)  # (user,)
+        made = len(self.train) - self.user
+        if not self.generated or not made:
+            return user
+        start = (epoch - 1) * self.generated
+        return torch.cat([user, self.user + (start + torch.arange(self.generated)) % made])  # (per_epoch,)
+
+
+def plan_pairs(
+    db: Any,
+    train_pairs: Pairs | None,
+    eval_pairs: Pairs | None,
+    *,
+    noise: Noise | None,
+    generated: int,
+    epochs: int,
+    seed: int,
+    key_targets: bool,
+) -> PairPlan:
+    """The training and monitor pairs of a run: the user's, with generated ones mixed in.
+
+    Args:
+        db: the database (its key texts are read when pairs are generated).
+        train_pairs: the user's training pairs, or None (generated pairs only).
+        eval_pairs: the user's eval pairs, or None (then, when pairs are generated, generated pairs of held-out
+            keys monitor the run).
+        noise: the noise models (see :func:`kvsearch.noise.check_noise`).
+        generated: how many generated pairs each epoch mixes in (0: none).
+        epochs: the run's epochs (each gets fresh spellings: ``generated * epochs`` are drawn).
+        seed: the seed of the generation and of the held-out draw.
+        key_targets: whether the targets are keys (generated pairs name keys; with value targets none are made).
+
+    Returns:
+        A :class:`PairPlan`.
+
+    Raises:
+        InvalidArgumentError: no training pairs and nothing to generate (``generated=0``, no noise model, no key
+            text stored, or value targets).
+        NotSupportedError: pairs to generate on a sharded database.
+    """
+    models = check_noise(noise)
+    tensors = train_pairs is not None and is_tensor_pairs(train_pairs)
+    if not generated or not models or tensors or not key_targets:
+        if train_pairs is None:
+            raise InvalidArgumentError(
+                "expected train_pairs, or pairs generated from the stored keys (a noise model and generated > 0, "
+                f"key targets), got none (noise={noise!r:.60}, generated={generated}, "
+                f"targets={'key' if key_targets else 'value'})"
+            )
+        user = len(train_pairs[0]) if tensors else len(train_pairs)  # type: ignore[arg-type]
+        return PairPlan(train=train_pairs, eval=eval_pairs, user=user, generated=0, monitor=0)
+    if not hasattr(db, "ids"):
+        raise NotSupportedError(
+            f"generating training pairs from the keys of a {type(db).__name__} is not supported yet; pass "
+            "generated=0 and your own pairs"
+        )
+    keys = [text for text in db.key_texts(db.ids(), encoded_only=True) if text is not None]
+    user = list(train_pairs or ())
+    held: list[str] = []
+    if eval_pairs is not None:
+        reserved = {target for _, target in eval_pairs}  # the monitor's keys are not trained on
+    else:
+        targeted = {target for _, target in user}
+        free = [key for key in keys if key not in targeted]
+        size = min(MONITOR_KEYS, int(len(keys) * MONITOR_SHARE), len(free))
+        held = random.Random(f"{seed}:monitor").sample(free, size) if size else []
+        reserved = set(held)
+    stored = set(keys)
+    pool = [key for key in keys if key not in reserved]
+    made = generate_pairs(pool, models, count=min(generated * epochs, MAX_DRAWN), seed=seed, avoid=stored)
+    monitor = generate_pairs(held, models, seed=seed + 1, avoid=stored) if held else []
+    if not user and not made:
+        raise InvalidArgumentError(
+            f"expected training pairs: no noise model gave a wrong spelling of the {len(pool)} stored keys it could "
+            "draw from; pass your own pairs"
+        )
+    train: Sequence[tuple[str, str]] = user + made
+    per_epoch = min(generated, len(made))
+    return PairPlan(train=train, eval=monitor or eval_pairs, user=len(user), generated=per_epoch, monitor=len(monitor))
+
+
+def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, config: FinetuneConfig) -> PairPlan:
+    """The pairs of a :func:`~kvsearch.finetune` run: its pairs checked, ``generated="auto"`` resolved, planned.
+
+    Raises:
+        InvalidArgumentError, KeyNotFoundError: bad pairs, or user target keys that are not stored (counted among
+            the user's pairs, before any pair is generated); see :func:`plan_pairs` for the rest.
+    """
+    if train_pairs is not None:
+        check_pairs(train_pairs, "train_pairs", db)
+    if eval_pairs is not None:
+        check_pairs(eval_pairs, "eval_pairs", db)
+    generated = auto_generated(db, train_pairs) if config.generated == "auto" else config.generated
+    key_targets = config.target_kind == "key"
+    if generated and train_pairs is not None and not is_tensor_pairs(train_pairs):
+        check_targets(db, [t for _, t in train_pairs], config.target_kind, "train_pairs")  # errors count the user's
+    return plan_pairs(
+        db,
+        train_pairs,
+        eval_pairs,
+        noise=config.noise,
+        generated=generated,
+        epochs=config.epochs,
+        seed=config.seed,
+        key_targets=key_targets,
+    )
