@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
@@ -67,9 +68,9 @@ def _machine() -> str:
     )
 
 
-def _timed_eval(db: Database, pairs: list[tuple[str, str]]) -> tuple[float, float, float]:
+def _timed_eval(db: Database, pairs: list[tuple[str, str]], rerank: str | None = None) -> tuple[float, float, float]:
     start = time.perf_counter()
-    metrics = evaluate(db, pairs, k=10, batch_size=256)
+    metrics = evaluate(db, pairs, k=10, batch_size=256, rerank=rerank)
     seconds = time.perf_counter() - start
     return metrics["recall@1"], metrics["recall@k"], len(pairs) / seconds
 
@@ -108,6 +109,31 @@ def _build_minilm(folder: Path, names: int | None) -> None:
     (folder / "build_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}")
 
 
+def _headline(args: argparse.Namespace) -> None:
+    """Issue 22's checks (see benchmarks/finetune_study.py: headline), appended to RESULTS.md."""
+    from finetune_study import headline
+
+    started = time.perf_counter()
+    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    table = headline(args.headline_names, args.eval, args.user_pairs)
+    notes = [
+        f"- {args.headline_names:,} most frequent surnames, the default `NgramEncoder()`, on disk; {args.eval} "
+        "held-out queries (the first 2,000 names of a seeded shuffle, none named by a user pair) and the user's "
+        "pairs are typos of a model of the benchmark's own (`finetune_study.keyboard_typo`: a neighbouring key, a doubled, "
+        "dropped or swapped letter, once or twice), not `kvsearch.noise`'s. The eval pairs are keep-best's "
+        "monitor, so their keys are never drawn for generated pairs.",
+        f"- both runs side by side (one thread each), {(time.perf_counter() - started) / 60:.0f} min; load average at "
+        f"the start {load_before}. Machine: {_machine()}.",
+    ]
+    text = table + "\n\n" + "\n".join(notes)
+    print(text)
+    if not args.no_write:
+        cmd = "python benchmarks/bench_finetune.py " + " ".join(sys.argv[1:])
+        with open(RESULTS, "a", encoding="utf-8") as f:
+            f.write(f"\n## Fine-tuning that pays with the data a user has (issue 22)\n\n`{cmd.strip()}`\n\n{text}\n")
+        print(f"\nappended to {RESULTS}")
+
+
 def _study(args: argparse.Namespace) -> None:
     """The study behind finetune's defaults (see benchmarks/finetune_study.py), appended to RESULTS.md."""
     from finetune_study import study
@@ -135,6 +161,77 @@ def _study(args: argparse.Namespace) -> None:
         with open(RESULTS, "a", encoding="utf-8") as f:
             f.write(f"\n## Fine-tuning defaults: the study (issue 22)\n\n`{cmd.strip()}`\n\n{text}\n")
         print(f"\nappended to {RESULTS}")
+
+
+def _box_notes(box: dict[str, Any]) -> list[str]:
+    """The notes of the (a2), (e), (f) rows."""
+    if not box:
+        return []
+    notes = [
+        "- (a2), (e), (f): the database's own default encoder (`NgramEncoder()`: dim 256, n-grams 1-4) and "
+        "`finetune`'s defaults (issue 22), each measured after reopening its folder. (e) trains on "
+        f"(misspelt key, key) pairs generated from every stored key but the held-out monitor keys; (f) on "
+        f"{box['user_pairs']:,} train queries of every kind (edit, phonetic, Cyrillic) and the generated pairs. The "
+        "held-out queries are the benchmark's own noise draws (uniform single edits, respellings) on held-out "
+        "names, which (e) and (f) may have drawn other misspellings of: that is what a user's database does.",
+    ]
+    for tag in ("e", "f"):
+        history, seconds = box[tag]
+        notes.append(
+            f"- ({tag}): {history.generated:,} generated pairs per epoch, {len(history.losses)} steps in "
+            f"{seconds:.0f} s; monitor ({history.monitor} generated queries of held-out keys): {history.summary()}"
+        )
+    qps = "; ".join(f"{name.split(' ')[0]} {plain:,.0f} / {osa:,.0f}" for name, (plain, osa) in box["qps"].items())
+    notes.append(
+        "- one query at a time (`db.search(q, k=10)`, 300 edit and phonetic queries), queries per second without / "
+        f'with `rerank="osa"`: {qps}. The table\'s kvsearch q/s are batched (`evaluate`, batches of 256); '
+        "rapidfuzz's are one query at a time (`process.extract`)."
+    )
+    return notes
+
+
+def _single_query_qps(db: Database, queries: list[str], rerank: str | None = None) -> float:
+    """Queries per second one at a time, as a service answers them (``search(q, k=10)``)."""
+    start = time.perf_counter()
+    for query in queries:
+        db.search(query, k=10, rerank=rerank)
+    return len(queries) / (time.perf_counter() - start)
+
+
+def _out_of_the_box(args, folder, keys, values, eval_pairs, user_pairs, rows) -> dict[str, Any]:
+    """(a2) the default NgramEncoder untrained, (e) ``finetune(db)`` without a pair, (f) ``finetune(db, user_pairs)``:
+    the defaults of issue 22, each measured after reopening the folder, without and with ``rerank="osa"``."""
+    base = folder.parent / (folder.name + "_default")
+    shutil.rmtree(base, ignore_errors=True)
+    with Database(base, encoder=NgramEncoder(device="cpu"), device="cpu") as db:
+        db.add(keys=keys, values=values)
+    box: dict[str, Any] = {"qps": {}}
+    probe = [q for kind in ("edit", "phonetic") for q, _ in eval_pairs[kind][:150]]
+    runs = (
+        ("(a2) NgramEncoder() (the default), untrained", None, None),
+        ("(e) the same, finetune(db): no user pair (defaults)", None, "e"),
+        (f"(f) the same, finetune(db, pairs): {len(user_pairs):,} user pairs (defaults)", user_pairs, "f"),
+    )
+    for name, pairs, tag in runs:
+        path = base
+        if tag is not None:
+            path = folder.parent / f"{folder.name}_{tag}"
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.copytree(base, path)
+            with Database(path) as db:
+                t = time.perf_counter()
+                history = finetune(db, pairs, seed=0, verbose=True)
+                box[tag] = (history, time.perf_counter() - t)
+                print(name, f"trained in {box[tag][1]:.0f} s:", history.summary(), flush=True)
+        with Database(path) as db:  # after reopening the folder
+            rows[name] = {kind: _timed_eval(db, eval_pairs[kind]) for kind in NOISE_KINDS}
+            rows[name + ', search(rerank="osa")'] = {
+                kind: _timed_eval(db, eval_pairs[kind], rerank="osa") for kind in ("edit", "phonetic")
+            }
+            box["qps"][name] = (_single_query_qps(db, probe), _single_query_qps(db, probe, rerank="osa"))
+        print(name, rows[name], flush=True)
+    box["user_pairs"] = len(user_pairs)
+    return box
 
 
 def main() -> None:
@@ -173,11 +270,20 @@ def main() -> None:
         "counts x tasks on --study-names surnames",
     )
     parser.add_argument("--study-names", type=int, default=10_000, help="surnames in the study's database")
+    parser.add_argument(
+        "--headline",
+        action="store_true",
+        help="run issue 22's two checks instead: the defaults with --user-pairs typo pairs and with none, on "
+        "--headline-names surnames, measured after reopening",
+    )
+    parser.add_argument("--headline-names", type=int, default=35_000)
     parser.add_argument("--workers", type=int, default=2, help="study runs side by side (one thread each)")
     parser.add_argument(
         "--faiss-threads", type=int, default=1, help="FAISS OpenMP threads (1: its spin-waits stall on a shared CPU)"
     )
     parser.add_argument("--no-minilm", action="store_true")
+    parser.add_argument("--no-defaults", action="store_true", help="skip (a2), (e), (f): finetune's own defaults")
+    parser.add_argument("--user-pairs", type=int, default=2000, help="(f): user pairs drawn from the train queries")
     parser.add_argument("--no-rapidfuzz", action="store_true")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--folder", default=str(ROOT.parent / "indexes" / "bench_surnames"))
@@ -187,6 +293,9 @@ def main() -> None:
         return
     if args.study:
         _study(args)
+        return
+    if args.headline:
+        _headline(args)
         return
     started = time.perf_counter()
     torch.manual_seed(0)
@@ -259,6 +368,8 @@ def main() -> None:
         batch_size=args.batch_size,
         temperature=args.temperature,
         seed=0,
+        generated=0,  # (d) is the run of issue 3: the benchmark's own generated queries, a constant lr
+        lr_decay="none",
         verbose=True,
     )
     train_seconds = time.perf_counter() - t
@@ -284,6 +395,10 @@ def main() -> None:
     reopened.close()
     same = before == after
     print(f"reopened {folder}: same top-10 ids for {len(probe)} queries: {same}", flush=True)
+
+    # ---------------------------------------------------------------- (e), (f): out of the box (issue 22)
+    user_pairs = random.Random(3).sample(train_pairs, min(args.user_pairs, len(train_pairs)))
+    box = {} if args.no_defaults else _out_of_the_box(args, folder, keys, values, eval_pairs, user_pairs, rows)
 
     # ---------------------------------------------------------------- (c) rapidfuzz
     if not args.no_rapidfuzz:
@@ -337,6 +452,7 @@ def main() -> None:
         else "- MiniLM: skipped.",
         "- rapidfuzz does not apply to Cyrillic queries against Latin keys (no shared character); its OSA-distance "
         "row shows what it gets anyway.",
+        *_box_notes(box),
         f"- whole run {total / 60:.1f} min. Machine: {_machine()}. The CPU was shared with other work.",
     ]
     table = "\n".join(lines + [""] + notes)

@@ -141,3 +141,93 @@ if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     table, _ = study(2000, 100, 2)
     print(table)
+
+
+# ----------------------------------------------------------------------------- the headline check (issue 22)
+
+_KEYBOARD = ("qwertyuiop", "asdfghjkl", "zxcvbnm")
+
+
+def keyboard_typo(name: str, rng: random.Random) -> str:
+    """The headline's own typo model: 1 (70 %) or 2 of a neighbouring key, a doubled, dropped or swapped letter."""
+    s = name.lower()
+    for _ in range(1 if rng.random() < 0.7 else 2):
+        i = rng.randrange(len(s))
+        op = rng.choice(("near", "double", "drop", "swap"))
+        row = next((r for r in _KEYBOARD if s[i] in r), None)
+        if op == "near" and row is not None:
+            j = row.index(s[i])
+            s = s[:i] + row[max(0, j - 1) if rng.random() < 0.5 and j > 0 else min(len(row) - 1, j + 1)] + s[i + 1 :]
+        elif op == "double":
+            s = s[:i] + s[i] + s[i:]
+        elif op == "drop" and len(s) > 2:
+            s = s[:i] + s[i + 1 :]
+        elif op == "swap" and i < len(s) - 1:
+            s = s[:i] + s[i + 1] + s[i] + s[i + 2 :]
+    return s.capitalize()
+
+
+def _typo_pairs(names: list[str], seed: int, stored: set[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for name in names:
+        rng = random.Random(f"{seed}:{name}")
+        for _ in range(10):
+            query = keyboard_typo(name, rng)
+            if query != name and query not in stored:
+                pairs.append((query, name))
+                break
+    return pairs
+
+
+def _headline_run(job: dict[str, Any]) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
+    import faiss
+    import torch
+
+    from kvsearch import Database, NgramEncoder, evaluate, finetune
+    from kvsearch.datasets import surname_directory
+
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    keys, values = surname_directory(job["names"])
+    stored = set(keys)
+    order = list(keys)
+    random.Random(0).shuffle(order)
+    held = _typo_pairs(order[:2000], 1, stored)[: job["eval"]]  # held-out names: no user pair names them
+    user = _typo_pairs(order[2000:], 0, stored)[: job["pairs"]]
+    folder = tempfile.mkdtemp(prefix="kvsearch-headline-")
+    try:
+        db = Database(folder, encoder=NgramEncoder(device="cpu"), device="cpu")
+        db.add(keys=keys, values=values)
+        before = evaluate(db, held)["recall@1"]
+        start = time.perf_counter()
+        history = finetune(db, user or None, eval_pairs=held, verbose=False)
+        seconds = time.perf_counter() - start
+        db.close()
+        with Database(folder) as reopened:
+            after = evaluate(reopened, held)["recall@1"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {**job, "before": before, "after": after, "seconds": seconds, "summary": history.summary(),
+            "generated": history.generated}  # fmt: skip
+
+
+def headline(names: int, eval_count: int, pairs: int) -> str:
+    """The issue's two checks side by side: the defaults with ``pairs`` typo pairs, and with none."""
+    jobs = [{"names": names, "eval": eval_count, "pairs": n} for n in (pairs, 0)]
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_headline_run, jobs))
+    lines = [
+        "| run | held-out recall@1 before | after reopening | gain | fine-tuning | kept |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        what = f"`finetune(db, pairs, eval_pairs=held)`, {r['pairs']:,} typo pairs" if r["pairs"] else (
+            "`finetune(db, eval_pairs=held)`, no pair (self-supervised)")  # fmt: skip
+        lines.append(
+            f"| {what} | {100 * r['before']:.1f} | {100 * r['after']:.1f} | {100 * (r['after'] - r['before']):+.1f} "
+            f"| {r['seconds']:.0f} s, {r['generated']:,} generated pairs per epoch | {r['summary']} |"
+        )
+    return "\n".join(lines)
