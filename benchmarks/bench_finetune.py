@@ -119,8 +119,8 @@ def _headline(args: argparse.Namespace) -> None:
     notes = [
         f"- {args.headline_names:,} most frequent surnames, the default `NgramEncoder()`, on disk; {args.eval} "
         "held-out queries (the first 2,000 names of a seeded shuffle, none named by a user pair) and the user's "
-        "pairs are typos of a model of the benchmark's own (`finetune_study.keyboard_typo`: a neighbouring key, a doubled, "
-        "dropped or swapped letter, once or twice), not `kvsearch.noise`'s. The eval pairs are keep-best's "
+        "pairs are typos of a model of the benchmark's own (`finetune_study.keyboard_typo`: a neighbouring key, "
+        "a doubled, dropped or swapped letter, once or twice), not `kvsearch.noise`'s. The eval pairs are keep-best's "
         "monitor, so their keys are never drawn for generated pairs.",
         f"- both runs side by side (one thread each), {(time.perf_counter() - started) / 60:.0f} min; load average at "
         f"the start {load_before}. Machine: {_machine()}.",
