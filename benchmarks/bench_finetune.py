@@ -179,7 +179,7 @@ def _box_notes(box: dict[str, Any]) -> list[str]:
         history, seconds = box[tag]
         notes.append(
             f"- ({tag}): {history.generated:,} generated pairs per epoch, {len(history.losses)} steps in "
-            f"{seconds:.0f} s; monitor ({history.monitor} generated queries of held-out keys): {history.summary()}"
+            f"{seconds:.0f} s; monitor ({history.monitor} queries of held-out keys, split off): {history.summary()}"
         )
     qps = "; ".join(f"{name.split(' ')[0]} {plain:,.0f} / {osa:,.0f}" for name, (plain, osa) in box["qps"].items())
     notes.append(

@@ -79,6 +79,20 @@ def test_user_pairs_come_first_and_the_eval_pairs_keys_are_not_drawn():
     assert (same.train, same.generated) == (user, 0)
 
 
+def test_without_eval_pairs_a_share_of_the_users_keys_moves_to_the_monitor():
+    db = small_db()
+    user = noisy_queries(KEYS[:300], "cyrillic", avoid=set(KEYS))  # the user's task is not what is generated
+    plan = plan_pairs(db, user, None, noise="typos", generated=200, epochs=1, seed=2, key_targets=True)
+    mine = {key for _, key in user}
+    monitored_user = [pair for pair in plan.eval if pair in user]
+    assert len({key for _, key in monitored_user}) == int(len(mine) * 0.1)  # MONITOR_SHARE of the user's keys
+    trained_user = plan.train[: plan.user]
+    assert len(trained_user) + len(monitored_user) == len(user)
+    assert not {key for _, key in trained_user} & {key for _, key in monitored_user}  # split by key
+    assert not {key for _, key in plan.train} & {key for _, key in plan.eval}  # nothing monitored is trained on
+    assert plan.monitor == len(plan.eval) > len(monitored_user)  # and generated queries of other held-out keys
+
+
 def test_epochs_wrap_around_when_the_keys_give_fewer_spellings():
     db = Database(None, encoder=NgramEncoder(dim=16, num_buckets=512, device="cpu"), device="cpu")
     db.add(keys=["Li", "Xu", "Ng", "Smith", "Jones"], values=["a", "b", "c", "d", "e"])
@@ -188,7 +202,7 @@ def test_cli_finetune_without_pairs(tmp_path, capsys):
     assert main(["finetune", str(folder), "--epochs", "1", "--generated", "400", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "on 400 pairs generated from the stored keys per epoch for 1 epochs" in out
-    assert "generated queries of held-out keys" in out
+    assert "queries of held-out keys" in out
     assert main(["finetune", str(folder), "--noise", "none", "--quiet"]) == 1
     assert "expected train_pairs" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:

@@ -344,7 +344,7 @@ def _trained_on(history: Any, pairs: list | None, eval_pairs: list | None) -> st
     if eval_pairs is not None:
         text += f", evaluated on {len(eval_pairs)} held-out pairs"
     elif history.monitor:
-        text += f", evaluated on {history.monitor} generated queries of held-out keys"
+        text += f", evaluated on {history.monitor} queries of held-out keys"
     return text
 
 

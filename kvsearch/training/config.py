@@ -257,7 +257,7 @@ class History:
         committed: whether a new generation was committed.
         generation: the database's generation after the run (unchanged when nothing was committed).
         generated: how many training pairs were generated from the stored keys (see ``FinetuneConfig.generated``).
-        monitor: how many eval pairs were generated from held-out keys (0 when eval pairs were given).
+        monitor: how many eval pairs were split off as the monitor (0 when eval pairs were given).
     """
 
     k: int

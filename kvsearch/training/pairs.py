@@ -5,9 +5,11 @@
     plan.eval      # the user's eval pairs, or generated pairs of held-out keys (the keep-best monitor)
 
 The stored keys are training data: a key written wrong (by a noise model of :mod:`kvsearch.noise`) paired with the
-key. Keys that the monitor measures are never trained on — the user's eval pairs' target keys, or, without eval
-pairs, up to :data:`MONITOR_KEYS` keys split off by a seeded draw — so keep-best compares epochs on keys the run
-has not seen. Keys given as embeddings (no text) are not drawn from.
+key. Keys that the monitor measures are never trained on, so keep-best compares epochs on keys the run has not seen:
+the user's eval pairs' target keys or, without eval pairs, keys split off by a seeded draw — a share
+(:data:`MONITOR_SHARE`, at most :data:`MONITOR_KEYS`) of the keys the user's pairs name, whose pairs move from
+training to the monitor, and as many of the other keys, judged on generated queries. Keys given as embeddings (no
+text) are not drawn from.
 
 This module knows nothing of the loop, the losses or the index: it reads key texts through the facade.
 """
@@ -30,9 +32,10 @@ from kvsearch.training.metrics import Pairs, check_pairs, check_targets, is_tens
 
 __all__ = ["MONITOR_KEYS", "MONITOR_SHARE", "PairPlan", "plan_pairs", "plan_run"]
 
-#: Without eval pairs, at most this many stored keys are held out of the generated pairs for the keep-best monitor,
+#: Without eval pairs, at most this many keys are held out for the keep-best monitor (of the keys the user's pairs
+#: name, and as many of the other stored keys),
 MONITOR_KEYS = 500
-#: ... and at most this share of the keys (so that a small database keeps most of its keys to train on).
+#: ... and at most this share of them (so that a small database or a few pairs keep most of their keys to train on).
 MONITOR_SHARE = 0.1
 #: The most pairs one run draws (over all its epochs; later epochs wrap around to the first ones).
 MAX_DRAWN = 1_000_000
@@ -47,7 +50,8 @@ class PairPlan:
         eval: the monitor's pairs: the user's eval pairs, generated pairs of held-out keys, or None.
         user: how many of ``train`` are the user's (the first ones).
         generated: how many generated pairs each epoch trains on (fresh spellings each epoch while there are).
-        monitor: how many generated monitor pairs ``eval`` holds (0 when the user gave eval pairs).
+        monitor: how many pairs the split-off monitor ``eval`` holds (the user's pairs of held-out keys and generated
+            queries of held-out keys; 0 when the user gave eval pairs).
     """
 
     train: Any
@@ -126,18 +130,23 @@ def plan_pairs(
     keys = [text for text in db.key_texts(db.ids(), encoded_only=True) if text is not None]
     user = list(train_pairs or ())
     held: list[str] = []
+    held_user: list[tuple[str, str]] = []
     if eval_pairs is not None:
-        reserved = {target for _, target in eval_pairs}  # the monitor's keys are not trained on
+        # the monitor's keys are not trained on
+        reserved = set() if is_tensor_pairs(eval_pairs) else {target for _, target in eval_pairs}
     else:
-        targeted = {target for _, target in user}
+        draw = random.Random(f"{seed}:monitor")
+        targeted = list(dict.fromkeys(target for _, target in user))
+        out = set(draw.sample(targeted, min(MONITOR_KEYS, int(len(targeted) * MONITOR_SHARE))))
+        held_user = [pair for pair in user if pair[1] in out]  # the user's pairs of held-out keys judge the run
+        user = [pair for pair in user if pair[1] not in out]
         free = [key for key in keys if key not in targeted]
-        size = min(MONITOR_KEYS, int(len(keys) * MONITOR_SHARE), len(free))
-        held = random.Random(f"{seed}:monitor").sample(free, size) if size else []
-        reserved = set(held)
+        held = draw.sample(free, min(MONITOR_KEYS, int(len(keys) * MONITOR_SHARE), len(free)))
+        reserved = out | set(held)
     stored = set(keys)
     pool = [key for key in keys if key not in reserved]
     made = generate_pairs(pool, models, count=min(generated * epochs, MAX_DRAWN), seed=seed, avoid=stored)
-    monitor = generate_pairs(held, models, seed=seed + 1, avoid=stored) if held else []
+    monitor = held_user + generate_pairs(held, models, seed=seed + 1, avoid=stored)
     if not user and not made:
         raise InvalidArgumentError(
             f"expected training pairs: no noise model gave a wrong spelling of the {len(pool)} stored keys it could "
