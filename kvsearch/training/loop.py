@@ -36,6 +36,9 @@ databases without text (kernel regression, see :class:`~kvsearch.nn.scores.Gauss
 that match nothing (no stored key, no stored value text) are refused before any step; the message says when
 the other ``targets=`` would match them.
 
+Pairs. The stored keys written wrong (:mod:`kvsearch.noise`) are mixed into the user's pairs, fresh ones each
+epoch, or trained on alone; the monitor's keys are never trained on (:mod:`kvsearch.training.pairs`).
+
 Precision. ``precision="bf16"`` runs each step's forward (the encoders, the attention) under ``torch.autocast``
 with bfloat16 (CPU or CUDA), ``"fp16"`` under float16 with a gradient scaler (CUDA only); the loss is taken in
 float32, evaluations run in float32, the weights stay float32, and the guarantees above hold unchanged
@@ -271,13 +274,15 @@ def finetune(
 
     Args:
         db: the database (its records stay; what changes are the encoders and, optionally, the embeddings).
-        train_pairs: ``[(query text, target text), ...]`` or ``(queries (n, dim), values (n, value_dim))``.
+        train_pairs: ``[(query text, target text), ...]`` or ``(queries (n, dim), values (n, value_dim))``, or
+            None: train on ``(misspelt key, key)`` pairs generated from the stored keys alone (``noise``,
+            ``generated``; see :mod:`kvsearch.training.pairs`), which are mixed into the user's pairs too.
         eval_pairs: pairs of the same form, evaluated before training and after each epoch (on the draft).
         config: the options as a :class:`FinetuneConfig`; default ``FinetuneConfig()``.
         **options: any field of :class:`FinetuneConfig` (``loss``, ``targets``, ``k``, ``epochs``,
             ``refresh_every``, ``train``, ``train_values``, ``score``, ``pooling``, ``optimizer``, ``lr``,
-            ``batch_size``, ``temperature``, ``seed``, ``verbose``, ``keep``, ``metric``, ``precision``); given
-            with ``config``, they override it.
+            ``batch_size``, ``temperature``, ``seed``, ``verbose``, ``keep``, ``metric``, ``precision``,
+            ``lr_decay``, ``noise``, ``generated``); given with ``config``, they override it.
 
     Returns:
         A :class:`History` (``committed``, ``kept_epoch``, ``generation``, ``summary()``). After a commit the
@@ -289,7 +294,8 @@ def finetune(
             texts that no record holds, an unknown option name, or nothing to train (all before any step).
         UnknownOptionError: an unknown loss, train mode, targets, score, pooling, optimizer, keep, metric or
             precision.
-        NotSupportedError: ``precision="fp16"`` on a device other than CUDA (before any step).
+        NotSupportedError: ``precision="fp16"`` on a device other than CUDA, or pairs to generate on a sharded
+            database (before any step).
         KeyNotFoundError: a target key is not stored (before any step).
         DimensionMismatchError: tensor pairs of the wrong shape.
         EmptyDatabaseError: the database is empty.
