@@ -109,6 +109,17 @@ def _build_minilm(folder: Path, names: int | None) -> None:
     (folder / "build_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}")
 
 
+def _append(title: str, table: str, notes: list[str], no_write: bool) -> None:
+    """Print a section (its table and notes) and append it to RESULTS.md with the command that made it."""
+    text = table + "\n\n" + "\n".join(notes)
+    print(text)
+    if not no_write:
+        cmd = "python benchmarks/bench_finetune.py " + " ".join(sys.argv[1:])
+        with open(RESULTS, "a", encoding="utf-8") as f:
+            f.write(f"\n## {title}\n\n`{cmd.strip()}`\n\n{text}\n")
+        print(f"\nappended to {RESULTS}")
+
+
 def _headline(args: argparse.Namespace) -> None:
     """Issue 22's checks (see benchmarks/finetune_study.py: headline), appended to RESULTS.md."""
     from finetune_study import headline
@@ -125,13 +136,7 @@ def _headline(args: argparse.Namespace) -> None:
         f"- both runs side by side (one thread each), {(time.perf_counter() - started) / 60:.0f} min; load average at "
         f"the start {load_before}. Machine: {_machine()}.",
     ]
-    text = table + "\n\n" + "\n".join(notes)
-    print(text)
-    if not args.no_write:
-        cmd = "python benchmarks/bench_finetune.py " + " ".join(sys.argv[1:])
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write(f"\n## Fine-tuning that pays with the data a user has (issue 22)\n\n`{cmd.strip()}`\n\n{text}\n")
-        print(f"\nappended to {RESULTS}")
+    _append("Fine-tuning that pays with the data a user has (issue 22)", table, notes, args.no_write)
 
 
 def _study(args: argparse.Namespace) -> None:
@@ -154,13 +159,7 @@ def _study(args: argparse.Namespace) -> None:
         f"- {len(results)} runs in {minutes:.0f} min, {args.workers} side by side, one thread each; load average "
         f"(1/5/15 min) at the start {load_before}. Machine: {_machine()}.",
     ]
-    text = table + "\n\n" + "\n".join(notes)
-    print(text)
-    if not args.no_write:
-        cmd = "python benchmarks/bench_finetune.py " + " ".join(sys.argv[1:])
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write(f"\n## Fine-tuning defaults: the study (issue 22)\n\n`{cmd.strip()}`\n\n{text}\n")
-        print(f"\nappended to {RESULTS}")
+    _append("Fine-tuning defaults: the study (issue 22)", table, notes, args.no_write)
 
 
 def _box_notes(box: dict[str, Any]) -> list[str]:
@@ -257,7 +256,7 @@ def main() -> None:
     )
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument(
-        "--lr", type=float, default=3e-3, help="Adam learning rate (finetune's own default for n-grams is 1e-2)"
+        "--lr", type=float, default=3e-3, help="(d)'s Adam learning rate, held constant"
     )
     parser.add_argument("--temperature", type=float, default=0.05)
     parser.add_argument("--k", type=int, default=32)

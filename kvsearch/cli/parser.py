@@ -32,14 +32,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str, low: int, expected: str) -> int:
+    """An integer >= ``low``, or a usage error that says ``expected``."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
 
 
 def _k(text: str) -> int | str:
@@ -174,15 +179,7 @@ def _noise(text: str) -> tuple[str, ...]:
 
 def _generated(text: str) -> int | str:
     """``--generated``: a count >= 0 or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count >= 0 or auto, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a count >= 0 or auto, got {text!r}")
-    return value
+    return text if text == "auto" else _integer(text, 0, "a count >= 0 or auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
