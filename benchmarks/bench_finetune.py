@@ -255,9 +255,7 @@ def main() -> None:
         "for all, or edit,phonetic,cyrillic counts (cyrillic is deterministic: more than 1 adds nothing)",
     )
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument(
-        "--lr", type=float, default=3e-3, help="(d)'s Adam learning rate, held constant"
-    )
+    parser.add_argument("--lr", type=float, default=3e-3, help="(d)'s Adam learning rate, held constant")
     parser.add_argument("--temperature", type=float, default=0.05)
     parser.add_argument("--k", type=int, default=32)
     parser.add_argument("--train", default="query+keys", choices=["query", "query+keys"])
