@@ -14,7 +14,14 @@ from kvsearch import Database, FinetuneConfig, NgramEncoder, finetune
 from kvsearch.cli import main
 from kvsearch.errors import InvalidArgumentError, NotSupportedError, UnknownOptionError
 from kvsearch.noise import generate_pairs
-from kvsearch.training.defaults import AUTO_GENERATED, AUTO_PER_KEY, auto_generated, auto_train, lr_schedule
+from kvsearch.training.defaults import (
+    AUTO_GENERATED,
+    AUTO_PER_KEY,
+    auto_batch_size,
+    auto_generated,
+    auto_train,
+    lr_schedule,
+)
 from kvsearch.training.pairs import MONITOR_KEYS, plan_pairs
 
 names = pytest.importorskip("names")
@@ -171,6 +178,7 @@ def test_the_config_takes_and_checks_the_new_options():
     assert config.noise == ("typos", "case") and config.generated == 10
     assert FinetuneConfig(noise=None).noise is None and FinetuneConfig().generated == "auto"
     assert FinetuneConfig().loss == "retrieval" and FinetuneConfig().train is None  # the defaults of the study
+    assert FinetuneConfig().batch_size is None and auto_batch_size(0) == 64 and auto_batch_size(100) == 256
 
 
 @pytest.mark.parametrize("decay", ["none", "linear", "cosine"])

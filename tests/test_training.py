@@ -1005,7 +1005,7 @@ HOSTILE = [
     ("optimizer", "lbfgs"), ("optimizer", 3), ("optimizer", lambda groups: "not an optimizer"),
     ("lr", 0.0), ("lr", -1.0), ("lr", math.nan), ("lr", math.inf), ("lr", -math.inf), ("lr", True), ("lr", "0.1"),
     ("lr", 1e38),
-    ("batch_size", 0), ("batch_size", "64"), ("batch_size", 2.0), ("batch_size", None),
+    ("batch_size", 0), ("batch_size", "64"), ("batch_size", 2.0), ("batch_size", True),
     ("temperature", 0.0), ("temperature", math.inf), ("temperature", math.nan), ("temperature", -1.0),
     ("temperature", True), ("temperature", "0.1"),
     ("seed", "x"), ("seed", -1), ("seed", 1.5), ("seed", None),

@@ -101,7 +101,8 @@ class FinetuneConfig:
             1e-2 for score modules and values (:data:`kvsearch.training.defaults.DEFAULT_LR`).
         lr_decay: ``"linear"`` (the default: the learning rate falls along a line to 0 at the last step),
             ``"cosine"`` (along a half cosine) or ``"none"`` (constant).
-        batch_size: pairs per step (default 256).
+        batch_size: pairs per step; None (the default): 256 when generated pairs are mixed in, else 64 (few pairs
+            need more steps; see :func:`kvsearch.training.defaults.auto_batch_size`).
         temperature: the softmax temperature of the scores, finite and > 0 (0.05 suits cosine scores).
         seed: seeds the shuffling and torch (dropout); an integer >= 0.
         verbose: show a tqdm bar with the step, the loss and the latest value of the metric.
@@ -143,7 +144,7 @@ class FinetuneConfig:
     pooling: PoolingName = "softmax"
     optimizer: OptimizerSpec = "adam"
     lr: float | None = None
-    batch_size: int = 256
+    batch_size: int | None = None
     temperature: float = 0.05
     seed: int = 0
     verbose: bool = True
@@ -165,7 +166,8 @@ class FinetuneConfig:
         self._set("k", check_k(self.k))
         self._set("epochs", check_int(self.epochs, "epochs", high=MAX_EPOCHS))
         self._set("refresh_every", check_int(self.refresh_every, "refresh_every"))
-        self._set("batch_size", check_int(self.batch_size, "batch_size"))
+        if self.batch_size is not None:
+            self._set("batch_size", check_int(self.batch_size, "batch_size"))
         self._set("seed", check_int(self.seed, "seed", low=0, high=2**63 - 1))  # torch seeds are 64-bit
         self._set("temperature", check_temperature(self.temperature))
         if self.lr is not None:

@@ -83,7 +83,7 @@ from kvsearch.training.config import (
     TrainMode,
     make_config,
 )
-from kvsearch.training.defaults import DEFAULT_LR, auto_train, default_lr, lr_schedule
+from kvsearch.training.defaults import DEFAULT_LR, auto_batch_size, auto_train, default_lr, lr_schedule
 from kvsearch.training.losses import (
     ANSWER_LOSSES,
     LOSSES,
@@ -319,6 +319,8 @@ def finetune(
         raise EmptyDatabaseError("expected a database with records to fine-tune on, got an empty one")
     plan = team.agree(lambda: plan_run(db, train_pairs, eval_pairs, config))
     train_pairs, eval_pairs = plan.train, plan.eval
+    if config.batch_size is None:
+        config = dataclasses.replace(config, batch_size=auto_batch_size(plan.generated))
 
     def check_options() -> str:
         MixedPrecision(config.precision, db.device)  # NotSupportedError: fp16 off CUDA
