@@ -145,7 +145,7 @@ def _study(args: argparse.Namespace) -> None:
 
     started = time.perf_counter()
     load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    table, results = study(args.study_names, args.eval, args.workers)
+    table, results = study(args.study_names, args.eval, args.workers, args.study_only)
     minutes = (time.perf_counter() - started) / 60
     notes = [
         f"- {args.study_names:,} surnames (the default `NgramEncoder()`, in memory), names split 80 / 20; "
@@ -267,6 +267,7 @@ def main() -> None:
         "counts x tasks on --study-names surnames",
     )
     parser.add_argument("--study-names", type=int, default=10_000, help="surnames in the study's database")
+    parser.add_argument("--study-only", help="run only the study's rows whose name holds this text (and the defaults)")
     parser.add_argument(
         "--headline",
         action="store_true",

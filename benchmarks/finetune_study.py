@@ -101,11 +101,16 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def study(names: int, eval_count: int, workers: int) -> tuple[str, list[dict[str, Any]]]:
-    """Run every row x task x count; returns the Markdown table and the raw results."""
+def study(names: int, eval_count: int, workers: int, only: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """Run every row (or those whose name holds ``only``, and the defaults) x task x count.
+
+    Returns:
+        The Markdown table and the raw results.
+    """
+    rows = [r for r in ROWS if only is None or only in r[0] or r[0] == DEFAULTS]
     jobs = [
         {"row": row, "options": options, "task": task, "count": count, "names": names, "eval": eval_count}
-        for row, options, counts in ROWS
+        for row, options, counts in rows
         for count in counts
         for task in TASKS
     ]
@@ -125,7 +130,7 @@ def _table(results: list[dict[str, Any]]) -> str:
     for r in results:
         start[r["task"]] = r["before"]
     lines.append("| start (untrained) | " + " | ".join(f"{100 * start[t]:.1f}" for t, _ in columns) + " | |")
-    for row, _, _ in ROWS:
+    for row in dict.fromkeys(r["row"] for r in results):
         mine = {(r["task"], r["count"]): r for r in results if r["row"] == row}
         cells = []
         for key in columns:
