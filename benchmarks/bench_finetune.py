@@ -267,7 +267,7 @@ def main() -> None:
         "counts x tasks on --study-names surnames",
     )
     parser.add_argument("--study-names", type=int, default=10_000, help="surnames in the study's database")
-    parser.add_argument("--study-only", help="run only the study's rows whose name holds this text (and the defaults)")
+    parser.add_argument("--study-only", help="run only the study's rows whose name holds this text")
     parser.add_argument(
         "--headline",
         action="store_true",

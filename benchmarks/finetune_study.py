@@ -102,12 +102,12 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def study(names: int, eval_count: int, workers: int, only: str | None = None) -> tuple[str, list[dict[str, Any]]]:
-    """Run every row (or those whose name holds ``only``, and the defaults) x task x count.
+    """Run every row (or only those whose name holds ``only``) x task x count.
 
     Returns:
         The Markdown table and the raw results.
     """
-    rows = [r for r in ROWS if only is None or only in r[0] or r[0] == DEFAULTS]
+    rows = [r for r in ROWS if only is None or only in r[0]]
     jobs = [
         {"row": row, "options": options, "task": task, "count": count, "names": names, "eval": eval_count}
         for row, options, counts in rows
