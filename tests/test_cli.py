@@ -235,6 +235,8 @@ def test_finetune_that_helps_is_kept_then_rolled_back_once(built, tmp_path):
     assert info["value_encoder"]["kind"] == "ngram", info["value_encoder"]
     last = info["last_run"]
     assert last["metric"] == "recall@1" and last["kept_epoch"] == int(kept[0][0])
+    # the CLI passes only the options given: Python's defaults (train=None is "query+keys" for n-grams)
+    assert (last["train"], last["loss"]) == ("query+keys", kvsearch.FinetuneConfig().loss)
     assert round(last["before"], 4) == float(rows[0][3]) and round(last["after"], 4) == float(kept[0][3])
     assert search_results(db) != search_results(built)  # the fine-tuned encoder answers
 
