@@ -119,4 +119,5 @@ def test_distributed_finetune_example_improves_and_switches_every_shard(tmp_path
     with ShardedDatabase(tmp_path / "people") as sdb:  # one process, every shard: the run's generation
         assert sdb.generation == int(generation)
         assert {db.generation for db in sdb.shards.values()} == {int(generation)}
-        assert sdb.query_encoder is not None and sdb.query_encoder.weights_changed()  # saved in every shard
+        # the default for an NgramEncoder, train="query+keys": the shared encoder learned, saved in every shard
+        assert sdb.query_encoder is None and sdb.encoder.weights_changed()

@@ -97,8 +97,9 @@ class FinetuneConfig:
         pooling: the pooling of the answer (see ``kvsearch.nn.pooling.pool``); not ``"exact"``, which has no
             gradient.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or a callable ``(param groups) -> Optimizer``.
-        lr: the learning rate; default (None) per part: 3e-3 for n-gram encoders, 2e-5 for sentence encoders,
-            1e-2 for score modules and values (:data:`kvsearch.training.defaults.DEFAULT_LR`).
+        lr: the learning rate; default (None) per part: 3e-3 for n-gram encoders (1e-2 without generated
+            pairs), 2e-5 for sentence encoders, 1e-2 for score modules and values
+            (:data:`kvsearch.training.defaults.DEFAULT_LR`).
         lr_decay: ``"linear"`` (the default: the learning rate falls along a line to 0 at the last step),
             ``"cosine"`` (along a half cosine) or ``"none"`` (constant).
         batch_size: pairs per step; None (the default): 256 when generated pairs are mixed in, else 64 (few pairs

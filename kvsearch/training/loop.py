@@ -214,12 +214,12 @@ class _Run:
             mods.append(self.score)
         return list({id(m): m for m in mods}.values())
 
-    def param_groups(self, lr: float | None) -> list[dict[str, Any]]:
+    def param_groups(self, lr: float | None, generated: int) -> list[dict[str, Any]]:
         groups = []
         for module in self.modules():
             params = [p for p in module.parameters() if p.requires_grad]
             if params:
-                groups.append({"params": params, "lr": default_lr(module) if lr is None else lr})
+                groups.append({"params": params, "lr": default_lr(module, generated) if lr is None else lr})
         if self.values is not None:
             groups.append({"params": [self.values], "lr": DEFAULT_LR["other"] if lr is None else lr})
         if not groups:
@@ -389,7 +389,7 @@ def finetune(
     try:
         bar = tqdm(total=config.epochs * steps_per_epoch, desc="finetune", unit="step", disable=not config.verbose)
         run = _Run(db, config.train, config.train_values, score, text=not tensor_pairs)
-        groups = run.param_groups(config.lr)
+        groups = run.param_groups(config.lr, plan.generated)
         params = [p for group in groups for p in group["params"]]  # in the same order on every rank
         opt = _make_optimizer(config.optimizer, groups)
         schedule = lr_schedule(opt, config.lr_decay, config.epochs * steps_per_epoch)
