@@ -437,7 +437,7 @@ def bad_pairs(target: str) -> dict[str, Callable[[], object]]:
 
 def finetune_slots() -> list[Slot]:
     """``kvsearch.finetune``: the database, the pairs, the config and every option; ``evaluate``'s arguments."""
-    base = dict(epochs=1, k=3, batch_size=2, verbose=False)
+    base = dict(epochs=1, k=3, batch_size=2, loss="answer", verbose=False)  # VALUE_PAIRS: (query, value text)
 
     def run(db, **given):
         return kvsearch.finetune(db, given.pop("train_pairs", VALUE_PAIRS), **{**base, **given})
@@ -468,18 +468,21 @@ def finetune_slots() -> list[Slot]:
         ("k", ""),
         ("epochs", ""),
         ("refresh_every", "huge int"),
-        ("train", ""),
+        ("train", "None"),  # None: by the key encoder's kind
         ("train_values", "bool"),
         ("score", "None"),
         ("pooling", ""),
         ("optimizer", ""),
         ("lr", "None, float, huge int"),
-        ("batch_size", "huge int"),
+        ("batch_size", "None, huge int"),  # None: by whether pairs are generated
         ("temperature", "float, huge int"),
         ("seed", "zero, huge int"),
         ("verbose", "bool"),
         ("keep", ""),
         ("metric", "None"),
+        ("lr_decay", ""),
+        ("noise", "None"),  # None: nothing generated (the user's pairs alone)
+        ("generated", "zero, huge int"),  # a huge count: as many as the keys give (up to MAX_GENERATED)
     ]:
         out.append(slot(f"finetune.{option}", lambda db, v, o=option: run(db, **{o: v}), texts_db, ok, writes=True))
     out += [
@@ -846,7 +849,7 @@ def test_diverged_encoder_weights_are_refused_typed_and_change_nothing(tmp_path)
         lambda: db.refresh(),
         lambda: db.save_encoders(),
         lambda: kvsearch.evaluate(db, PAIRS),
-        lambda: kvsearch.finetune(db, VALUE_PAIRS, epochs=1, verbose=False),
+        lambda: kvsearch.finetune(db, VALUE_PAIRS, loss="answer", epochs=1, verbose=False),
     ):
         with pytest.raises(kvsearch.NonFiniteError):
             call()
