@@ -51,7 +51,7 @@ def pairs_of(names: list[str], seed: int, stored: set[str]) -> list[tuple[str, s
 
 @pytest.fixture(scope="module")
 def data():
-    keys, values = surname_directory(8000)
+    keys, values = surname_directory(20_000)
     order = list(keys)
     random.Random(0).shuffle(order)
     stored = set(keys)
