@@ -126,12 +126,14 @@ def _headline(args: argparse.Namespace) -> None:
 
     started = time.perf_counter()
     load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    table = headline(args.headline_names, args.eval, args.user_pairs)
+    table = headline(args.headline_names, args.eval, args.user_pairs, args.typos)
     notes = [
         f"- {args.headline_names:,} most frequent surnames, the default `NgramEncoder()`, on disk; {args.eval} "
         "held-out queries (the first 2,000 names of a seeded shuffle, none named by a user pair) and the user's "
-        "pairs are typos of a model of the benchmark's own (`finetune_study.keyboard_typo`: a neighbouring key, "
-        "a doubled, dropped or swapped letter, once or twice), not `kvsearch.noise`'s. The eval pairs are keep-best's "
+        f"pairs are typos of a model of the benchmark's own (`--typos {args.typos}`: `finetune_study.{args.typos}_typo`"
+        "; keyboard: a neighbouring key, a doubled, dropped or swapped letter, once or twice; random: any letter "
+        "replaced or inserted, a letter dropped or doubled, once or twice), not `kvsearch.noise`'s. "
+        "The eval pairs are keep-best's "
         "monitor, so their keys are never drawn for generated pairs.",
         f"- both runs side by side (one thread each), {(time.perf_counter() - started) / 60:.0f} min; load average at "
         f"the start {load_before}. Machine: {_machine()}.",
@@ -275,6 +277,7 @@ def main() -> None:
         "--headline-names surnames, measured after reopening",
     )
     parser.add_argument("--headline-names", type=int, default=35_000)
+    parser.add_argument("--typos", choices=("keyboard", "random"), default="keyboard", help="--headline's typo model")
     parser.add_argument("--workers", type=int, default=2, help="study runs side by side (one thread each)")
     parser.add_argument(
         "--faiss-threads", type=int, default=1, help="FAISS OpenMP threads (1: its spin-waits stall on a shared CPU)"

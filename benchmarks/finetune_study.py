@@ -172,12 +172,32 @@ def keyboard_typo(name: str, rng: random.Random) -> str:
     return s.capitalize()
 
 
-def _typo_pairs(names: list[str], seed: int, stored: set[str]) -> list[tuple[str, str]]:
+def random_typo(name: str, rng: random.Random) -> str:
+    """A second typo model: 1 (60 %) or 2 of any letter replaced or inserted at random, a letter dropped or doubled."""
+    s = name.lower()
+    for _ in range(1 if rng.random() < 0.6 else 2):
+        i = rng.randrange(len(s))
+        op = rng.randrange(4)
+        if op == 0:
+            s = s[:i] + rng.choice("abcdefghijklmnopqrstuvwxyz") + s[i + 1 :]
+        elif op == 1:
+            s = s[:i] + rng.choice("abcdefghijklmnopqrstuvwxyz") + s[i:]
+        elif op == 2 and len(s) > 3:
+            s = s[:i] + s[i + 1 :]
+        else:
+            s = s[:i] + s[i] + s[i:]
+    return s.capitalize()
+
+
+TYPO_MODELS = {"keyboard": keyboard_typo, "random": random_typo}
+
+
+def _typo_pairs(names: list[str], seed: int, stored: set[str], model: str = "keyboard") -> list[tuple[str, str]]:
     pairs = []
     for name in names:
         rng = random.Random(f"{seed}:{name}")
         for _ in range(10):
-            query = keyboard_typo(name, rng)
+            query = TYPO_MODELS[model](name, rng)
             if query != name and query not in stored:
                 pairs.append((query, name))
                 break
@@ -200,8 +220,8 @@ def _headline_run(job: dict[str, Any]) -> dict[str, Any]:
     stored = set(keys)
     order = list(keys)
     random.Random(0).shuffle(order)
-    held = _typo_pairs(order[:2000], 1, stored)[: job["eval"]]  # held-out names: no user pair names them
-    user = _typo_pairs(order[2000:], 0, stored)[: job["pairs"]]
+    held = _typo_pairs(order[:2000], 1, stored, job["model"])[: job["eval"]]  # no user pair names these names
+    user = _typo_pairs(order[2000:], 0, stored, job["model"])[: job["pairs"]]
     folder = tempfile.mkdtemp(prefix="kvsearch-headline-")
     try:
         db = Database(folder, encoder=NgramEncoder(device="cpu"), device="cpu")
@@ -219,9 +239,9 @@ def _headline_run(job: dict[str, Any]) -> dict[str, Any]:
             "generated": history.generated}  # fmt: skip
 
 
-def headline(names: int, eval_count: int, pairs: int) -> str:
-    """The issue's two checks side by side: the defaults with ``pairs`` typo pairs, and with none."""
-    jobs = [{"names": names, "eval": eval_count, "pairs": n} for n in (pairs, 0)]
+def headline(names: int, eval_count: int, pairs: int, model: str = "keyboard") -> str:
+    """The issue's two checks side by side: the defaults with ``pairs`` typo pairs (of ``model``), and with none."""
+    jobs = [{"names": names, "eval": eval_count, "pairs": n, "model": model} for n in (pairs, 0)]
     with ProcessPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_headline_run, jobs))
     lines = [
