@@ -121,9 +121,10 @@ class FinetuneConfig:
         noise: the noise models of the pairs generated from the stored keys (see :mod:`kvsearch.noise`): a name
             among ``"typos"``, ``"phonetic"``, ``"case"``, ``"cyrillic"``, ``"greek"``, a callable
             ``(key, rng) -> str | None``, a sequence of them, or None (generate nothing).
-        generated: how many ``(noisy key, key)`` pairs generated from the stored keys are mixed into the user's
-            pairs (all of them without user pairs); ``"auto"`` (the default): see
-            :func:`kvsearch.training.pairs.auto_generated`. Keys the monitor measures are never drawn (see
+        generated: how many ``(noisy key, key)`` pairs generated from the stored keys each epoch mixes into the
+            user's pairs (fresh spellings each epoch; all the pairs without user pairs); ``"auto"`` (the default):
+            2 per stored key, at most 50,000, for an NgramEncoder, else 0 (see
+            :func:`kvsearch.training.defaults.auto_generated`). Keys the monitor measures are never drawn (see
             :mod:`kvsearch.training.pairs`).
 
     Raises:
