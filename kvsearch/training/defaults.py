@@ -20,6 +20,7 @@ This module knows nothing of the loop: it maps a database (its key encoder) to o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch import nn
 
 from kvsearch.encoders.ngram import NgramEncoder
 from kvsearch.encoders.sentence import SentenceEncoder
+from kvsearch.training.config import FinetuneConfig
 from kvsearch.training.metrics import Pairs, is_tensor_pairs
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "auto_train",
     "default_lr",
     "lr_schedule",
+    "resolve_defaults",
 ]
 
 #: ``generated="auto"`` on a database whose key encoder is an NgramEncoder: this many generated pairs per stored key,
@@ -73,6 +76,14 @@ def auto_generated(db: Any, train_pairs: Pairs | None) -> int:
     if train_pairs is not None and is_tensor_pairs(train_pairs):
         return 0
     return min(AUTO_GENERATED, AUTO_PER_KEY * len(db))
+
+
+def resolve_defaults(config: FinetuneConfig, db: Any, generated: int) -> FinetuneConfig:
+    """``config`` with its database-dependent defaults filled in: ``train=None`` by :func:`auto_train`,
+    ``batch_size=None`` by :func:`auto_batch_size` (``generated``: the run's generated pairs per epoch)."""
+    train = auto_train(db) if config.train is None else config.train
+    batch_size = auto_batch_size(generated) if config.batch_size is None else config.batch_size
+    return dataclasses.replace(config, train=train, batch_size=batch_size)
 
 
 def auto_batch_size(generated: int) -> int:

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -83,7 +82,7 @@ from kvsearch.training.config import (
     TrainMode,
     make_config,
 )
-from kvsearch.training.defaults import DEFAULT_LR, auto_batch_size, auto_train, default_lr, lr_schedule
+from kvsearch.training.defaults import DEFAULT_LR, default_lr, lr_schedule, resolve_defaults
 from kvsearch.training.losses import (
     ANSWER_LOSSES,
     LOSSES,
@@ -101,7 +100,6 @@ from kvsearch.training.metrics import (
     Pairs,
     TargetKind,
     check_metric,
-    check_pairs,
     check_targets,
     evaluate,
     higher_is_better,
@@ -313,22 +311,16 @@ def finetune(
         raise InvalidArgumentError(f"expected a kvsearch Database or ShardedDatabase, got {type(db).__name__}")
     team = team_of(db)  # a sharded database's ranks: every check below is agreed, every loop has one length
     config = team.agree(lambda: make_config(config, options))
-    if config.train is None:
-        config = dataclasses.replace(config, train=auto_train(db))  # the default: by the key encoder's kind
     if len(db) == 0:
         raise EmptyDatabaseError("expected a database with records to fine-tune on, got an empty one")
-    plan = team.agree(lambda: plan_run(db, train_pairs, eval_pairs, config))
+    plan = team.agree(lambda: plan_run(db, train_pairs, eval_pairs, config))  # the pairs checked and planned
     train_pairs, eval_pairs = plan.train, plan.eval
-    if config.batch_size is None:
-        config = dataclasses.replace(config, batch_size=auto_batch_size(plan.generated))
+    config = resolve_defaults(config, db, plan.generated)  # train=None, batch_size=None: by the database and plan
 
     def check_options() -> str:
         MixedPrecision(config.precision, db.device)  # NotSupportedError: fp16 off CUDA
         if team is not SOLO and config.train_values:
             raise NotSupportedError("train_values=True is not supported across shards yet")
-        check_pairs(train_pairs, "train_pairs", db)
-        if eval_pairs is not None:
-            check_pairs(eval_pairs, "eval_pairs", db)
         if is_tensor_pairs(train_pairs) and config.loss == "retrieval":
             raise InvalidArgumentError("the retrieval loss needs (query text, target key) pairs, got tensors")
         if config.target_kind == "value" and not is_tensor_pairs(train_pairs) and db.value_encoder is None:
