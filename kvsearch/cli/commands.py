@@ -18,6 +18,7 @@ import json
 import shutil
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -302,7 +303,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune the database's encoder on (query, target) pairs and say what was committed."""
     try:
-        from kvsearch.training.loop import finetune
+        from kvsearch.training.loop import FinetuneConfig, finetune
     except ImportError:
         raise CommandError(
             "fine-tuning is not available: this kvsearch has no kvsearch.training.loop.finetune"
@@ -310,13 +311,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     pairs = None if args.pairs is None else _read_pairs(args.pairs, args)
     eval_pairs = None if args.eval is None else _read_pairs(args.eval, args)
-    options: dict[str, Any] = {"verbose": not args.quiet}
-    names = ("noise", "generated", "loss", "targets", "train", "epochs", "k", "lr", "temperature", "batch_size")
-    for name in (*names, "seed", "keep", "metric", "precision"):  # only what was given: the defaults are Python's
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    if options.get("noise") == ():
-        options["noise"] = None  # --noise none: generate nothing
+    # only the options given are in the namespace (the parser suppresses the others): the defaults are Python's
+    given = {field.name: getattr(args, field.name) for field in fields(FinetuneConfig) if hasattr(args, field.name)}
+    options: dict[str, Any] = {**given, "verbose": not args.quiet}
     with _open_existing(args.db, unsharded_for="fine-tuning") as db:
         before = db.generation
         history = finetune(db, pairs, eval_pairs=eval_pairs, **options)

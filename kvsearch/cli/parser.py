@@ -90,8 +90,8 @@ def _version() -> str:
 
 
 def _add_finetune(sub: Any) -> None:
-    """The ``finetune`` command. Its defaults are :class:`~kvsearch.FinetuneConfig`'s: an option not given is not
-    passed, so Python and the CLI train alike."""
+    """The ``finetune`` command. Its defaults are :class:`~kvsearch.FinetuneConfig`'s: a training option not given is
+    absent from the parsed namespace (``argparse.SUPPRESS``) and not passed on, so Python and the CLI train alike."""
     from kvsearch.noise import NOISE_MODELS
     from kvsearch.training.config import FinetuneConfig
 
@@ -107,10 +107,18 @@ def _add_finetune(sub: Any) -> None:
         "queries of held-out keys), marks the epoch that was kept, and says whether the database "
         "switched to the fine-tuned encoders (a new generation, which 'kvsearch rollback' undoes) or kept its "
         "old retriever because the run did not improve the metric.",
+        argument_default=argparse.SUPPRESS,  # the training options not given stay out of the namespace
     )
     p.add_argument("db", metavar="DB", help="the database folder")
-    p.add_argument("--pairs", metavar="FILE", help="a .csv, .tsv or .jsonl file of training pairs (optional)")
-    p.add_argument("--eval", metavar="FILE", help="held-out pairs (same columns), measured before and after each epoch")
+    p.add_argument(
+        "--pairs", default=None, metavar="FILE", help="a .csv, .tsv or .jsonl file of training pairs (optional)"
+    )
+    p.add_argument(
+        "--eval",
+        default=None,
+        metavar="FILE",
+        help="held-out pairs (same columns), measured before and after each epoch",
+    )
     p.add_argument("--query", default="query", metavar="COL", help="the query column (default: query)")
     p.add_argument("--target", default="target", metavar="COL", help="the target column (default: target)")
     p.add_argument(
@@ -119,7 +127,9 @@ def _add_finetune(sub: Any) -> None:
         help="the target column holds the right record's key, or the answer's value text "
         "(default: key for the retrieval loss, value for the answer losses)",
     )
-    p.add_argument("--format", choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)")
+    p.add_argument(
+        "--format", default=None, choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)"
+    )
     p.add_argument(
         "--noise",
         metavar="MODELS",
@@ -161,15 +171,15 @@ def _add_finetune(sub: Any) -> None:
         help="train in float32 (default), or under autocast with bfloat16 (CPU or CUDA) or float16 (CUDA only); "
         "the weights written stay float32",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", default=False, help="no progress bars")
 
 
-def _noise(text: str) -> tuple[str, ...]:
-    """``--noise``: comma-separated noise model names, or ``none`` (an empty tuple)."""
+def _noise(text: str) -> tuple[str, ...] | None:
+    """``--noise``: comma-separated noise model names, or ``none`` (None: generate nothing)."""
     from kvsearch.noise import NOISE_MODELS
 
     if text.strip().lower() == "none":
-        return ()
+        return None
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     unknown = [name for name in names if name not in NOISE_MODELS]
     if not names or unknown:
