@@ -8,7 +8,8 @@ that fork() is safe), then reads one JSON command per line on stdin:
 
 and for each forks a child that opens the database and writes to it until it is killed: by the server with
 SIGKILL after ``delay`` seconds (``mode="timer"``), or by itself with SIGKILL at a chosen point of the
-write / save path (the other modes; ``in_chunks``: halfway through writing the embeddings' chunks). The server
+write / save path (the other modes; ``in_files``: inside the vector files' write path: a column half written,
+every file written but not named, holes listed, a new file set written, a switch committed but not tidied). The server
 answers one JSON line per command.
 
 The workload: add a batch; then now and then delete a whole batch, upsert a whole batch (same keys, so the
@@ -29,6 +30,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 import faiss
 import numpy as np
@@ -39,8 +41,8 @@ faiss.omp_set_num_threads(1)
 
 import kvsearch  # noqa: E402
 from kvsearch.index import factory as index_module  # noqa: E402
-from kvsearch.storage import chunks  # noqa: E402
 from kvsearch.storage import store as store_module  # noqa: E402
+from kvsearch.storage import vector_file  # noqa: E402
 
 DIM, SPEC = 8, "IVF4,Flat"
 MODES = (
@@ -52,7 +54,7 @@ MODES = (
     "index_torn",
     "after_upsert",
     "after_refresh",
-    "in_chunks",
+    "in_files",
 )
 
 
@@ -87,7 +89,11 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _arm(mode: str, due) -> None:
+#: The kill points of mode ``in_files``, one per round in turn.
+FILE_POINTS = ("write_at", "append", "erase", "rewrite", "remove_stale")
+
+
+def _arm(mode: str, due, round_: int = 0) -> None:
     """Make the child SIGKILL itself at the n-th pass through one point of the write / save path."""
     if mode in ("timer", "after_upsert", "after_refresh"):  # the last two are handled by the workload itself
         return
@@ -133,41 +139,57 @@ def _arm(mode: str, due) -> None:
                 _die()
 
         kvsearch.Database.save = save_then_tear
-    elif mode == "in_chunks":  # inside the embeddings' write path: part of it done, the rest not, no COMMIT
-        append, write, erase, repack = chunks.append, chunks.write, chunks.erase, chunks.repack
+    elif mode == "in_files":  # inside the vector files' write path: part of it on disk, the rest not, no COMMIT
+        files = vector_file.VectorFiles
+        point = FILE_POINTS[round_ % len(FILE_POINTS)]
 
-        def append_part_then_die(conn, ids, keys, values):
-            if len(ids) > 1 and due():
-                half = len(ids) // 2
-                append(conn, ids[:half], keys[:half], values[:half])  # some chunks written or filled
-                _die()
-            return append(conn, ids, keys, values)
+        def due_at(name: str) -> bool:  # only this round's point counts down
+            return name == point and due()
 
-        def write_part_then_die(conn, slots, keys=None, values=None):
-            if len(slots) > 1 and due():
-                write(conn, slots[:1], None if keys is None else keys[:1], None if values is None else values[:1])
-                _die()
-            return write(conn, slots, keys, values)
-
-        def erase_part_then_die(conn, slots):
-            if len(slots) > 1 and due():
-                erase(conn, slots[:1])
-                _die()
-            return erase(conn, slots)
-
-        def repack_then_die(conn, dim, value_dim):
-            moved = repack(conn, dim, value_dim)
-            if due():
-                _die()  # every row moved to new chunks; the records still name the old slots
-            return moved
-
-        chunks.append, chunks.write, chunks.erase, chunks.repack = (
-            append_part_then_die,
-            write_part_then_die,
-            erase_part_then_die,
-            repack_then_die,
+        write_at, append, erase, rewrite, remove_stale = (
+            files._write_at,
+            files.append,
+            files.erase,
+            files.rewrite,
+            files.remove_stale,
         )
-        chunks.needs_repack = lambda conn: True  # every delete writes the chunks again (legal at any time)
+
+        def write_at_then_die(self, seq, column, offset, data):  # half a column's bytes written, not synced
+            if len(data) > 1 and due_at("write_at"):
+                write_at(self, seq, column, offset, data[: len(data) // 2])
+                _die()
+            write_at(self, seq, column, offset, data)
+
+        def append_then_die(self, conn, ids, keys, values):  # every file written, the state not yet
+            slots = append(self, conn, ids, keys, values)
+            if due_at("append"):
+                _die()
+            return slots
+
+        def erase_then_die(conn, slots):  # holes listed, no COMMIT
+            erase(conn, slots)
+            if due_at("erase"):
+                _die()
+
+        def rewrite_then_die(self, conn, ids, keys, values):  # a whole new file set written and named, no COMMIT
+            slots = rewrite(self, conn, ids, keys, values)
+            if due_at("rewrite"):
+                _die()
+            return slots
+
+        def remove_stale_then_die(self, conn):  # a switch committed, the old file set not yet removed
+            if due_at("remove_stale"):
+                _die()
+            return remove_stale(self, conn)
+
+        files._write_at, files.append, files.rewrite, files.remove_stale = (
+            write_at_then_die,
+            append_then_die,
+            rewrite_then_die,
+            remove_stale_then_die,
+        )
+        files.erase = staticmethod(erase_then_die)
+        files.needs_repack = staticmethod(lambda conn: True)  # every delete writes a new file set (legal any time)
     else:
         raise ValueError(f"unknown mode {mode!r}")
 
@@ -188,7 +210,7 @@ def child(cmd: dict) -> None:
         return countdown[0] <= 0
 
     mode = cmd["mode"]
-    _arm(mode, due)
+    _arm(mode, due, cmd["round"])
     live: dict[str, list[int]] = {b: list(sg) for b, sg in cmd.get("batches", {}).items()}  # batch -> [size, gen]
     mine: list[str] = []  # batches this child added (deleted from these, as before)
 
@@ -247,6 +269,8 @@ def main() -> None:
         if pid == 0:
             try:
                 child(cmd)
+            except BaseException:
+                traceback.print_exc()  # the test then fails on the exit status: show why
             finally:
                 os._exit(1)
         killed_by = "self"

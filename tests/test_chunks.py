@@ -1,6 +1,7 @@
-"""One copy of each embedding, in the store's chunks (kvsearch.storage.chunks): what is read back, by the writer after a
-reopen and by a second handle catching up, is what a reference dict holds, through adds, in-place replacements,
-deletes that empty whole chunks and repacks; and the bytes on disk stay near the raw embeddings."""
+"""One copy of each embedding, in the store's file set on disk (kvsearch.storage.vector_file) or its chunks in memory
+(kvsearch.storage.chunks): what is read back, by the writer after a reopen and by a second handle catching up, is what
+a reference dict holds, through adds, replacements (new slots on disk, in place in memory), deletes and repacks; and
+the bytes on disk stay near the raw embeddings."""
 
 from __future__ import annotations
 
@@ -142,30 +143,25 @@ def test_deleting_most_records_gives_the_space_back_to_new_ones(tmp_path):
 
 
 @pytest.mark.parametrize("reserved", ["keys and values", "keys only"])
-def test_a_reserved_mirror_grows_without_a_copy(tmp_path, monkeypatch, reserved):
-    """Past RESERVE_FROM_BYTES the in-memory keys / values are views of reserved memory: appends, by the writer or
-    by a reader catching up, write the new rows in place, and what is read equals what was written (also when
-    only the wider keys pass the threshold and the values grow as a plain buffer)."""
+def test_a_reserved_mirror_grows_without_a_copy(monkeypatch, reserved):
+    """In memory (nothing to map: an on-disk store's tensors are views of its file set, tests/test_vector_files.py),
+    past RESERVE_FROM_BYTES the keys / values are views of reserved memory: appends write the new rows in place, and
+    what is read equals what was written (also when only the wider keys pass the threshold and the values grow as a
+    plain buffer)."""
     import kvsearch.storage.buffers
 
     threshold = 0 if reserved == "keys and values" else DIM * 4 * 1_000  # a buffer of 1,000+ rows of keys
     monkeypatch.setattr(kvsearch.storage.buffers, "RESERVE_FROM_BYTES", threshold)
     gen = torch.Generator().manual_seed(0)
-    path = tmp_path / "db"
-    writer = kvsearch.Database(path, dim=DIM, value_dim=VALUE_DIM, score="dot")
+    db = kvsearch.Database(None, dim=DIM, value_dim=VALUE_DIM, score="dot")
     keys, values = torch.randn(3_000, DIM, generator=gen), torch.randn(3_000, VALUE_DIM, generator=gen)
-    writer.add(keys[:1_000], values[:1_000])
-    reader = kvsearch.Database(path)
-    where = (writer.store.keys.data_ptr(), reader.store.keys.data_ptr(), reader.store.values.data_ptr())
+    db.add(keys[:1_000], values[:1_000])
+    where = (db.store.keys.data_ptr(), db.store.values.data_ptr())
     for lo in (1_000, 2_000):
-        writer.add(keys[lo : lo + 1_000], values[lo : lo + 1_000])
-        assert len(reader) == lo + 1_000  # caught up: appended in place
-    now = (writer.store.keys.data_ptr(), reader.store.keys.data_ptr(), reader.store.values.data_ptr())
-    assert now == where if reserved == "keys and values" else now[:2] == where[:2]
-    for db in (writer, reader):
-        assert torch.equal(db.store.keys, keys) and torch.equal(db.store.values, values)
-    reader.close()
-    writer.close()
+        db.add(keys[lo : lo + 1_000], values[lo : lo + 1_000])
+    now = (db.store.keys.data_ptr(), db.store.values.data_ptr())
+    assert now == where if reserved == "keys and values" else now[0] == where[0]
+    assert torch.equal(db.store.keys, keys) and torch.equal(db.store.values, values)
 
 
 def test_a_record_committed_after_the_tensors_were_loaded_is_fetched_from_the_store(tmp_path):

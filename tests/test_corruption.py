@@ -231,28 +231,44 @@ def test_index_with_wrong_dimension_is_rebuilt(tmp_path, saved):
     check_rebuilt(folder, ids, keys)
 
 
-CHUNK_DAMAGE = {
-    "a keys blob cut short": "UPDATE chunk_data SET keys = zeroblob(100) WHERE first = 0",
-    "a values blob grown": "UPDATE chunk_data SET vals = vals || zeroblob(12) WHERE first = 64",
-    "ids zeroed": "UPDATE chunk_data SET ids = zeroblob(length(ids)) WHERE first = 0",
-    "a count lowered": "UPDATE chunks SET live = live - 1 WHERE first = 64",
-    "a chunk's blobs deleted": "DELETE FROM chunk_data WHERE first = 64",
-    "a chunk's counts deleted": "DELETE FROM chunks WHERE first = 0",
+VECTOR_DAMAGE = {  # SQL run on the store, or (file suffix, what is done to it)
+    "the keys file cut short": ("keys", lambda f: os.truncate(f, 100)),
+    "the ids file deleted": ("ids", os.unlink),
+    "ids zeroed": ("ids", lambda f: f.write_bytes(bytes(f.stat().st_size))),
+    "a key changed in the last segment": ("keys", lambda f: _flip(f, f.stat().st_size - 4)),
+    "a hole for a stored record": "INSERT INTO vector_holes (slot) VALUES (50)",
+    "the committed count lowered": "UPDATE vector_files SET used = used - 1",
+    "the file set's state deleted": "DELETE FROM vector_files",
     "a record pointed at another slot": "UPDATE records SET slot = slot + 1 WHERE id = 3",
     "two records' slots swapped": "UPDATE records SET slot = CASE id WHEN 3 THEN 4 ELSE 3 END WHERE id IN (3, 4)",
 }
 
 
-@pytest.mark.parametrize("kind", list(CHUNK_DAMAGE))
-def test_damaged_embedding_chunks_are_refused(tmp_path, kind):
-    """The embeddings live once, in the store's chunks (kvsearch.storage.chunks): a chunk of the wrong size, counts that
-    disagree with its ids, or records naming other slots are reported as damage at open, never served."""
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("kind", list(VECTOR_DAMAGE))
+def test_damaged_vector_files_are_refused(tmp_path, kind):
+    """The embeddings live once, in the store's file set (kvsearch.storage.vector_file), named by its SQLite state: a
+    file cut short or gone, ids that are not the records', a committed segment changed on disk, a state or holes that
+    disagree with the records, or records naming other slots are reported as damage at open, never served."""
     folder = tmp_path / "db"
     gen = torch.Generator().manual_seed(0)
     db = kvsearch.Database(folder, dim=DIM, value_dim=3, score="dot")
-    db.add(torch.randn(100, DIM, generator=gen), torch.randn(100, 3, generator=gen))  # chunks of slots 0-63, 64-127
+    db.add(torch.randn(100, DIM, generator=gen), torch.randn(100, 3, generator=gen))
     db.close()
-    with contextlib.closing(sqlite3.connect(folder / "store.sqlite")) as conn, conn:
-        assert conn.execute(CHUNK_DAMAGE[kind]).rowcount >= 1
+    damage = VECTOR_DAMAGE[kind]
+    if isinstance(damage, str):
+        with contextlib.closing(sqlite3.connect(folder / "store.sqlite")) as conn, conn:
+            assert conn.execute(damage).rowcount >= 1
+    else:
+        files = sorted(folder.glob(f"store.sqlite.v*.{damage[0]}"))
+        assert len(files) == 1
+        damage[1](files[0])
     with pytest.raises(CorruptDatabaseError):
         kvsearch.Database(folder)

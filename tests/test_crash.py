@@ -213,6 +213,16 @@ def test_sigkill_writer_80_times(tmp_path):
     assert stats["acked_batches"] > 80 and stats["acked_upserts"] > 50 and stats["acked_refreshes"] >= 5
 
 
+def test_sigkill_writer_25_times_inside_the_vector_files(tmp_path):
+    """Every kill inside the vector files' write path (kvsearch.storage.vector_file): a column half written, every
+    file written but the state not, holes listed, a new file set written and named (every delete repacks here), a
+    switch committed but the old set not removed. No COMMIT ran: the store keeps what was acknowledged."""
+    stats = run_kills(tmp_path, rounds=25, seed=3, modes=("in_files",))  # each of the 5 kill points 5 times
+    print("crash stats:", stats)
+    assert stats["kills"] == 25 and stats["killed_by_self"] == 25
+    assert stats["acked_batches"] > 25
+
+
 @pytest.mark.slow
 def test_sigkill_writer_300_times(tmp_path):
     stats = run_kills(tmp_path, rounds=300, seed=2)

@@ -2,8 +2,9 @@
 
 A database folder holds:
 
-- ``store.sqlite`` (+ SQLite's ``-wal``, ``-shm``, ``-journal``, and the store's embeddings side files
-  ``store.sqlite.emb*``) — the records, the single source of truth (:mod:`kvsearch.storage.store`);
+- ``store.sqlite`` (+ SQLite's ``-wal``, ``-shm``, ``-journal``) — the records, the single source of truth
+  (:mod:`kvsearch.storage.store`), and beside it the embeddings' file set ``store.sqlite.v<seq>.ids / .keys /
+  .values`` that SQLite names (:mod:`kvsearch.storage.vector_file`; ``store.sqlite.emb*``: an earlier version's);
 - ``write.lock`` — the inter-process write lock (:mod:`kvsearch.storage.locking`);
 - ``generations/<G>/`` — the encoder files of generation G (the current one and the previous one, kept once for
   a rollback): for each encoder prefix (``encoder``, ``value_encoder``, ``query_encoder``) ``{prefix}.json``, and
@@ -86,7 +87,13 @@ def is_database(path: str | os.PathLike[str]) -> bool:
 
 def _patterns() -> list[str]:
     """Glob patterns of every file and folder kvsearch writes into a database folder, leftovers included."""
-    patterns = [STORE_FILE, *(STORE_FILE + s for s in _SQLITE_SIDE_FILES), f"{STORE_FILE}.emb*", LOCK_FILE]
+    patterns = [
+        STORE_FILE,
+        *(STORE_FILE + s for s in _SQLITE_SIDE_FILES),
+        f"{STORE_FILE}.emb*",
+        f"{STORE_FILE}.v*",
+        LOCK_FILE,
+    ]
     patterns += [INDEX_FILE, f"{INDEX_FILE}.*", MANIFEST_FILE, f"{MANIFEST_FILE}.*.tmp", f"{STAGING[0]}*{STAGING[1]}"]
     patterns += [f".{INDEX_FILE}.*.tmp", f".{MANIFEST_FILE}.*.tmp"]
     patterns += [GENERATIONS_DIR]

@@ -20,7 +20,6 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,9 +28,10 @@ from torch import Tensor
 
 from kvsearch.errors import CorruptDatabaseError, DuplicateKeyError, KeyNotFoundError
 from kvsearch.inputs import normalize_key
-from kvsearch.storage import changelog, chunks, legacy
+from kvsearch.storage import changelog, legacy
 from kvsearch.storage.buffers import MIN_ROOM, RowWindow, row_buffer
-from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE, select_in
+from kvsearch.storage.key_texts import KeyTexts, id_of_key_map
+from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE, SUMMARY_MOD, SUMMARY_SCAN, select_in
 
 if TYPE_CHECKING:
     from kvsearch.storage.store import Store
@@ -92,10 +92,11 @@ class Mirror:
         self.ids = torch.empty(0, dtype=torch.long)
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
-        self.id_of_key: dict[str, int] = {}
-        self.key_of_id: dict[int, str] = {}
-        self.given_keys: set[int] = set()
-        self.given_values: set[int] = set()
+        #: Whether ids / keys / values are views of the store's shared file mappings (no copy of this process's own).
+        self.mapped = False
+        # The key texts and given flags, read from the store at their first use (None: not yet): a process that only
+        # searches by vector never holds them.
+        self._texts: KeyTexts | None = None
         # the buffers ids / keys / values are views of (room to grow), each used while it holds them
         self._windows = (RowWindow(), RowWindow(), RowWindow())
 
@@ -105,7 +106,8 @@ class Mirror:
     # ------------------------------------------------------------------ loading
 
     def load(self, dim: int, value_dim: int) -> None:
-        """Read every record into the in-memory tensors, in one snapshot.
+        """Read every record into the in-memory tensors, in one snapshot: on the CPU, views of the store's shared
+        file mappings when the records hold one run of slots (nothing copied), else copies.
 
         Raises:
             CorruptDatabaseError: the embeddings do not have the expected dims, or do not match the records.
@@ -126,62 +128,91 @@ class Mirror:
             try:
                 data_version = self._data_version()  # first: it starts the snapshot the version is read in
                 version = store.version
+                views = None
                 if store.still_legacy():  # read-only, earlier format: the embeddings are in the rows
-                    ids, keys, values, rows = legacy.read_all(conn, dim, value_dim)
+                    ids, keys, values, _ = legacy.read_all(conn, dim, value_dim)
                 else:
-                    ids, slots, keys, values = chunks.read_all(conn, dim, value_dim, alloc=alloc)
-                    self._check_ids(ids, slots)
-                    rows = conn.execute("SELECT id, key FROM records WHERE key IS NOT NULL").fetchall()
-                given = conn.execute("SELECT id, side FROM given").fetchall()
+                    views = self._views(dim, value_dim)
+                    if views is not None:
+                        ids, keys, values, first = views
+                        self._check_ids(ids, np.arange(first, first + len(ids), dtype=np.int64))
+                    else:
+                        ids, slots, keys, values = store.embeddings.read_all(conn, dim, value_dim, alloc=alloc)
+                        self._check_ids(ids, slots)
             finally:
                 if own:
                     conn.execute("COMMIT")
-            if len(ids) > 1 and not bool((np.diff(ids) > 0).all()):
-                order = np.argsort(ids, kind="stable")  # slot order is id order; kept sorted should it not be
-                ids, keys, values = ids[order], keys[order], values[order]
-                buffers.clear()
-            self.ids = torch.from_numpy(ids)
-            self.keys = torch.from_numpy(keys).to(self.device)  # (n, dim)
-            self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
-            # read into buffers with room to grow: the first append after a load does not copy the keys and values
-            self._windows = (RowWindow(), RowWindow(), RowWindow())
-            for window, buffer, read in zip(self._windows[1:], buffers, (self.keys, self.values)):
-                if buffer.data_ptr() == read.data_ptr():
-                    window.adopt(buffer, len(read))
-            self.key_of_id = {r[0]: r[1] for r in rows if r[1] is not None}
-            self.id_of_key = _id_of_key(self.key_of_id, store.path)
-            self.given_keys = {i for i, bits in given if bits & GIVEN_KEY}
-            self.given_values = {i for i, bits in given if bits & GIVEN_VALUE}
+            if views is not None:
+                self.adopt(views)
+            else:
+                if len(ids) > 1 and not bool((np.diff(ids) > 0).all()):
+                    order = np.argsort(ids, kind="stable")  # a replaced record moved to a later slot: sort by id
+                    ids, keys, values = ids[order], keys[order], values[order]
+                    buffers.clear()
+                self.mapped = False
+                self.ids = torch.from_numpy(ids)
+                self.keys = torch.from_numpy(keys).to(self.device)  # (n, dim)
+                self.values = torch.from_numpy(values).to(self.device)  # (n, value_dim)
+                # read into buffers with room to grow: the first append after a load does not copy the keys and values
+                self._windows = (RowWindow(), RowWindow(), RowWindow())
+                for window, buffer, read in zip(self._windows[1:], buffers, (self.keys, self.values)):
+                    if buffer.data_ptr() == read.data_ptr():
+                        window.adopt(buffer, len(read))
+            self._texts = None  # read again at their first use
             self.loaded_version = version
             self.seen_data_version = data_version
             self.full_loads += 1
 
-    def _check_ids(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Check that the chunks hold the records the records table lists, each in the slot it names.
+    def _views(self, dim: int, value_dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """The records on the store's shared mappings (inside the caller's snapshot), or None: not on the CPU, not
+        in file sets, or not one run of slots (see :meth:`VectorFiles.views`)."""
+        embeddings = self.store.embeddings
+        embeddings.follow(self.store.conn)
+        if self.device.type != "cpu":
+            return None
+        return embeddings.views(self.store.conn, dim, value_dim)
 
-        Compared: the count, min, max and sum of the ids, the sum of the slots and a sum of (id, slot) pairs
-        (one scan of the records table, no row read into Python).
+    def adopt(self, views: tuple[np.ndarray, np.ndarray, np.ndarray, int]) -> None:
+        """Make ids / keys / values the views (ids (n,), keys (n, dim), values (n, value_dim), first slot) of the
+        store's shared file mappings: nothing is copied."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a mapping torch may warn of: it is copy-on-write
+            self.ids = torch.from_numpy(views[0])
+            self.keys = torch.from_numpy(views[1])
+            self.values = torch.from_numpy(views[2])
+        self.mapped = True
+        self._windows = (RowWindow(), RowWindow(), RowWindow())
+
+    def _own(self) -> None:
+        """Copy mapped tensors into this process's memory, before changing them row by row."""
+        if self.mapped:
+            self.ids, self.keys, self.values = self.ids.clone(), self.keys.clone(), self.values.clone()
+            self.mapped = False
+
+    def _check_ids(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Check that the embeddings hold the records the records table lists, each in the slot it names.
+
+        Compared with the records summary the triggers keep (:data:`~kvsearch.storage.schema.SUMMARY`): the count
+        and the sums of the ids, of the slots and of (id, slot) pairs — no row of the records table is read. A
+        store without a summary (read-only, written before it) is compared by one scan of the records table.
 
         Raises:
             CorruptDatabaseError: they differ (the file was damaged or changed by hand).
         """
-        pairs = (ids % 65521) * (slots % 65521)  # (n,) < 2**32 each: the pairs' sum fits int64 up to 2**31 records
+        m = SUMMARY_MOD
+        ids = np.asarray(ids, dtype=np.int64)
+        pairs = (ids % 65521) * (slots % 65521) % m  # (n,) < 2**31 each
+        expected = (len(ids), int((ids % m).sum() % m), int((slots % m).sum() % m), int(pairs.sum() % m))
         try:
-            found = self.store.conn.execute(
-                "SELECT count(*), min(id), max(id), sum(id), sum(slot), sum((id % 65521) * (slot % 65521)) FROM records"
-            ).fetchone()
-            count = found[0]
-            expected = (len(ids), *((int(ids.min()), int(ids.max())) if len(ids) else (None, None)))
-            expected += (int(ids.sum(dtype=np.int64)), int(slots.sum(dtype=np.int64)), int(pairs.sum(dtype=np.int64)))
-            same = tuple(found) == expected if len(ids) else count == 0
-        except sqlite3.OperationalError:  # a sum overflowed 64 bits: compare the lists
-            listed = self.store.conn.execute("SELECT id, slot FROM records ORDER BY id").fetchall()
-            order = np.argsort(ids)
-            count, same = len(listed), np.array_equal(np.array(listed).reshape(-1, 2), np.c_[ids[order], slots[order]])
-        if not same:
+            found = self.store.conn.execute("SELECT n, ids, slots, pairs FROM records_summary").fetchone()
+        except sqlite3.OperationalError:  # a store written before the summary, opened read-only
+            found = None
+        if found is None:
+            found = self.store.conn.execute(SUMMARY_SCAN).fetchone()
+        if tuple(found) != expected:
             raise CorruptDatabaseError(
                 f"{self.store.path or 'the store'}: the embeddings hold {len(ids)} records that are not the "
-                f"{count} records of the records table (the file was damaged or changed from outside)"
+                f"{found[0]} records of the records table (the file was damaged or changed from outside)"
             )
 
     def _data_version(self) -> int:
@@ -234,8 +265,10 @@ class Mirror:
                 if store.still_legacy():
                     changes = None  # an earlier format, read-only: read whole
                 rows: list[tuple] = []
+                views = None
                 if changes is not None:
                     rows, keys, values = self._read_rows(changes.upserted, dim, value_dim)
+                    views = self._views(dim, value_dim)  # the records of this snapshot, shared, when one run
                 flags = {} if changes is None else _given_of_ids(conn, changes.upserted)
             finally:
                 if own:
@@ -249,9 +282,9 @@ class Mirror:
             present = (self.rows_of(torch.tensor(upserted, dtype=torch.long)) >= 0).tolist()  # replaced in place
             gone = [i for i in changes.deleted if self.contains_id(i)]
             removed = sorted(gone + [id_ for id_, here in zip(upserted, present) if here])
-            self.drop(gone)
-            # the same path as this process's own writes: rows replaced in place, new rows appended, key maps and
-            # the given flags as the writer recorded them
+            self.drop(gone, views=views)
+            # the same path as this process's own writes: rows replaced in place, new rows appended (or the shared
+            # views adopted), key maps and the given flags as the writer recorded them
             self.apply_write(
                 upserted,
                 [key for _, key, _ in rows],
@@ -260,6 +293,7 @@ class Mirror:
                 replaced=[n for n, here in enumerate(present) if here],
                 added=[n for n, here in enumerate(present) if not here],
                 given=[(id_, flags[id_]) for id_ in upserted if flags.get(id_)],
+                views=views,
             )
             self.loaded_version = version
             self.seen_data_version = data_version
@@ -281,7 +315,8 @@ class Mirror:
         if self.store.still_legacy():  # the earlier format (read-only): the embeddings are in the rows
             return legacy.read_rows(conn, ids, dim, value_dim)
         rows = sorted(select_in(conn, "SELECT id, key, slot FROM records WHERE id IN ({})", ids))
-        keys, values = chunks.read(conn, np.array([r[2] for r in rows], dtype=np.int64), dim, value_dim)
+        self.store.embeddings.follow(conn)
+        keys, values = self.store.embeddings.read(conn, np.array([r[2] for r in rows], dtype=np.int64), dim, value_dim)
         return rows, keys, values
 
     # ------------------------------------------------------------------ following the store's writes
@@ -295,6 +330,7 @@ class Mirror:
         replaced: Sequence[int],
         added: Sequence[int],
         given: Sequence[tuple[int, int]],
+        views: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None,
     ) -> None:
         """Follow a committed write of records (the caller holds the store's lock: readers never see half of it).
 
@@ -303,7 +339,15 @@ class Mirror:
             key_embs: (n, dim). value_embs: (n, value_dim).
             replaced: positions (into ``ids``) of the records replaced in place. added: positions of the new ones.
             given: (id, ``GIVEN_KEY | GIVEN_VALUE`` bits) of the records whose texts came with their embedding.
+            views: the store's records after the write on its shared mappings (:meth:`adopt`), or None: the
+                tensors are changed row by row (copied into this process first if they were mapped).
         """
+        if self._texts is not None:  # else read at their first use
+            self._texts.follow(ids, texts, [ids[i] for i in replaced], given)
+        if views is not None:
+            self.adopt(views)
+            return
+        self._own()
         dev_keys = key_embs.detach().to(self.device, torch.float32)  # (n, dim)
         dev_values = value_embs.detach().to(self.device, torch.float32)  # (n, value_dim)
         if replaced:
@@ -318,19 +362,6 @@ class Mirror:
             add_values = dev_values if every else dev_values[sel]  # (n_new, value_dim)
             # copied: the mirror never shares memory with the caller's tensors (.to() may return them as they are)
             self._append(torch.tensor([ids[i] for i in added], dtype=torch.long), add_keys, add_values)
-        for i in replaced:
-            self._forget_key(ids[i])
-            self.given_keys.discard(ids[i])
-            self.given_values.discard(ids[i])
-        for id_, bits in given:
-            if bits & GIVEN_KEY:
-                self.given_keys.add(id_)
-            if bits & GIVEN_VALUE:
-                self.given_values.add(id_)
-        for i, key in enumerate(texts):
-            if key is not None:
-                self.id_of_key[normalize_key(key)] = ids[i]
-                self.key_of_id[ids[i]] = key
 
     def clear(self) -> None:
         """Follow a committed deletion of every record: no rows (the dims kept), no keys, no flags."""
@@ -339,11 +370,21 @@ class Mirror:
         self.ids = torch.empty(0, dtype=torch.long)
         self.keys = torch.empty(0, width[0], device=self.device)
         self.values = torch.empty(0, width[1], device=self.device)
-        self.id_of_key, self.key_of_id = {}, {}
-        self.given_keys, self.given_values = set(), set()
+        self.mapped = False
+        self._texts = KeyTexts({}, {}, set(), set())
 
-    def replace_all(self, keys: Tensor | None, values: Tensor | None) -> None:
-        """Follow a committed overwrite of every key and/or value embedding: keys (n, dim), values (n, value_dim)."""
+    def replace_all(
+        self,
+        keys: Tensor | None,
+        values: Tensor | None,
+        views: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None,
+    ) -> None:
+        """Follow a committed overwrite of every key and/or value embedding: keys (n, dim), values (n, value_dim);
+        with ``views``, the store's new file set is adopted instead (:meth:`adopt`)."""
+        if views is not None:
+            self.adopt(views)
+            return
+        self._own()
         if keys is not None:
             self.keys = keys.detach().to(self.device, torch.float32).clone()
         if values is not None:
@@ -369,20 +410,22 @@ class Mirror:
             self.ids = self.ids[order]
             self.keys, self.values = self.keys[order.to(self.device)], self.values[order.to(self.device)]
 
-    def _forget_key(self, id_: int) -> None:
-        """Drop a record's key from the key maps (the normalised key only if it names this record)."""
-        key = self.key_of_id.pop(id_, None)
-        if key is not None and self.id_of_key.get(normalize_key(key)) == id_:
-            del self.id_of_key[normalize_key(key)]
-
-    def drop(self, ids: Sequence[int]) -> None:
+    def drop(self, ids: Sequence[int], views: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None) -> None:
         """Drop records from the mirror by id (committed deletes), with their keys and given flags.
 
-        The oldest records (the smallest ids, as a memory at capacity drops them) are dropped in O(len(ids)),
-        without copying the rest; any other ids in O(n).
+        With ``views`` (the store's records after the delete on its shared mappings) they are adopted. Otherwise the
+        oldest records (the smallest ids, as a memory at capacity drops them) are dropped in O(len(ids)), without
+        copying the rest; any other ids in O(n).
         """
         if not len(ids):
             return
+        if self._texts is not None:
+            for id_ in ids:
+                self._texts.forget(int(id_))
+        if views is not None:
+            self.adopt(views)
+            return
+        self._own()
         drop = torch.as_tensor(list(ids), dtype=torch.long)  # (r,)
         r = len(drop)
         if r <= len(self.ids) and torch.equal(torch.sort(drop).values, self.ids[:r]):  # the oldest r rows
@@ -394,10 +437,52 @@ class Mirror:
             keep_dev = keep.to(self.device)
             self.keys = self.keys[keep_dev]
             self.values = self.values[keep_dev]
-        for id_ in drop.tolist() if self.key_of_id or self.given_keys or self.given_values else ():  # texts only
-            self._forget_key(id_)
-            self.given_keys.discard(id_)
-            self.given_values.discard(id_)
+
+    # ------------------------------------------------------------------ the key texts and given flags (lazy)
+
+    @property
+    def texts(self) -> KeyTexts:
+        """The key maps and given flags of the records in the mirror, read from the store at their first use."""
+        if self._texts is None:
+            with self.store.lock, self.store.snapshot():
+                rows = self.store.conn.execute("SELECT id, key FROM records WHERE key IS NOT NULL").fetchall()
+                given = self.store.conn.execute("SELECT id, side FROM given").fetchall()
+            held = self._held([r[0] for r in rows] + [g[0] for g in given])  # ids the mirror holds
+            key_of_id = {i: key for i, key in rows if i in held}
+            self._texts = KeyTexts(
+                id_of_key=id_of_key_map(key_of_id, self.store.path),
+                key_of_id=key_of_id,
+                given_keys={i for i, bits in given if bits & GIVEN_KEY and i in held},
+                given_values={i for i, bits in given if bits & GIVEN_VALUE and i in held},
+            )
+        return self._texts
+
+    def _held(self, ids: list[int]) -> set[int]:
+        """Those of ``ids`` the mirror holds (a store ahead of the mirror names records it does not hold yet)."""
+        if not ids:
+            return set()
+        found = self.rows_of(torch.tensor(ids, dtype=torch.long)) >= 0  # (r,)
+        return set(np.asarray(ids)[found.numpy()].tolist())
+
+    @property
+    def id_of_key(self) -> dict[str, int]:
+        """The normalised key text (:func:`~kvsearch.inputs.normalize_key`) -> id."""
+        return self.texts.id_of_key
+
+    @property
+    def key_of_id(self) -> dict[int, str]:
+        """id -> the key text as stored."""
+        return self.texts.key_of_id
+
+    @property
+    def given_keys(self) -> set[int]:
+        """Ids of records whose key text came with its embedding (re-encoding from the text skips them)."""
+        return self.texts.given_keys
+
+    @property
+    def given_values(self) -> set[int]:
+        """Ids of records whose value text came with its embedding."""
+        return self.texts.given_values
 
     # ------------------------------------------------------------------ finding by id and by key
 
@@ -538,31 +623,6 @@ class Mirror:
 def _given_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, int]:
     """id -> its ``given`` bits, for those of the ids that have any."""
     return dict(select_in(conn, "SELECT id, side FROM given WHERE id IN ({})", ids))
-
-
-def _id_of_key(key_of_id: dict[int, str], where: Path | None) -> dict[str, int]:
-    """The normalised key -> id map of the stored keys.
-
-    Keys written by this version are normalised already. Keys an earlier version stored as given (surrounding
-    whitespace, NFD) are found by their normalised text; should two of them normalise alike, the key names the
-    older record (the smaller id), the other stays reachable by id, and a RuntimeWarning names them.
-    """
-    id_of_key = {normalize_key(key): id_ for id_, key in key_of_id.items()}
-    if len(id_of_key) == len(key_of_id):
-        return id_of_key
-    groups: dict[str, list[int]] = {}
-    for id_, key in sorted(key_of_id.items()):
-        groups.setdefault(normalize_key(key), []).append(id_)
-    clashes = {key: ids for key, ids in groups.items() if len(ids) > 1}
-    shown = "; ".join(f"{key!r}: ids {ids}" for key, ids in list(clashes.items())[:5])
-    warnings.warn(
-        f"kvsearch: {where or 'a database in memory'} holds {len(clashes)} keys stored by an earlier version that "
-        f"are equal after normalisation (NFC, surrounding whitespace stripped): {shown}. Each key names its "
-        "smallest id; the others are reachable by id only (get / delete by id).",
-        RuntimeWarning,
-        stacklevel=5,  # the line it named before the mirror left Store: one frame more (Store.load -> Mirror.load)
-    )
-    return {key: ids[0] for key, ids in groups.items()}
 
 
 def find_rows(stored: Tensor, ids: Tensor) -> Tensor:

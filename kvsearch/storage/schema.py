@@ -1,8 +1,10 @@
 """The SQLite file of a store: its tables, the queries and bits the storage wing shares, and how it is opened.
 
 - :data:`SCHEMA`: the tables (``meta``, ``records``, ``given``, the chunks of :mod:`kvsearch.storage.chunks`, the
-  change log of :mod:`kvsearch.storage.changelog`) and :data:`METADATA_INDEX`, the partial index of the records that
-  have metadata (:data:`METADATA_SQL` reads through it, :data:`METADATA_PLAIN_SQL` without it).
+  file sets' state of :mod:`kvsearch.storage.vector_file`, the change log of :mod:`kvsearch.storage.changelog`, the
+  records summary kept by triggers: :data:`SUMMARY`, :func:`init_summary`) and :data:`METADATA_INDEX`, the partial
+  index of the records that have metadata (:data:`METADATA_SQL` reads through it, :data:`METADATA_PLAIN_SQL`
+  without it).
 - :data:`GIVEN_KEY`, :data:`GIVEN_VALUE`: the bits of ``given.side``.
 - :func:`connect_read_only`, :func:`connect_writable`, :func:`connect_in_memory`, :func:`reconnect`: connections as
   the store opens them (autocommit: the store opens its transactions itself); :func:`open_error`: the typed error of
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvsearch.errors import CorruptDatabaseError, DatabaseLockedError, StorageError
-from kvsearch.storage import changelog, chunks, fileio
+from kvsearch.storage import changelog, chunks, fileio, vector_file
 
 __all__ = [
     "SCHEMA",
@@ -44,6 +46,9 @@ __all__ = [
     "select_in",
     "insert_records",
     "delete_records",
+    "init_summary",
+    "SUMMARY_MOD",
+    "SUMMARY_SCAN",
 ]
 
 SCHEMA = """
@@ -71,7 +76,41 @@ METADATA_PLAIN_SQL = "SELECT id, metadata FROM records WHERE id IN ({}) AND meta
 #: Bits of ``given.side``: the record's key / value text came with its own embedding (never re-encoded).
 GIVEN_KEY, GIVEN_VALUE = 1, 2
 
-SCHEMA += chunks.SCHEMA  # the embeddings (see kvsearch.storage.chunks)
+SCHEMA += chunks.SCHEMA  # the embeddings in memory, and of stores written before file sets (kvsearch.storage.chunks)
+SCHEMA += vector_file.SCHEMA  # the embeddings on disk (see kvsearch.storage.vector_file)
+
+#: The modulus of the records summary's sums (a prime below 2**31: every sum of a write fits 64 bits).
+SUMMARY_MOD = 2147483647
+#: The records summary: kept by triggers in every transaction that changes ``records`` (whoever runs it), so that an
+#: open compares the embeddings' ids and slots with the records table without reading the table: the count, and the
+#: sums (mod :data:`SUMMARY_MOD`) of the ids, of the slots and of ``(id % 65521) * (slot % 65521)``.
+SUMMARY = """
+CREATE TABLE IF NOT EXISTS records_summary (
+    one INTEGER PRIMARY KEY CHECK (one = 0), n INTEGER NOT NULL, ids INTEGER NOT NULL, slots INTEGER NOT NULL,
+    pairs INTEGER NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS records_summary_insert AFTER INSERT ON records BEGIN
+    UPDATE records_summary SET n = n + 1, ids = (ids + new.id % {m}) % {m}, slots = (slots + new.slot % {m}) % {m},
+        pairs = (pairs + (new.id % 65521) * (new.slot % 65521)) % {m};
+END;
+CREATE TRIGGER IF NOT EXISTS records_summary_delete AFTER DELETE ON records BEGIN
+    UPDATE records_summary SET n = n - 1, ids = (ids + {m} - old.id % {m}) % {m},
+        slots = (slots + {m} - old.slot % {m}) % {m},
+        pairs = (pairs + {m} - (old.id % 65521) * (old.slot % 65521)) % {m};
+END;
+CREATE TRIGGER IF NOT EXISTS records_summary_update AFTER UPDATE OF id, slot ON records BEGIN
+    UPDATE records_summary SET ids = (ids + {m} - old.id % {m} + new.id % {m}) % {m},
+        slots = (slots + {m} - old.slot % {m} + new.slot % {m}) % {m},
+        pairs = (pairs + {m} - (old.id % 65521) * (old.slot % 65521) + (new.id % 65521) * (new.slot % 65521)) % {m};
+END;
+""".replace("{m}", str(SUMMARY_MOD))
+#: The summary of a store whose records table was written before the summary (or without it): one scan.
+SUMMARY_SCAN = (
+    f"SELECT count(*), coalesce(sum(id % {SUMMARY_MOD}), 0) % {SUMMARY_MOD}, "
+    f"coalesce(sum(slot % {SUMMARY_MOD}), 0) % {SUMMARY_MOD}, "
+    f"coalesce(sum((id % 65521) * (slot % 65521) % {SUMMARY_MOD}), 0) % {SUMMARY_MOD} FROM records"
+)
+SUMMARY_INIT = f"INSERT OR IGNORE INTO records_summary (one, n, ids, slots, pairs) SELECT 0, * FROM ({SUMMARY_SCAN})"
 SCHEMA += changelog.SCHEMA  # the change log: written in every write transaction (see kvsearch.storage.changelog)
 
 _SQLITE_BUSY, _SQLITE_LOCKED, SQLITE_CANTOPEN = 5, 6, 14
@@ -124,6 +163,7 @@ def connect_writable(path: Path, timeout: float) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA wal_autocheckpoint=4096")
         conn.executescript(SCHEMA)
+        init_summary(conn)
     except BaseException:
         conn.close()
         raise
@@ -134,7 +174,18 @@ def connect_in_memory(timeout: float) -> sqlite3.Connection:
     """A new in-memory database with our tables."""
     conn = sqlite3.connect(":memory:", timeout=timeout, **_CONNECT)
     conn.executescript(SCHEMA)
+    init_summary(conn)
     return conn
+
+
+def init_summary(conn: sqlite3.Connection) -> None:
+    """Make the records summary and its triggers; count it once for a store written before it had one (one scan;
+    new stores: none). A store of the earlier format (no slots yet) gets it once moved (:mod:`.legacy`)."""
+    if "slot" not in {row[1] for row in conn.execute("PRAGMA table_info(records)")}:
+        return
+    conn.executescript(SUMMARY)
+    if conn.execute("SELECT 1 FROM records_summary").fetchone() is None:
+        conn.execute(SUMMARY_INIT)
 
 
 def reconnect(path: Path, timeout: float) -> sqlite3.Connection:

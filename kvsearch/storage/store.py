@@ -49,10 +49,12 @@ from kvsearch.errors import (
     StoreChangedError,
 )
 from kvsearch.filters import where_sql
-from kvsearch.storage import changelog, chunks, fileio, legacy, schema
+from kvsearch.storage import changelog, fileio, legacy, schema
+from kvsearch.storage.embeddings import Embeddings
 from kvsearch.storage.locking import LOCK_FILE, WriteLock
 from kvsearch.storage.mirror import CatchUp, Mirror
 from kvsearch.storage.schema import METADATA_PLAIN_SQL, METADATA_SQL, select_in
+from kvsearch.storage.transaction import Transaction
 
 __all__ = ["Record", "Store"]
 
@@ -165,10 +167,39 @@ class Store:
         self.legacy = legacy.is_legacy(self.conn)
         if self.legacy and self.read_only is None:
             legacy.move_to_chunks(self)
+            schema.init_summary(self.conn)  # the moved records table has slots: its summary and triggers
+        # On disk the embeddings are in file sets that processes map (in memory, in SQLite chunks).
+        self.embeddings = Embeddings(self.path, self.conn, writable=self.read_only is None)
         if self.read_only is None and self.path is not None:
+            self._open_files()
             for old in self.path.parent.glob(f"{self.path.name}.emb*"):  # side files of earlier versions: unused
                 with contextlib.suppress(OSError):
                     old.unlink()
+
+    def _open_files(self) -> None:
+        """At a writable open: move a store of the chunk format to file sets (one transaction), check the last
+        committed segment of the vectors, and tidy the files if they need it."""
+        files = self.embeddings.files
+        if files is None:
+            return
+        if self.embeddings.holds_chunks(self.conn):
+            with self.lock, self.transaction():
+                moved = self.embeddings.move_from_chunks(self.conn)
+                if moved is not None:
+                    self.conn.executemany("UPDATE records SET slot = ? WHERE id = ?", moved[:, ::-1].tolist())
+        with self.lock, self.snapshot():
+            files.check_tail(self.conn)
+            untidy = files.untidy(self.conn)
+        if untidy:
+            with contextlib.suppress(DatabaseLockedError):  # another writer is busy: tidied at a later open
+                self._tidy_files()
+
+    def _tidy_files(self) -> None:
+        """Remove the file sets no committed state names and cut an uncommitted tail, under the write lock (another
+        writer's files in the making are never touched)."""
+        if self.embeddings.files is not None and self.read_only is None:
+            with self.lock, self.transaction():
+                self.embeddings.after_commit(self.conn)
 
     def still_legacy(self) -> bool:
         """Whether the store is still of the earlier format (another process may have moved it since)."""
@@ -378,13 +409,17 @@ class Store:
                 if new:
                     every = len(new) == n  # the usual add: no row selection to copy
                     new_ids = np.array([out[i] for i in new], dtype=np.int64)
-                    slots = chunks.append(
+                    slots = self.embeddings.append(
                         self.conn, new_ids, key_np if every else key_np[new], value_np if every else value_np[new]
                     ).tolist()
                     rows = ([keys[i] for i in new], [values[i] for i in new], [meta(i) for i in new])
                     schema.insert_records(self.conn, *rows, slots, [out[i] for i in new])
                 if old:
-                    chunks.write(self.conn, self._slots_of([out[i] for i in old]), key_np[old], value_np[old])
+                    old_ids = np.array([out[i] for i in old], dtype=np.int64)
+                    slots_now = self._slots_of(old_ids)
+                    moved = self.embeddings.replace(self.conn, slots_now, old_ids, key_np[old], value_np[old])
+                    if moved is not None:  # file sets are append-only: the new embeddings are in new slots
+                        self._point_at(old_ids, moved)
                     self.conn.executemany(  # metadata None: keep the stored
                         "UPDATE records SET key = ?, value = ?, metadata = CASE WHEN ? THEN metadata ELSE ? END "
                         "WHERE id = ?",
@@ -395,8 +430,11 @@ class Store:
                     self.conn.executemany("DELETE FROM given WHERE id = ?", ((out[i],) for i in old))
                 self.conn.executemany("INSERT INTO given (id, side) VALUES (?, ?)", flagged)
                 self.bump_version({"added": [out[i] for i in new], "replaced": [out[i] for i in old]})
+                views = self._shared_views()
             # Committed: now mirror it in memory (still under the lock, so readers never see half of it).
-            self.mirror.apply_write(out, keys, key_embs, value_embs, replaced=old, added=new, given=flagged)
+            self.mirror.apply_write(
+                out, keys, key_embs, value_embs, replaced=old, added=new, given=flagged, views=views
+            )
         return out
 
     def _slots_of(self, ids: Sequence[int]) -> np.ndarray:
@@ -417,20 +455,24 @@ class Store:
             with self.transaction():
                 self._delete_rows(ids)
                 self.bump_version({"deleted": [int(i) for i in ids]})
-                if chunks.needs_repack(self.conn):  # emptied slots outnumber the records: write them again
-                    moved, slots = chunks.repack(self.conn, self.mirror.keys.shape[1], self.mirror.values.shape[1])
-                    self.conn.executemany(
-                        "UPDATE records SET slot = ? WHERE id = ?", zip(slots.tolist(), moved.tolist())
-                    )
-            self.mirror.drop(ids)
+                dims = self.mirror.keys.shape[1], self.mirror.values.shape[1]
+                repacked = self.embeddings.repack_if_needed(self.conn, *dims)  # holes outnumber the records
+                if repacked is not None:
+                    self._point_at(*repacked)
+                views = self._shared_views()
+            if repacked is not None:
+                self._tidy_files()
+            self.mirror.drop(ids, views=views)
 
     def clear(self) -> None:
         """Delete every record in one transaction (a few statements, whatever the count); ids are never reused."""
         with self.lock:
             with self.transaction():
-                for table in ("records", "given", "chunks", "chunk_data"):
+                for table in ("records", "given"):
                     self.conn.execute(f"DELETE FROM {table}")  # our own table names
+                self.embeddings.clear(self.conn)
                 self.bump_version()  # a change of every row: another process reloads its mirror
+            self._tidy_files()
             self.mirror.clear()
 
     def start_ids_after(self, floor: int) -> None:
@@ -471,12 +513,31 @@ class Store:
                 for name, value in (meta or {}).items():
                     self._put_meta(name, value)
                 as_numpy = [None if t is None else t.detach().to("cpu", torch.float32).numpy() for t in (keys, values)]
-                chunks.write_all(self.conn, *as_numpy)
+                moved = self.embeddings.write_all(self.conn, *as_numpy)
+                if moved is not None:  # a new file set, in id order
+                    self._point_at(*moved)
                 self.bump_version()
-            self.mirror.replace_all(keys, values)
+                views = self._shared_views()
+            self._tidy_files()
+            self.mirror.replace_all(keys, values, views=views)
 
     def _delete_rows(self, ids: Iterable[int]) -> None:
-        chunks.erase(self.conn, schema.delete_records(self.conn, [int(i) for i in ids]))  # slots emptied
+        self.embeddings.erase(self.conn, schema.delete_records(self.conn, [int(i) for i in ids]))  # slots emptied
+
+    def _shared_views(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """Inside a write transaction: the records as it leaves them on the shared file mappings (CPU), or None."""
+        return self.embeddings.views(self.conn) if self.device.type == "cpu" else None
+
+    def _point_at(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Point records at new slots (inside the transaction that moved their embeddings), skipping unmoved ones."""
+        if len(ids) > 4096:  # many (a new file set): one ordered read of every record's slot
+            held = np.array(self.conn.execute("SELECT id, slot FROM records ORDER BY id").fetchall(), np.int64)
+            old = held.reshape(-1, 2)[np.searchsorted(held.reshape(-1, 2)[:, 0], ids), 1]
+        else:
+            old = self._slots_of(ids)
+        moved = np.flatnonzero(old != slots)
+        pairs = zip(slots[moved].tolist(), ids[moved].tolist())
+        self.conn.executemany("UPDATE records SET slot = ? WHERE id = ?", pairs)
 
     def bump_version(self, changes: Mapping[str, Sequence[int]] | None = None) -> None:
         """Record one more committed write: the version and its change log entry, inside the open transaction
@@ -592,104 +653,3 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class Transaction:
-    """``with store.transaction():`` — BEGIN IMMEDIATE under the write lock, then COMMIT, or ROLLBACK on error.
-
-    Nested inside an open transaction it is a SAVEPOINT (``depth_owner`` is False): an error inside rolls back only
-    its own writes, and the outermost one commits. Every write transaction first checks that the store file is
-    still the one opened (:meth:`Store.check_file`). A commit the file system refuses (a full disk) is rolled back
-    and raised as :class:`~kvsearch.errors.DiskFullError`; a rolled-back transaction leaves ``loaded_version`` as
-    it found it.
-
-    Raises:
-        ReadOnlyDatabaseError: the store is read-only. DatabaseLockedError: another writer holds it.
-        StoreChangedError: the store file was deleted or replaced. DiskFullError: no space to commit.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.depth_owner = False
-        self.savepoint: str | None = None
-        self.loaded = store.loaded_version
-
-    def __enter__(self) -> None:
-        store = self.store
-        conn = store.conn
-        self.loaded = store.loaded_version
-        if conn.in_transaction:
-            self.savepoint = f"kvsearch_{id(self):x}"
-            conn.execute(f"SAVEPOINT {self.savepoint}")
-            return
-        store.write_lock.acquire()  # bounded wait, then DatabaseLockedError; ReadOnlyDatabaseError when read-only
-        try:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                if "locked" in str(exc):
-                    raise DatabaseLockedError(f"another process is writing to {store.path}: {exc}") from None
-                typed = self._typed(exc)
-                if typed is None:
-                    raise
-                raise typed from None
-            store.check_file()
-        except BaseException:
-            self._abort()
-            store.write_lock.release()
-            raise
-        self.depth_owner = True
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        conn = self.store.conn
-        if self.savepoint is not None:
-            if exc_type is None:
-                conn.execute(f"RELEASE {self.savepoint}")
-                return
-            if conn.in_transaction:  # SQLite may have rolled the whole transaction back itself (a full disk)
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute(f"ROLLBACK TO {self.savepoint}")
-                    conn.execute(f"RELEASE {self.savepoint}")
-            self.store.loaded_version = self.loaded
-            typed = self._typed(exc)
-            if typed is not None:
-                raise typed from None
-            return
-        if not self.depth_owner:
-            return
-        try:
-            if exc_type is None:
-                try:
-                    conn.execute("COMMIT")
-                except sqlite3.Error as failed:
-                    self._abort()
-                    typed = self._typed(failed)
-                    if typed is None:
-                        raise
-                    raise typed from None
-            else:
-                self._abort()
-                typed = self._typed(exc)
-                if typed is not None:
-                    raise typed from None
-        finally:
-            self.store.write_lock.release()
-
-    def _abort(self) -> None:
-        """Roll back what is open (SQLite may already have done it) and forget the versions it counted."""
-        conn = self.store.conn
-        if conn.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-        self.store.loaded_version = self.loaded
-
-    def _typed(self, exc: BaseException | None) -> Exception | None:
-        """A full disk or a read-only file as the typed error, else None (the error stays as it is)."""
-        if exc is None or not isinstance(exc, (OSError, sqlite3.Error)):
-            return None
-        return fileio.storage_error(
-            exc,
-            self.store.path,
-            "writing to the store",
-            "the write was rolled back: the store holds what was committed before it",
-        )
