@@ -1,5 +1,6 @@
 """torch.compile: a model holding KVAttention compiles; compiled == eager in outputs and gradients; the only graph
-breaks are the call into the database (an explicit ``torch.compiler.disable``), the attention math compiles.
+breaks are the call into the database (an explicit ``torch.compiler.disable``, applied lazily), the attention math
+compiles.
 
 CI runs the ``aot_eager`` backend (dynamo's graphs and AOT autograd, no C++ compile: about a second a model); the
 inductor variant, which compiles C++ (tens of seconds on 2 cores), is marked slow.
@@ -83,7 +84,8 @@ def test_graph_breaks_only_at_the_database_call(db, score, pooling, k):
     explained = torch._dynamo.explain(net)(torch.randn(8, 32))
     assert explained.break_reasons, "the database call must break the graph"
     for reason in explained.break_reasons:
-        assert "torch.compiler.disable" in reason.reason
+        # torch.compiler.disable, applied lazily (torch._disable_dynamo: dynamo is imported at the first call)
+        assert "marked as skipped" in reason.reason or "torch.compiler.disable" in reason.reason
         assert "self._candidates(" in reason.user_stack[-1].line  # KVAttention.forward's call into the database
     ops = {getattr(op, "__name__", str(op)) for graph in explained.ops_per_graph for op in graph}
     assert "matmul" in ops  # the scores and the blend were traced into a graph, not run eagerly

@@ -71,7 +71,9 @@ class KeySource(Protocol):
         keys: (n, dim) float32 raw keys (not normalised) on the database's device, or None when empty.
 
     A source may also have ``loaded_version`` (the version its tensors reflect); a
-    :class:`~kvsearch.index.torch_index.TorchIndex` prefers it to :attr:`version`, which may cost a read.
+    :class:`~kvsearch.index.torch_index.TorchIndex` prefers it to :attr:`version`, which may cost a read. It may
+    have ``keys_shared``: True when ``keys`` is memory other processes share (a file mapping), which an index should
+    read in place rather than copy.
     """
 
     ids: Tensor

@@ -19,7 +19,9 @@ exact, like FAISS's ``Flat``, but:
   half-precision speed (:attr:`TorchIndex.last_widened`, :attr:`TorchIndex.last_rechecked` count them);
 - made from the spec ``"Flat"`` (the default index, ``dtype="auto"``) it picks the path of each call -- float32
   scan or half-precision scan + exact rescoring -- from the device, the batch size and timings of its own recent
-  calls (:mod:`kvsearch.index.exact_path`); the half copy is made at the first call that takes it;
+  calls (:mod:`kvsearch.index.exact_path`); the half copy is made at the first call that takes it. Over keys that
+  processes share (a store's file mapping, ``source.keys_shared``) it stays float32: the half copy would be each
+  process's own half of the keys (ask for it with the spec ``"torch:bfloat16"``);
 - every path returns the same ids and scores: keys whose scores tie are ordered by id (smaller first);
 - without a source (standalone) it holds the vectors given to ``build`` / ``add`` itself.
 
@@ -469,6 +471,8 @@ class TorchIndex:
         """The path of this call: the spec's dtype, or for ``"Flat"`` the pick of
         :class:`~kvsearch.index.exact_path.PathChooser`."""
         if self.dtype is None:
+            if getattr(self.source, "keys_shared", False):  # a half copy would be this process's own 0.5x of them
+                return "float32"
             faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
             return self.paths.choose(batch, len(d.ids), device, faiss_ok=faiss_ok)
         return str(self.dtype).removeprefix("torch.")

@@ -138,7 +138,9 @@ class KVAttention(nn.Module):
         self.last_ids = ids.detach()  # (batch, k | m)
         return output  # (batch, value_dim)
 
-    @torch.compiler.disable
+    # torch.compiler.disable, imported at the first call: decorating at import would import torch._dynamo (and sympy,
+    # ~1.7 s and ~70 MB) in every process that imports kvsearch, compiling or not
+    @torch._disable_dynamo
     def _candidates(self, queries: Tensor) -> Candidates:
         """The database's candidates for checked queries (batch, db.dim), searched in eager mode.
 

@@ -193,16 +193,13 @@ class Mirror:
         """Check that the embeddings hold the records the records table lists, each in the slot it names.
 
         Compared with the records summary the triggers keep (:data:`~kvsearch.storage.schema.SUMMARY`): the count
-        and the sums of the ids, of the slots and of (id, slot) pairs — no row of the records table is read. A
+        and the sums of the ids, of the slots and of ``id XOR slot`` — no row of the records table is read. A
         store without a summary (read-only, written before it) is compared by one scan of the records table.
 
         Raises:
             CorruptDatabaseError: they differ (the file was damaged or changed by hand).
         """
-        m = SUMMARY_MOD
-        ids = np.asarray(ids, dtype=np.int64)
-        pairs = (ids % 65521) * (slots % 65521) % m  # (n,) < 2**31 each
-        expected = (len(ids), int((ids % m).sum() % m), int((slots % m).sum() % m), int(pairs.sum() % m))
+        expected = _summary(np.asarray(ids, dtype=np.int64), slots)
         try:
             found = self.store.conn.execute("SELECT n, ids, slots, pairs FROM records_summary").fetchone()
         except sqlite3.OperationalError:  # a store written before the summary, opened read-only
@@ -623,6 +620,23 @@ class Mirror:
 def _given_of_ids(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, int]:
     """id -> its ``given`` bits, for those of the ids that have any."""
     return dict(select_in(conn, "SELECT id, side FROM given WHERE id IN ({})", ids))
+
+
+def _summary(ids: np.ndarray, slots: np.ndarray) -> tuple[int, int, int, int]:
+    """(count, sum of ids, sum of slots, sum of ``id XOR slot``), the sums mod :data:`SUMMARY_MOD`, as the records
+    summary's triggers count them. ids (n,), slots (n,) int64, non-negative.
+
+    Ids and slots below the modulus (the usual case) need no modulo per element (~15 ns each in numpy): a sum of 2**31
+    values under 2**31 fits 64 bits. (A million records: ~5 ms.)
+    """
+    m, n = SUMMARY_MOD, len(ids)
+    if not n:
+        return 0, 0, 0, 0
+    small = int(ids.max()) < m and int(slots.max()) < m and n < 2**31
+    ids_m, slots_m = (ids, slots) if small else (ids % m, slots % m)
+    xor = np.bitwise_xor(ids, slots)  # (n,) < 2**31 when both are
+    xor_m = xor if small else xor % m
+    return n, int(ids_m.sum() % m), int(slots_m.sum() % m), int(xor_m.sum() % m)
 
 
 def find_rows(stored: Tensor, ids: Tensor) -> Tensor:

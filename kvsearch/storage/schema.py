@@ -83,7 +83,7 @@ SCHEMA += vector_file.SCHEMA  # the embeddings on disk (see kvsearch.storage.vec
 SUMMARY_MOD = 2147483647
 #: The records summary: kept by triggers in every transaction that changes ``records`` (whoever runs it), so that an
 #: open compares the embeddings' ids and slots with the records table without reading the table: the count, and the
-#: sums (mod :data:`SUMMARY_MOD`) of the ids, of the slots and of ``(id % 65521) * (slot % 65521)``.
+#: sums (mod :data:`SUMMARY_MOD`) of the ids, of the slots and of ``id XOR slot`` (``(id | slot) - (id & slot)``).
 SUMMARY = """
 CREATE TABLE IF NOT EXISTS records_summary (
     one INTEGER PRIMARY KEY CHECK (one = 0), n INTEGER NOT NULL, ids INTEGER NOT NULL, slots INTEGER NOT NULL,
@@ -91,24 +91,24 @@ CREATE TABLE IF NOT EXISTS records_summary (
 );
 CREATE TRIGGER IF NOT EXISTS records_summary_insert AFTER INSERT ON records BEGIN
     UPDATE records_summary SET n = n + 1, ids = (ids + new.id % {m}) % {m}, slots = (slots + new.slot % {m}) % {m},
-        pairs = (pairs + (new.id % 65521) * (new.slot % 65521)) % {m};
+        pairs = (pairs + ((new.id | new.slot) - (new.id & new.slot)) % {m}) % {m};
 END;
 CREATE TRIGGER IF NOT EXISTS records_summary_delete AFTER DELETE ON records BEGIN
     UPDATE records_summary SET n = n - 1, ids = (ids + {m} - old.id % {m}) % {m},
         slots = (slots + {m} - old.slot % {m}) % {m},
-        pairs = (pairs + {m} - (old.id % 65521) * (old.slot % 65521)) % {m};
+        pairs = (pairs + {m} - ((old.id | old.slot) - (old.id & old.slot)) % {m}) % {m};
 END;
 CREATE TRIGGER IF NOT EXISTS records_summary_update AFTER UPDATE OF id, slot ON records BEGIN
     UPDATE records_summary SET ids = (ids + {m} - old.id % {m} + new.id % {m}) % {m},
         slots = (slots + {m} - old.slot % {m} + new.slot % {m}) % {m},
-        pairs = (pairs + {m} - (old.id % 65521) * (old.slot % 65521) + (new.id % 65521) * (new.slot % 65521)) % {m};
+        pairs = (pairs + {m} - ((old.id | old.slot) - (old.id & old.slot)) % {m} + ((new.id | new.slot) - (new.id & new.slot)) % {m}) % {m};
 END;
 """.replace("{m}", str(SUMMARY_MOD))
 #: The summary of a store whose records table was written before the summary (or without it): one scan.
 SUMMARY_SCAN = (
     f"SELECT count(*), coalesce(sum(id % {SUMMARY_MOD}), 0) % {SUMMARY_MOD}, "
     f"coalesce(sum(slot % {SUMMARY_MOD}), 0) % {SUMMARY_MOD}, "
-    f"coalesce(sum((id % 65521) * (slot % 65521) % {SUMMARY_MOD}), 0) % {SUMMARY_MOD} FROM records"
+    f"coalesce(sum(((id | slot) - (id & slot)) % {SUMMARY_MOD}), 0) % {SUMMARY_MOD} FROM records"
 )
 SUMMARY_INIT = f"INSERT OR IGNORE INTO records_summary (one, n, ids, slots, pairs) SELECT 0, * FROM ({SUMMARY_SCAN})"
 SCHEMA += changelog.SCHEMA  # the change log: written in every write transaction (see kvsearch.storage.changelog)

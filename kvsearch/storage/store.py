@@ -341,6 +341,11 @@ class Store:
     def __len__(self) -> int:
         return len(self.mirror)
 
+    @property
+    def keys_shared(self) -> bool:
+        """Whether :attr:`keys` and :attr:`values` are views of the file set every process maps (not copies)."""
+        return self.mirror.mapped
+
     # ------------------------------------------------------------------ writing
 
     @contextmanager
