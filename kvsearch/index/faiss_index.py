@@ -293,8 +293,11 @@ class Index:
             D, I = self._search(q, k, None)  # noqa: E741 - FAISS's own names, kept inside this module
         else:
             D, I = self._filtered_search(q, k, check_allowed(allowed))  # noqa: E741
+        scores, ids = torch.from_numpy(D), torch.from_numpy(I)  # (batch, k) each, on the CPU
         device = queries.device
-        return SearchResult(torch.from_numpy(D).to(device), torch.from_numpy(I).to(device))
+        if device.type != "cpu":
+            scores, ids = scores.to(device), ids.to(device)
+        return SearchResult(scores, ids)
 
     def _search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """FAISS's search (with a selector admitting only ``allowed`` live ids): (batch, k) D and I, -1 padded."""
