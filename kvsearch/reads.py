@@ -294,10 +294,13 @@ class Reads:
         out: dict[int, str | Tensor | None] = dict.fromkeys(ids)
         if not out:
             return out
-        rows = gathered.values.detach().reshape(-1, gathered.values.shape[-1]).cpu().numpy()  # (b * t, value_dim)
+        at: dict[int, int] = {}  # id -> its first place among the gathered candidates
         for n, (id_, here) in enumerate(zip(gathered.ids.reshape(-1).tolist(), gathered.mask.reshape(-1).tolist())):
-            if here and id_ in out and out[id_] is None:
-                out[id_] = torch.from_numpy(rows[n].copy())  # (value_dim,) its own storage, not a view of the batch
+            if here and id_ in out:
+                at.setdefault(id_, n)
+        rows = gathered.values.detach().reshape(-1, gathered.values.shape[-1]).cpu().numpy()  # (b * t, value_dim)
+        for id_, n in at.items():
+            out[id_] = torch.from_numpy(rows[n].copy())  # (value_dim,) its own storage, not a view of the batch
         return out
 
     def prepare_queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:

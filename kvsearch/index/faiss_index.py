@@ -284,11 +284,15 @@ class Index:
         """
         k = check_k(k)
         check_queries(queries, self.dim)
-        q = queries.detach().float()  # (batch, dim)
+        q = queries.detach()  # (batch, dim)
+        if q.dtype != torch.float32:
+            q = q.float()  # (batch, dim)
         if self.normalize:
             # F.normalize's very arithmetic (equal bits), without its Python path through torch.norm (~5 us a call)
             q = q / torch.linalg.vector_norm(q, dim=-1, keepdim=True).clamp_min(COSINE_EPS)  # (batch, dim)
-        q = np.ascontiguousarray(q.cpu().numpy())  # (batch, dim) float32
+        if q.device.type != "cpu":
+            q = q.cpu()  # (batch, dim)
+        q = np.ascontiguousarray(q.numpy())  # (batch, dim) float32
         if allowed is None:
             D, I = self._search(q, k, None)  # noqa: E741 - FAISS's own names, kept inside this module
         else:
