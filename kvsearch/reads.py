@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # annotations only
     from kvsearch.storage.store import Record, Store
     from kvsearch.view import View
 
-__all__ = ["Reads", "MISSING"]
+__all__ = ["Reads", "MISSING", "rank_candidates"]
 
 #: The default of ``Database.lookup``'s ``default``: none was given, a miss raises.
 MISSING: Any = object()
@@ -97,14 +97,11 @@ class Reads:
                 return [] if single else [[] for _ in range(q.shape[0])]
             depth = k if similarity is None else rerank_depth(k)
             cand = self.retriever.candidates(q, depth, where=where)
-            scores = compute_scores(q.to(self.device).unsqueeze(1), cand.keys, self.score).squeeze(1)  # (b, k)
-            scores = torch.where(cand.mask, scores, -math.inf)  # (b, k)
-            order = torch.argsort(scores, dim=-1, descending=True, stable=True)  # (b, k)
-            ids = cand.ids.gather(1, order).cpu()  # (b, k)
-            found = [i for row in ids.tolist() for i in row if i >= 0]
+            ids, scores = rank_candidates(q, cand, self.score)  # (b, t) each, best first
+            found = [i for row in ids for i in row if i >= 0]
             values = self.answer_values(found, gathered=cand)
             metadata = self.store.metadata_texts(found)
-            hits = make_hits(ids, scores.gather(1, order).cpu(), self.store.key_of_id, values, metadata)
+            hits = make_hits(ids, scores, self.store.key_of_id, values, metadata)
         if similarity is not None:
             hits = rerank_hits(similarity, texts, hits, k)  # outside the snapshot: the user's callable may be slow
         return hits[0] if single else hits
@@ -295,10 +292,15 @@ class Reads:
         if texts or gathered is None:
             return self.store.answer_values(ids, texts=texts)
         out: dict[int, str | Tensor | None] = dict.fromkeys(ids)
-        rows = gathered.values.detach().reshape(-1, gathered.values.shape[-1]).cpu().numpy()  # (b * t, value_dim)
+        if not out:
+            return out
+        at: dict[int, int] = {}  # id -> its first place among the gathered candidates
         for n, (id_, here) in enumerate(zip(gathered.ids.reshape(-1).tolist(), gathered.mask.reshape(-1).tolist())):
-            if here and id_ in out and out[id_] is None:
-                out[id_] = torch.from_numpy(rows[n].copy())  # (value_dim,) its own storage, not a view of the batch
+            if here and id_ in out:
+                at.setdefault(id_, n)
+        rows = gathered.values.detach().reshape(-1, gathered.values.shape[-1]).cpu().numpy()  # (b * t, value_dim)
+        for id_, n in at.items():
+            out[id_] = torch.from_numpy(rows[n].copy())  # (value_dim,) its own storage, not a view of the batch
         return out
 
     def prepare_queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
@@ -322,3 +324,22 @@ class Reads:
         q = encoder.encode(texts)  # (b, dim)
         check_finite(q, "query embeddings")
         return q, texts, isinstance(queries, str)
+
+
+def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[list[list[int]], list[list[float]]]:
+    """The candidates of each query ranked by the database's score recomputed in torch on their stored keys.
+
+    One sort gives the order and the sorted scores (a stable sort: ties keep the index's order); missing candidates
+    (mask False, id -1) score -inf and come last.
+
+    Args:
+        queries: (batch, dim). cand: candidates (batch, t) of these queries, on the store's device.
+        score: the database's score.
+
+    Returns:
+        ids and scores, (batch, t) each as lists of rows, best first.
+    """
+    keys = cand.keys  # (b, t, dim)
+    scores = compute_scores(queries.to(keys.device).unsqueeze(1), keys, score).squeeze(1)  # (b, t)
+    scores, order = torch.sort(torch.where(cand.mask, scores, -math.inf), dim=-1, descending=True, stable=True)
+    return cand.ids.gather(1, order).tolist(), scores.tolist()  # (b, t) each

@@ -224,8 +224,8 @@ class LazyMetadata(_LazyRows):
 
 
 def make_hits(
-    ids: Tensor,
-    scores: Tensor,
+    ids: Tensor | Sequence[Sequence[int]],
+    scores: Tensor | Sequence[Sequence[float]],
     key_of_id: Mapping[int, str],
     values: Mapping[int, str | Tensor | None],
     metadata: Mapping[int, str] | None = None,
@@ -233,19 +233,21 @@ def make_hits(
     """One list of :class:`Hit` per query, best first, from ranked ids and scores.
 
     Args:
-        ids: (batch, k) int64 CPU ids, best first, -1 where there is no candidate (skipped).
-        scores: (batch, k) float scores.
+        ids: (batch, k) int64 ids (a tensor or lists of rows), best first, -1 where there is no candidate (skipped).
+        scores: (batch, k) float scores (a tensor or lists of rows).
         key_of_id: id -> key text. values: id -> value (text or CPU tensor).
         metadata: id -> the stored metadata JSON (ids without metadata absent).
     """
     metadata = metadata or {}
+    ids = ids.tolist() if isinstance(ids, Tensor) else ids
+    scores = scores.tolist() if isinstance(scores, Tensor) else scores
     return [
         [
             Hit(id=i, key=key_of_id.get(i), value=values.get(i), score=s, metadata=_parse(metadata.get(i)))
             for i, s in zip(row, row_s)
             if i >= 0
         ]
-        for row, row_s in zip(ids.tolist(), scores.tolist())
+        for row, row_s in zip(ids, scores)
     ]
 
 

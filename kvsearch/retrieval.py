@@ -16,6 +16,7 @@ nothing of text, encoders, locking (the caller holds the store's locks) or train
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +30,7 @@ from kvsearch.index.base import CandidateIndex
 from kvsearch.index.factory import load_index, make_index
 from kvsearch.limits import check_fits
 from kvsearch.nn.attend import Candidates
-from kvsearch.nn.precision import autocast_off
+from kvsearch.nn.precision import autocast_dtype, autocast_off
 from kvsearch.nn.scores import check_db_score
 from kvsearch.storage import folder as folders
 from kvsearch.storage.store import Store
@@ -209,7 +210,7 @@ class Retriever:
         take = max(1, min(int(k), len(store) if allowed is None else len(allowed)))
         per_candidate = (self.dim + store.values.shape[-1]) * 4 * 3 + 24  # gathered, scored, their gradients; ids
         check_fits(queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates")
-        with autocast_off(queries.device, device):  # the index scores in its own dtype, never autocast's
+        with _autocast_off(queries.device, device):  # the index scores in its own dtype, never autocast's
             ids = self.index.search(queries.detach(), take, allowed=allowed).ids.cpu()  # (b, take)
         rows = self.index.last_rows if self.index.source is store else None  # (b, take) or None
         if targets is not None:
@@ -274,6 +275,14 @@ class Retriever:
         """
         first, count = self.key_matches(queries)  # (batch,), (batch,)
         return torch.where(count == 1, first, -1)  # (batch,)
+
+
+def _autocast_off(queries: torch.device, store: torch.device) -> contextlib.AbstractContextManager:
+    """:func:`~kvsearch.nn.precision.autocast_off` for both devices, or nothing where autocast is off on both (the
+    usual case: a search's Python work is most of a single query's cost)."""
+    if autocast_dtype(queries) is None and (store == queries or autocast_dtype(store) is None):
+        return contextlib.nullcontext()
+    return autocast_off(queries, store)
 
 
 def _fingerprint_weights(dim: int, device: torch.device) -> Tensor:

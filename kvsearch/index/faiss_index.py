@@ -284,17 +284,24 @@ class Index:
         """
         k = check_k(k)
         check_queries(queries, self.dim)
-        q = queries.detach().float()  # (batch, dim)
+        q = queries.detach()  # (batch, dim)
+        if q.dtype != torch.float32:
+            q = q.float()  # (batch, dim)
         if self.normalize:
             # F.normalize's very arithmetic (equal bits), without its Python path through torch.norm (~5 us a call)
             q = q / torch.linalg.vector_norm(q, dim=-1, keepdim=True).clamp_min(COSINE_EPS)  # (batch, dim)
-        q = np.ascontiguousarray(q.cpu().numpy())  # (batch, dim) float32
+        if q.device.type != "cpu":
+            q = q.cpu()  # (batch, dim)
+        q = np.ascontiguousarray(q.numpy())  # (batch, dim) float32
         if allowed is None:
             D, I = self._search(q, k, None)  # noqa: E741 - FAISS's own names, kept inside this module
         else:
             D, I = self._filtered_search(q, k, check_allowed(allowed))  # noqa: E741
+        scores, ids = torch.from_numpy(D), torch.from_numpy(I)  # (batch, k) each, on the CPU
         device = queries.device
-        return SearchResult(torch.from_numpy(D).to(device), torch.from_numpy(I).to(device))
+        if device.type != "cpu":
+            scores, ids = scores.to(device), ids.to(device)
+        return SearchResult(scores, ids)
 
     def _search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """FAISS's search (with a selector admitting only ``allowed`` live ids): (batch, k) D and I, -1 padded."""
