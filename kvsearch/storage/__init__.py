@@ -5,9 +5,10 @@ version), the key / value tensors gathered by id and their catch-up from the cha
 views of the shared file mappings), the key texts it reads lazily (``key_texts``), the move of an earlier version's
 store (``legacy``), the SQLite file's tables, summary triggers and connections (``schema``), the embeddings on disk
 in file sets every process maps (``vector_file``) or in SQLite chunks in memory (``chunks``), the choice between the
-two (``embeddings``), the change log (``changelog``), row buffers with room to grow (``buffers``), files written whole or
-not at all (``fileio``), the write lock (``locking``), the database folder with its index manifest (``folder``), the
-encoders' files and generation folders (``encoder_files``) and the stored configuration (``config``).
+two (``embeddings``), the change log (``changelog``), row buffers with room to grow (``buffers``), files written
+whole or not at all (``fileio``), the write lock (``locking``), the database folder with its index manifest
+(``folder``), the encoders' files and generation folders (``encoder_files``) and the stored configuration
+(``config``).
 
 It knows nothing of candidate indexes, attention, autograd, training or torch.distributed: it stores and hands
 back tensors and texts by id.

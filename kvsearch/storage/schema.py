@@ -101,7 +101,8 @@ END;
 CREATE TRIGGER IF NOT EXISTS records_summary_update AFTER UPDATE OF id, slot ON records BEGIN
     UPDATE records_summary SET ids = (ids + {m} - old.id % {m} + new.id % {m}) % {m},
         slots = (slots + {m} - old.slot % {m} + new.slot % {m}) % {m},
-        pairs = (pairs + {m} - ((old.id | old.slot) - (old.id & old.slot)) % {m} + ((new.id | new.slot) - (new.id & new.slot)) % {m}) % {m};
+        pairs = (pairs + {m} - ((old.id | old.slot) - (old.id & old.slot)) % {m}
+            + ((new.id | new.slot) - (new.id & new.slot)) % {m}) % {m};
 END;
 """.replace("{m}", str(SUMMARY_MOD))
 #: The summary of a store whose records table was written before the summary (or without it): one scan.
