@@ -263,6 +263,10 @@ class Lance(Store):
     def ids(self, result: Any) -> list[int]:
         return result["id"].to_pylist()
 
+    def batch(self, handle: Any, queries: np.ndarray) -> Any:
+        search = handle.search(list(queries)).distance_type("cosine").limit(K).select(["id", "_distance"])
+        return search.to_arrow()  # one row per hit, its query in the column query_index
+
     def set(self, handle: Any, setting: Any) -> None:
         self.ef = setting
 
