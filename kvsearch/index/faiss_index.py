@@ -44,10 +44,8 @@ from kvsearch.index.faiss_spec import (
 from kvsearch.index.graph_storage import (
     GraphVectors,
     delta_bound,
-    delta_search,
     graph_blob,
     is_flat_graph,
-    merge_results,
 )
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
@@ -334,7 +332,7 @@ class Index:
         params = self._search_parameters(search_k) if allowed is None else self._allowed_parameters(allowed, search_k)
         d, i = self._faiss.search(queries, search_k, params=params) if params else self._faiss.search(queries, search_k)
         if self._vectors.delta is not None:
-            d, i = self._with_delta(queries, search_k, (d, i), allowed)
+            d, i = self._vectors.with_delta(queries, (d, i), self._labels, self._dead, allowed)
         valid = i >= 0  # (batch, search_k)
         if not valid.all():
             d = np.where(valid, d, np.float32(np.nan))  # (batch, search_k)
@@ -348,21 +346,6 @@ class Index:
         I = np.full((batch, k), -1, dtype=np.int64)  # noqa: E741
         D[:, :search_k], I[:, :search_k] = d, i
         return D, I
-
-    def _with_delta(
-        self, queries: np.ndarray, k: int, found: tuple[np.ndarray, np.ndarray], allowed: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The graph's (batch, k) scores and labels ``found`` merged with an exact search of the delta's live
-        (and ``allowed``) labels."""
-        first = int(self._faiss.ntotal)
-        keep = ~self._dead[first:]  # (m,)
-        if allowed is not None:
-            keep &= np.isin(self._labels[first:], allowed)
-        rows = np.flatnonzero(keep)
-        if not len(rows):
-            return found
-        extra = delta_search(queries, k, self._vectors.delta, first, rows, self.metric)
-        return merge_results(found, extra, k, self.metric)
 
     def _filtered_search(self, queries: np.ndarray, k: int, allowed: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Top-k among the live ids of ``allowed`` (m,): min(k, live) of them for every query."""

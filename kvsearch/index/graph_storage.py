@@ -329,6 +329,30 @@ class GraphVectors:
             parts.append(self.delta[dead[dead >= n] - n])  # (d2, dim)
         return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
 
+    def with_delta(
+        self,
+        queries: np.ndarray,
+        found: tuple[np.ndarray, np.ndarray],
+        labels: np.ndarray,
+        dead: np.ndarray,
+        allowed: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The graph's (batch, k) scores and labels ``found`` merged with an exact search of the delta.
+
+        Args:
+            queries: (batch, dim) float32 as the graph got them. labels: (L,) each label's id; dead: (L,) tombstones
+                (the delta's labels are the last ``len(delta)``). allowed: live ids that may come back, or None.
+        """
+        first = len(labels) - len(self.delta)
+        keep = ~dead[first:]  # (m,)
+        if allowed is not None:
+            keep &= np.isin(labels[first:], allowed)
+        rows = np.flatnonzero(keep)
+        if not len(rows):
+            return found
+        k = found[1].shape[1]
+        return merge_results(found, delta_search(queries, k, self.delta, first, rows, self.metric), k, self.metric)
+
     def add(self, vectors: np.ndarray) -> None:
         """Append (a, dim) ``vectors`` to the delta (a copy: never the caller's memory)."""
         vectors = np.array(vectors, dtype=np.float32, copy=True)  # (a, dim)
