@@ -78,7 +78,7 @@ def w_open(path: str, dim: int) -> dict:
 
 def run(root: str, worker: str, kwargs: dict) -> dict:
     """``worker(**kwargs)`` in a fresh process that imports kvsearch from ``root``."""
-    env = {**os.environ, "PYTHONPATH": root}
+    env = {**os.environ, "PYTHONPATH": root, "BENCH_KVSEARCH_ROOT": root}
     cmd = [sys.executable, __file__, "--worker", worker, "--kwargs", json.dumps(kwargs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     for line in reversed(proc.stdout.strip().splitlines()):
@@ -161,5 +161,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "BENCH_KVSEARCH_ROOT" in os.environ:  # a worker: that side's kvsearch, before common's checkout
+        sys.path.insert(0, os.environ["BENCH_KVSEARCH_ROOT"])
     if not common.worker_main({"w_build": w_build, "w_open": w_open}):
         main()

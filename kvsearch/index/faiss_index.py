@@ -12,6 +12,10 @@ never appears; :attr:`Index.needs_rebuild` turns true when tombstones outnumber 
 training (IVF, PQ, OPQ) are served by an exact flat index until enough vectors exist to train them
 (:attr:`Index.min_train`), then trained on everything stored and switched over through :meth:`Index.rebuild`
 (or :meth:`Index.build`).
+
+An HNSW graph (``IndexHNSWFlat``) bound to a source reads the source's keys instead of holding its own copy where
+they are its vectors in order (:attr:`Index.shares_storage`, :mod:`kvsearch.index.graph_storage`), and its saved
+file holds the graph without the vectors.
 """
 
 from __future__ import annotations
