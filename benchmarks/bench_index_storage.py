@@ -129,7 +129,6 @@ def main() -> None:
                 f"{grow('Anonymous'):,.0f}",
                 f"{grow('Rss') * 2**20 / raw:.2f}",
                 str(opened[name][0]["shares_storage"]),
-                f"{built[name]['seconds']:.0f}",
             ]
         )
     headers = [
@@ -143,7 +142,6 @@ def main() -> None:
         "anon MiB",
         "RSS / raw",
         "shares_storage",
-        "build s",
     ]
     body = common.table(headers, rows)
     body += (

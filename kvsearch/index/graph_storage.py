@@ -15,6 +15,9 @@ It knows nothing of ids, tombstones, files or the store: the index holds those.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import faiss
 import numpy as np
 import torch
@@ -54,6 +57,7 @@ DELTA_MIN = 256
 DELTA_FRACTION = 8
 DELTA_MAX = 8192
 
+_malloc_trim = None  # glibc's malloc_trim once looked up (False: none)
 _COMPARE_ROWS = 4096  # rows compared at a time by same_vectors: a mismatch is usually seen in the first block
 
 
@@ -105,6 +109,25 @@ def set_storage(graph: faiss.IndexHNSW, storage: faiss.Index | None) -> None:
     graph.storage = storage
     if old is not None and owned:
         old.thisown = True  # this proxy now deletes the old storage (and its vectors) when it goes
+        del old
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Once a process has freed a large block, glibc raises its mmap threshold (up to 32 MiB) and serves later large
+    blocks from the heap, which keeps them in the resident set after they are freed: a freed storage copy would
+    still count, though unused.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
 
 
 def storage_vectors(graph: faiss.IndexHNSW) -> np.ndarray:
