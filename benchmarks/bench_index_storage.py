@@ -1,9 +1,9 @@
 """One copy with an ANN index: an HNSW32 database's bytes on disk and a reader's memory, against a peer checkout.
 
-    python benchmarks/bench_index_storage.py --peer /work/main          # m = 100k random unit vectors, d = 384
-    python benchmarks/bench_index_storage.py --peer /work/main --quick  # m = 20k
+    python benchmarks/bench_index_storage.py --peer main=/work/main          # m = 100k random unit vectors, d = 384
+    python benchmarks/bench_index_storage.py --peer main=/work/main --quick  # m = 20k
 
-Each side (this checkout, and ``--peer``: another checkout of kvsearch, e.g. the main branch) builds its own HNSW32
+Each side (this checkout, and each ``--peer NAME=ROOT``: another checkout of kvsearch) builds its own HNSW32
 database of the same ``m`` random unit vectors (value_dim 1, so the folder is mostly keys and index) in a fresh
 process with that side's code (``PYTHONPATH``), saves and closes it. Then, interleaved ``--repeat`` times, a fresh
 process of each side opens its database and runs 100 single searches (k = 10); it reads ``/proc/self/smaps_rollup``
@@ -89,7 +89,9 @@ def run(root: str, worker: str, kwargs: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer", required=True, help="another kvsearch checkout to compare with (its root)")
+    parser.add_argument(
+        "--peer", action="append", required=True, help="NAME=ROOT: another kvsearch checkout to compare with"
+    )
     parser.add_argument("--m", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=common.DIM)
     parser.add_argument("--repeat", type=int, default=3)
@@ -98,7 +100,8 @@ def main() -> None:
     args = parser.parse_args()
     m = 20_000 if args.quick else args.m
     info = common.machine()
-    sides = {"peer": str(Path(args.peer).resolve()), "this": str(common.REPO)}
+    sides = {name: str(Path(root).resolve()) for name, _, root in (p.partition("=") for p in args.peer)}
+    sides["this"] = str(common.REPO)
     raw = m * args.dim * 4
     built, rows = {}, []
     for name, root in sides.items():
