@@ -41,6 +41,10 @@ def smaps() -> dict[str, int]:
     return out
 
 
+def folder_files(path: str) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in Path(path).rglob("*") if p.is_file()}
+
+
 def w_build(path: str, m: int, dim: int) -> dict:
     import torch
 
@@ -55,8 +59,7 @@ def w_build(path: str, m: int, dim: int) -> dict:
         db.add(keys=torch.from_numpy(np.ascontiguousarray(keys[lo:hi])), values=torch.zeros(hi - lo, 1))
     db.save()
     db.close()
-    files = {p.name: p.stat().st_size for p in Path(path).rglob("*") if p.is_file()}
-    return {"seconds": time.perf_counter() - start, "files": files, "kvsearch": kvsearch.__file__}
+    return {"seconds": time.perf_counter() - start, "files": folder_files(path), "kvsearch": kvsearch.__file__}
 
 
 def w_open(path: str, dim: int) -> dict:
@@ -96,6 +99,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=common.DIM)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reuse", action="store_true", help="keep the databases an earlier run built")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     m = 20_000 if args.quick else args.m
@@ -106,7 +110,10 @@ def main() -> None:
     built, rows = {}, []
     for name, root in sides.items():
         path = str(common.CACHE / f"index_storage_{name}_{m}")
-        built[name] = run(root, "w_build", {"path": path, "m": m, "dim": args.dim})
+        if args.reuse and Path(path, "index.npz").exists():
+            built[name] = {"files": folder_files(path)}
+        else:
+            built[name] = run(root, "w_build", {"path": path, "m": m, "dim": args.dim})
         built[name]["path"] = path
     opened: dict[str, list[dict]] = {name: [] for name in sides}
     for _ in range(args.repeat):  # interleaved

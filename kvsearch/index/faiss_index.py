@@ -50,6 +50,7 @@ from kvsearch.index.graph_storage import (
     delta_bound,
     graph_blob,
     is_flat_graph,
+    return_freed_memory,
 )
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
@@ -637,6 +638,7 @@ class Index:
         if graph_size is None:  # a file that holds its vectors: shared from now on if they are the source's
             index._vectors.share(index._faiss, index.source, index._labels)
         index.set_params(**(params or {}))  # the parameters in effect, defaults included, not the file's
+        return_freed_memory()  # the file's bytes, read and deserialised, are freed: out of the resident set too
         return index
 
     def ids(self) -> Tensor:

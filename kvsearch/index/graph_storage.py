@@ -44,6 +44,7 @@ __all__ = [
     "delta_search",
     "merge_results",
     "GraphVectors",
+    "return_freed_memory",
 ]
 
 #: How far from unit length (and, row by row, from the normalised vector) a source's key may be for a cosine
@@ -110,15 +111,15 @@ def set_storage(graph: faiss.IndexHNSW, storage: faiss.Index | None) -> None:
     if old is not None and owned:
         old.thisown = True  # this proxy now deletes the old storage (and its vectors) when it goes
         del old
-        _return_freed_memory()
+        return_freed_memory()
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
 
     Once a process has freed a large block, glibc raises its mmap threshold (up to 32 MiB) and serves later large
     blocks from the heap, which keeps them in the resident set after they are freed: a freed storage copy would
-    still count, though unused.
+    still count, though unused (a storage copy just dropped, a file's bytes just deserialised).
     """
     global _malloc_trim
     if _malloc_trim is None:
