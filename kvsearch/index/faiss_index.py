@@ -12,6 +12,10 @@ never appears; :attr:`Index.needs_rebuild` turns true when tombstones outnumber 
 training (IVF, PQ, OPQ) are served by an exact flat index until enough vectors exist to train them
 (:attr:`Index.min_train`), then trained on everything stored and switched over through :meth:`Index.rebuild`
 (or :meth:`Index.build`).
+
+An HNSW graph (``IndexHNSWFlat``) bound to a source reads the source's keys instead of holding its own copy where
+they are its vectors in order (:attr:`Index.shares_storage`, :mod:`kvsearch.index.graph_storage`), and its saved
+file holds the graph without the vectors.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ from kvsearch.index.faiss_spec import (
     min_train,
     parse_spec,
     tune_faiss,
+)
+from kvsearch.index.graph_storage import (
+    GraphVectors,
+    delta_bound,
+    graph_blob,
+    is_flat_graph,
+    return_freed_memory,
 )
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
@@ -120,6 +131,7 @@ class Index:
         self._label_of: dict[int, int] = {}  # live id -> label (graphs only)
         self._core_of: tuple[faiss.Index, faiss.Index] | None = None  # (_faiss, its core): see _core
         self._fallback = False  # serving an exact flat index until enough vectors exist to train
+        self._vectors = GraphVectors(metric, self.normalize)  # an HNSW graph's storage (a view?) and delta
         self._build(np.empty(0, dtype=np.int64), np.empty((0, dim), dtype=np.float32))
         if params:
             self.set_params(**params)
@@ -154,6 +166,18 @@ class Index:
     def train_size(self) -> int | None:
         """How many vectors the next training samples (``train_size`` build parameter); None: every vector."""
         return self.params.get("train_size")
+
+    @property
+    def shares_storage(self) -> bool:
+        """True when the HNSW graph reads its vectors from the source's key tensor: its FAISS storage is a view over
+        ``source.keys``'s first rows (no copy). False for other types, without a source, and where the graph holds a
+        copy: its labels are not the source's first ids in order (tombstones in a reopened graph, a build from other
+        keys), the keys are not float32 on the CPU, or (cosine) not unit within ``UNIT_TOLERANCE``.
+
+        A shared graph's file holds the graph only (:meth:`save`); vectors added to it wait in a small exact delta
+        searched beside the graph until it is folded in (copy, grow, share again).
+        """
+        return self._vectors.shared
 
     @property
     def faiss_index(self) -> faiss.Index:
@@ -238,6 +262,7 @@ class Index:
 
     def _build(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         self._faiss = self._new_faiss(vectors)
+        self._vectors.reset()  # after the old graph went: it read the storage kept there
         self._removable_now = self.removable or self._fallback
         self._labels = np.empty(0, dtype=np.int64)
         self._dead = np.zeros(0, dtype=bool)
@@ -246,6 +271,7 @@ class Index:
         self._apply_params()
         if len(ids):
             self._add(ids, vectors)
+        self._vectors.share(self._faiss, self.source, self._labels)  # built from the source: read its keys
 
     def _add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         if not len(ids):
@@ -254,11 +280,17 @@ class Index:
             self._faiss.add_with_ids(vectors, ids)
             return
         start = len(self._labels)
-        self._faiss.add(vectors)
+        if self._vectors.shared:  # a view cannot grow: the new vectors wait in the delta
+            self._vectors.add(vectors)
+        else:
+            self._faiss.add(vectors)
         self._labels = np.concatenate([self._labels, ids])
         self._dead = np.concatenate([self._dead, np.zeros(len(ids), dtype=bool)])
         for offset, id_ in enumerate(ids.tolist()):
             self._label_of[id_] = start + offset
+        if self._vectors.delta is not None and len(self._vectors.delta) > delta_bound(self._faiss.ntotal):
+            self._vectors.fold(self._faiss)
+            self._vectors.share(self._faiss, self.source, self._labels)
 
     # ------------------------------------------------------------------ reading
 
@@ -311,6 +343,8 @@ class Index:
             return np.full((batch, k), np.nan, dtype=np.float32), np.full((batch, k), -1, dtype=np.int64)
         params = self._search_parameters(search_k) if allowed is None else self._allowed_parameters(allowed, search_k)
         d, i = self._faiss.search(queries, search_k, params=params) if params else self._faiss.search(queries, search_k)
+        if self._vectors.delta is not None:
+            d, i = self._vectors.with_delta(queries, (d, i), self._labels, self._dead, allowed)
         valid = i >= 0  # (batch, search_k)
         if not valid.all():
             d = np.where(valid, d, np.float32(np.nan))  # (batch, search_k)
@@ -541,11 +575,23 @@ class Index:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the index to ``path`` atomically (a temporary file, then a rename); read it with :func:`load_index`.
 
+        An HNSW graph (``IndexHNSWFlat``) with a source is written without its vectors (they are the source's
+        keys): the graph, the id of each label, the tombstones and the tombstones' vectors (ids the source no
+        longer holds); the delta's labels are written, their vectors read back from the source on load. Its
+        storage is shared with the source first where it can be (:attr:`shares_storage`: a writer's graph reads
+        the store's keys from its first save on). Other types, or without a source, hold their vectors.
+
         Raises:
             OSError: the file cannot be written (the temporary file is removed; ``path`` is as it was).
         """
-        blob = faiss.serialize_index(self._faiss)  # uint8 array
-        arrays = {"faiss": blob, "labels": self._labels, "dead": self._dead, "fallback": np.array(self._fallback)}
+        arrays = {"labels": self._labels, "dead": self._dead, "fallback": np.array(self._fallback)}
+        if is_flat_graph(self._faiss) and self.source is not None:
+            self._vectors.share(self._faiss, self.source, self._labels)
+            arrays["faiss"] = graph_blob(self._faiss)  # uint8 array: the graph only
+            arrays["graph_size"] = np.array(int(self._faiss.ntotal))
+            arrays["dead_vectors"] = self._vectors.dead_vectors(self._faiss, np.flatnonzero(self._dead))
+        else:
+            arrays["faiss"] = faiss.serialize_index(self._faiss)  # uint8 array
         write_atomic(path, lambda f: np.savez(f, **arrays), sync=False)  # derived data: a torn file fails its hash
 
     @classmethod
@@ -562,19 +608,33 @@ class Index:
     ) -> Index:
         """Read an index written by :meth:`save` (see :func:`load_index`).
 
+        A graph saved without its vectors re-attaches them from ``source`` (a view over its keys where they are the
+        graph's in order, else a copy gathered by id: see :attr:`shares_storage`).
+
         Raises:
-            CorruptDatabaseError: the file is missing, truncated, foreign or of another dim / metric.
+            CorruptDatabaseError: the file is missing, truncated, foreign or of another dim / metric; or it holds a
+                graph without vectors and ``source`` is None or lacks ids the graph holds.
         """
         index = cls(dim, spec, metric, normalize=normalize, source=source)
         try:
             with np.load(path, allow_pickle=False) as data:
                 blob, labels, dead = data["faiss"], data["labels"], data["dead"]
                 fallback = bool(data["fallback"])
+                graph_size = int(data["graph_size"]) if "graph_size" in data else None
+                dead_vectors = data["dead_vectors"] if graph_size is not None else None
             loaded = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
         except Exception as exc:  # numpy and FAISS raise many types on damaged input
             raise CorruptDatabaseError(f"index file {path} cannot be read: {exc}".splitlines()[0]) from None
         if loaded.d != dim or loaded.metric_type != METRICS[metric] or len(labels) != len(dead):
             raise CorruptDatabaseError(f"index file {path} does not match dim {dim} and metric {metric!r}")
+        if graph_size is not None:  # a graph without vectors: they are the source's keys
+            if source is None:
+                raise CorruptDatabaseError(f"index file {path} holds a graph without vectors, and no source is given")
+            try:
+                labels, dead = labels.astype(np.int64), dead.astype(bool)
+                index._vectors.attach(loaded, graph_size, source, labels, dead, dead_vectors)
+            except CorruptDatabaseError as exc:
+                raise CorruptDatabaseError(f"index file {path}: {exc}") from None
         index._faiss = loaded
         index._fallback = fallback
         index._removable_now = index.removable or fallback
@@ -582,7 +642,10 @@ class Index:
         index._dead = dead.astype(bool)
         index._tombstones = int(index._dead.sum())
         index._label_of = {int(i): n for n, i in enumerate(index._labels.tolist()) if not index._dead[n]}
+        if graph_size is None:  # a file that holds its vectors: shared from now on if they are the source's
+            index._vectors.share(index._faiss, index.source, index._labels)
         index.set_params(**(params or {}))  # the parameters in effect, defaults included, not the file's
+        return_freed_memory()  # the file's bytes, read and deserialised, are freed: out of the resident set too
         return index
 
     def ids(self) -> Tensor:
