@@ -128,6 +128,7 @@ def test_deleting_most_records_gives_the_space_back_to_new_ones(tmp_path):
     path = tmp_path / "db"
     with kvsearch.Database(path, dim=64, value_dim=64, score="dot") as db:
         ids = db.add(torch.randn(4_000, 64, generator=gen), torch.randn(4_000, 64, generator=gen))
+
     def folder_bytes() -> int:
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
