@@ -272,7 +272,10 @@ def test_reopen_reads_what_was_committed_last(tmp_path):
     assert torch.equal(reopened.store.keys, expect_keys) and reopened.store.ids[-2:].tolist() == new
     assert 1 not in reopened.store.ids.tolist()
     reopened.close()
-    assert sorted(p.name for p in path.iterdir() if p.name.startswith("store.sqlite")) == ["store.sqlite"]
+    names = sorted(p.name for p in path.iterdir() if p.name.startswith("store.sqlite"))
+    vectors = [n for n in names if n.startswith("store.sqlite.v")]  # the embeddings' file set: one, whole
+    assert [n for n in names if n not in vectors] == ["store.sqlite"]  # no WAL or journal left behind
+    assert len(vectors) == 3 and len({n.rsplit(".", 1)[0] for n in vectors}) == 1
 
 
 @pytest.mark.parametrize("change", ["delete_one", "renumber_two", "add_one"])
