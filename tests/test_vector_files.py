@@ -72,19 +72,19 @@ def test_a_delete_inside_the_run_copies_until_the_records_are_one_run_again(tmp_
     for i in ids[:100]:
         del ref[i]
     len(reader)
-    assert writer.store.mirror.mapped and reader.store.mirror.mapped
+    assert writer.store.keys_shared and reader.store.keys_shared
     check(writer), check(reader)
     writer.delete(ids[300:320])  # inside the run: each process copies
     for i in ids[300:320]:
         del ref[i]
     len(reader)
-    assert not writer.store.mirror.mapped and not reader.store.mirror.mapped
+    assert not writer.store.keys_shared and not reader.store.keys_shared
     check(writer), check(reader)
     writer.delete(ids[320:600])  # holes outnumber the records: a new file set in id order, mapped again
     for i in ids[320:600]:
         del ref[i]
     len(reader)
-    assert writer.store.mirror.mapped and reader.store.mirror.mapped
+    assert writer.store.keys_shared and reader.store.keys_shared
     check(writer), check(reader)
     assert sorted(p.name for p in (tmp_path / "db").glob("store.sqlite.v*")) == [
         "store.sqlite.v2.ids",

@@ -47,11 +47,6 @@ class Embeddings:
             if not writable and not VectorFiles.in_use(conn) and _has_chunks(conn):
                 self.files = None  # the chunk format, read-only: read as it is
 
-    @property
-    def mapped(self) -> bool:
-        """Whether the embeddings are in file sets that processes map."""
-        return self.files is not None
-
     def follow(self, conn: sqlite3.Connection) -> None:
         """Notice that another process moved a chunk-format store to file sets (a read-only store reads them)."""
         if self.files is None and self.store_path is not None and VectorFiles.in_use(conn):

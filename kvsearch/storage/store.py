@@ -424,7 +424,7 @@ class Store:
                     slots_now = self._slots_of(old_ids)
                     moved = self.embeddings.replace(self.conn, slots_now, old_ids, key_np[old], value_np[old])
                     if moved is not None:  # file sets are append-only: the new embeddings are in new slots
-                        self._point_at(old_ids, moved)
+                        self._point_at(old_ids, moved, old=slots_now)
                     self.conn.executemany(  # metadata None: keep the stored
                         "UPDATE records SET key = ?, value = ?, metadata = CASE WHEN ? THEN metadata ELSE ? END "
                         "WHERE id = ?",
@@ -533,12 +533,17 @@ class Store:
         """Inside a write transaction: the records as it leaves them on the shared file mappings (CPU), or None."""
         return self.embeddings.views(self.conn) if self.device.type == "cpu" else None
 
-    def _point_at(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Point records at new slots (inside the transaction that moved their embeddings), skipping unmoved ones."""
-        if len(ids) > 4096:  # many (a new file set): one ordered read of every record's slot
+    def _point_at(self, ids: np.ndarray, slots: np.ndarray, old: np.ndarray | None = None) -> None:
+        """Point records at new slots (inside the transaction that moved their embeddings), skipping unmoved ones.
+
+        Args:
+            ids: (n,) stored ids. slots: (n,) their new slots. old: (n,) their current slots, if the caller read them.
+        """
+        if old is None and len(ids) > 4096:  # many (a new file set): one ordered read of every record's slot
             held = np.array(self.conn.execute("SELECT id, slot FROM records ORDER BY id").fetchall(), np.int64)
-            old = held.reshape(-1, 2)[np.searchsorted(held.reshape(-1, 2)[:, 0], ids), 1]
-        else:
+            held = held.reshape(-1, 2)  # (r, 2) id, slot
+            old = held[np.searchsorted(held[:, 0], ids), 1]
+        elif old is None:
             old = self._slots_of(ids)
         moved = np.flatnonzero(old != slots)
         pairs = zip(slots[moved].tolist(), ids[moved].tolist())

@@ -83,15 +83,11 @@ class VectorFiles:
     Args:
         store_path: the store's SQLite file; the file sets lie beside it.
         writable: whether this process may write them (a read-only store maps only).
-
-    Attributes:
-        maps_made: how many times a file was (re)mapped (an observable counter, e.g. for tests).
     """
 
     def __init__(self, store_path: Path, *, writable: bool) -> None:
         self.store_path = Path(store_path)
         self.writable = writable
-        self.maps_made = 0
         self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # column -> (seq, bytes mapped, mapping)
 
     # ------------------------------------------------------------------ state
@@ -117,13 +113,6 @@ class VectorFiles:
     def holes(conn: sqlite3.Connection) -> np.ndarray:
         """(h,) int64 sorted: the committed slots no record holds."""
         return np.array(conn.execute("SELECT slot FROM vector_holes ORDER BY slot").fetchall(), np.int64).reshape(-1)
-
-    @staticmethod
-    def live_count(conn: sqlite3.Connection) -> int:
-        """How many slots hold a record."""
-        state = VectorFiles.state(conn)
-        holes = conn.execute("SELECT count(*) FROM vector_holes").fetchone()[0]
-        return 0 if state is None else state.used - int(holes)
 
     # ------------------------------------------------------------------ writing (inside the caller's transaction)
 
@@ -335,16 +324,20 @@ class VectorFiles:
             finally:
                 os.close(fd)
             self._maps[column] = (state.seq, size, mapping)
-            self.maps_made += 1
         return np.frombuffer(mapping, dtype=dtype, count=state.used * width).reshape(state.used, width)
 
-    def columns(self, conn: sqlite3.Connection, dim: int, value_dim: int) -> tuple[np.ndarray, ...]:
+    def columns(
+        self, conn: sqlite3.Connection, dim: int, value_dim: int, state: FileState | None = None
+    ) -> tuple[np.ndarray, ...]:
         """Every committed slot's id (used,), key (used, dim) and value (used, value_dim): views of the mappings.
+
+        Args:
+            state: the committed state if the caller read it in this snapshot (else it is read here).
 
         Raises:
             CorruptDatabaseError: the stored dims are not these, or a file is missing or short.
         """
-        state = self.state(conn)
+        state = state or self.state(conn)
         if state is None:
             return np.empty(0, np.int64), np.empty((0, dim), np.float32), np.empty((0, value_dim), np.float32)
         if (state.dim, state.value_dim) != (dim, value_dim):
@@ -374,7 +367,7 @@ class VectorFiles:
         count, last = conn.execute("SELECT count(*), coalesce(max(slot), -1) FROM vector_holes").fetchone()
         if last != count - 1:  # a hole after a record: not one run
             return None
-        ids, keys, values = self.columns(conn, *dims)
+        ids, keys, values = self.columns(conn, *dims, state=state)
         ids, keys, values = ids[count:], keys[count:], values[count:]
         if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
             return None
@@ -449,14 +442,10 @@ class VectorFiles:
         if state is None:
             return
         crc_now = 0
-        for array in self.columns(conn, state.dim, state.value_dim):
+        for array in self.columns(conn, state.dim, state.value_dim, state=state):
             crc_now = zlib.crc32(np.ascontiguousarray(array[first : first + count]).tobytes(), crc_now)
         if crc_now != crc:
             raise CorruptDatabaseError(
                 f"the vectors of slots {first}..{first + count - 1} in {self.path(state.seq, 'keys').name} and its "
                 "sibling files differ from what was committed (the files were damaged or changed from outside)"
             )
-
-    def close(self) -> None:
-        """Drop this object's mappings (arrays made on them keep theirs alive)."""
-        self._maps.clear()

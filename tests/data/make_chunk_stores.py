@@ -11,32 +11,15 @@ record as that version read it back (id, key, value, metadata, and both embeddin
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import torch
+from make_legacy_stores import dump  # the same record dump (run from the repository root: this folder is on the path)
 
 import kvsearch
 
 OUT = Path(__file__).resolve().parent / "chunk_format"
-
-
-def dump(db: kvsearch.Database, folder: Path) -> None:
-    records = []
-    for id_ in db.store.ids.tolist():
-        r = db.get(id_)
-        records.append(
-            {
-                "id": id_,
-                "key": r.key,
-                "value": r.value,
-                "metadata": r.metadata,
-                "key_embedding": r.key_embedding.numpy().tobytes().hex(),
-                "value_embedding": r.value_embedding.numpy().tobytes().hex(),
-            }
-        )
-    (folder / "expected.json").write_text(json.dumps({"records": records}, indent=1))
 
 
 def main() -> None:
