@@ -572,8 +572,8 @@ class Database:
     def where(self, filter: Mapping[str, Any] | None = None, *, ids: Any = None) -> Selection:
         """The records a filter selects, to read, count, aggregate, delete or update without a query.
 
-        ``db.where({"lang": "en"}).count()``, ``.records(limit=, offset=)`` (id order), ``.ids()``, ``.distinct(field)``,
-        ``.min_max(field)``, ``.fields()``, ``.delete()``, ``.update(metadata, merge=True)``: see
+        ``db.where({"lang": "en"}).count()``, ``.records(limit=, offset=)`` (id order), ``.ids()``,
+        ``.distinct(field)``, ``.min_max(field)``, ``.fields()``, ``.delete()``, ``.update(metadata, merge=True)``: see
         :class:`~kvsearch.selection.Selection`. Each call runs the filter again on what is committed then.
 
         Args:
