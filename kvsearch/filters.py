@@ -175,12 +175,12 @@ def _check_ops(field: Field, cond: Any, at: str, count: _Counter, depth: int) ->
                 raise InvalidArgumentError(f"expected a number, a string or a datetime at {here}, got {operand!r}")
             out.append(("cond", field, op, _scalar(operand, here, field)))
         elif op == "$contains":
+            if field.part == "id":
+                raise InvalidArgumentError(f"expected no $contains on $id at {here}: it is an integer")
             if _kind(operand) == "datetime" or (field.part is not None and not isinstance(operand, str)):
                 raise InvalidArgumentError(
                     f"expected a str (or, for a list field, a number, bool or None) at {here}, got {operand!r}"
                 )
-            if field.part == "id":
-                raise InvalidArgumentError(f"expected no $contains on $id at {here}: it is an integer")
             out.append(("cond", field, op, _scalar(operand, here, Field(path=("x",)))))
         else:
             out.append(("cond", field, op, _scalar(operand, here, field)))

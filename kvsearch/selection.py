@@ -144,4 +144,3 @@ def _page(limit: object, offset: object) -> tuple[int | None, int]:
         limit = check_int(limit, "limit", low=0)
     offset = check_int(offset, "offset", low=0)
     return limit, offset
-
