@@ -8,7 +8,7 @@ what cannot be stored cannot be filtered on).
 
 from __future__ import annotations
 
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta, timezone
 
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ from kvsearch.errors import InvalidArgumentError, NonFiniteError, UnknownOptionE
 from kvsearch.filters import matches
 
 DIM = 8
-UTC, PLUS2 = timezone.utc, timezone(timedelta(hours=2))
+UTC, PLUS2 = UTC, timezone(timedelta(hours=2))
 NOON = datetime(2024, 3, 1, 12, 0, tzinfo=UTC)
 INSTANTS = [
     NOON,
@@ -236,8 +236,8 @@ def test_datetimes_round_trip_and_compare_as_instants(tmp_path):
     path = tmp_path / "db"
     db = kvsearch.Database(path, dim=2, value_dim=2, score="dot")
     metas = [{"t": t, "nested": {"t": [t]}} for t in INSTANTS]
-    db.add([f"k{i}" for i in range(6)], [f"v{i}" for i in range(6)], metas,
-           key_embeddings=np.ones((6, 2), dtype=np.float32), value_embeddings=np.ones((6, 2), dtype=np.float32))  # fmt: skip
+    ones = np.ones((6, 2), dtype=np.float32)
+    db.add([f"k{i}" for i in range(6)], [f"v{i}" for i in range(6)], metas, key_embeddings=ones, value_embeddings=ones)
     db.close()
     db = kvsearch.Database(path)
     back = [r.metadata["t"] for r in db.where().records()]
