@@ -141,6 +141,6 @@ class Selection:
 
 def _page(limit: object, offset: object) -> tuple[int | None, int]:
     if limit is not None:
-        limit = check_int(limit, "limit", low=0)
-    offset = check_int(offset, "offset", low=0)
+        limit = check_int(limit, "limit", low=0, high=2**63 - 1)
+    offset = check_int(offset, "offset", low=0, high=2**63 - 1)  # what SQLite's LIMIT / OFFSET take
     return limit, offset
