@@ -30,13 +30,12 @@ this module raises :class:`~kvsearch.MissingDependencyError` (an ImportError) th
 
 from __future__ import annotations
 
-import base64
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -51,15 +50,25 @@ from kvsearch.errors import (
     NonFiniteError,
     UnknownOptionError,
 )
-from kvsearch.integrations.doc_ids import id_of_key, key_of_id
+from kvsearch.integrations.doc_ids import key_of_id
 from kvsearch.integrations.haystack_filters import (
     NO_EMBEDDING,
-    RESERVED,
     KVSearchFilterError,
     all_of,
     hidden_metadata,
     is_hidden,
     to_where,
+)
+from kvsearch.integrations.haystack_records import (
+    Row,
+    check_meta,
+    checked_documents,
+    checked_ids,
+    dim_of,
+    document_of,
+    first_repeated,
+    put_rows,
+    rows_of,
 )
 from kvsearch.storage.folder import is_database
 
@@ -68,7 +77,7 @@ if TYPE_CHECKING:  # annotations only
 
 try:
     from haystack import component, default_from_dict, default_to_dict
-    from haystack.dataclasses import ByteStream, Document, SparseEmbedding
+    from haystack.dataclasses import Document
     from haystack.document_stores.errors import DuplicateDocumentError
     from haystack.document_stores.types import DuplicatePolicy, FilterPolicy, apply_filter_policy
 except ImportError as exc:  # the optional extra is missing
@@ -92,15 +101,6 @@ _TYPES = {"text": "keyword", "number": "float", "bool": "boolean", "datetime": "
 
 class KVSearchDuplicateDocumentError(DuplicateKeyError, DuplicateDocumentError):
     """A document id is already stored (or repeated in one write) under ``DuplicatePolicy.FAIL``."""
-
-
-class _Row(NamedTuple):
-    """One record to write: key text, value text (None: a value given as an embedding), metadata, key embedding."""
-
-    key: str
-    content: str | None
-    metadata: dict[str, Any]
-    embedding: Tensor  # (dim,)
 
 
 class KVSearchDocumentStore:
@@ -133,6 +133,8 @@ class KVSearchDocumentStore:
         self._owned = database is None  # a database this store opened, and closes
         self._made_folder = False  # whether this store created the database's folder (so may replace it)
         self._db = database
+        if database is None and "dim" in database_options and not {"encoder", "value_encoder"} & set(database_options):
+            database_options.setdefault("value_dim", database_options["dim"])  # values: the key embeddings
         if self._db is None and (
             {"dim", "encoder"} & set(database_options) or (path is not None and is_database(path))
         ):
@@ -194,7 +196,7 @@ class KVSearchDocumentStore:
         selection = self._select(filters)
         if selection is None:
             return []
-        return [_document(r.id, r.key, r.value, r.metadata, r.key_embedding) for r in selection.records()]
+        return [document_of(r.id, r.key, r.value, r.metadata, r.key_embedding) for r in selection.records()]
 
     def write_documents(self, documents: list[Document], policy: DuplicatePolicy = DuplicatePolicy.NONE) -> int:
         """Write documents; an id already stored is failed, skipped or overwritten as ``policy`` says.
@@ -214,13 +216,13 @@ class KVSearchDocumentStore:
             KVSearchError: what the database refuses (non-finite embeddings, metadata it cannot store...).
             Nothing is written when any of these is raised.
         """
-        docs = _documents(documents)
+        docs = checked_documents(documents)
         if policy == DuplicatePolicy.NONE:
             policy = DuplicatePolicy.FAIL
         keys = [key_of_id(d.id) for d in docs]
         if policy == DuplicatePolicy.FAIL and len(set(keys)) < len(keys):
             raise KVSearchDuplicateDocumentError(
-                f"expected distinct ids, got {_repeated([d.id for d in docs])!r} twice"
+                f"expected distinct ids, got {first_repeated([d.id for d in docs])!r} twice"
             )
         kept = list({k: i for i, k in enumerate(keys)}.values())  # the last of repeated ids (OVERWRITE)
         if policy == DuplicatePolicy.SKIP:
@@ -228,14 +230,14 @@ class KVSearchDocumentStore:
         docs = [docs[i] for i in kept]
         if not docs:
             return 0
-        db = self._writable_database(_dim_of(docs))
+        db = self._writable_database(dim_of(docs))
         if policy != DuplicatePolicy.OVERWRITE:
             stored = db.ids_of_keys([key_of_id(d.id) for d in docs]).tolist()
             if policy == DuplicatePolicy.FAIL and max(stored) >= 0:
                 taken = [d.id for d, i in zip(docs, stored, strict=True) if i >= 0]
                 raise KVSearchDuplicateDocumentError(f"expected new ids, got ids already stored: {taken[:5]!r}")
             docs = [d for d, i in zip(docs, stored, strict=True) if i < 0]
-        _put(db, _rows(db, docs), upsert=policy == DuplicatePolicy.OVERWRITE)
+        put_rows(db, rows_of(db, docs), upsert=policy == DuplicatePolicy.OVERWRITE)
         return len(documents) if policy == DuplicatePolicy.OVERWRITE else len(docs)
 
     def delete_documents(self, document_ids: list[str]) -> None:
@@ -244,7 +246,7 @@ class KVSearchDocumentStore:
         Raises:
             InvalidArgumentError: an id that is not a str.
         """
-        ids = _id_list(document_ids)
+        ids = checked_ids(document_ids)
         if self._db is not None and ids:
             self._db.delete([key_of_id(i) for i in ids if i], missing="ignore")
 
@@ -281,7 +283,7 @@ class KVSearchDocumentStore:
         """
         if not isinstance(meta, Mapping):
             raise InvalidArgumentError(f"expected meta as a dict, got {type(meta).__name__}")
-        _check_meta(meta)
+        check_meta(meta)
         selection = self._select(_not_empty(filters, "update_by_filter"))
         if selection is None:
             return 0
@@ -395,7 +397,7 @@ class KVSearchDocumentStore:
         hits = self._db.search(query, k=top_k, where=where)
         keys = self._db.embeddings([h.id for h in hits])[0].cpu() if return_embedding and hits else None  # (k, dim)
         return [
-            _document(h.id, h.key, h.value, h.metadata, None if keys is None else keys[i], score=float(h.score))
+            document_of(h.id, h.key, h.value, h.metadata, None if keys is None else keys[i], score=float(h.score))
             for i, h in enumerate(hits)
         ]
 
@@ -439,17 +441,17 @@ class KVSearchDocumentStore:
     def _resize(self, dim: int) -> None:
         """Re-make the database with this dim, its documents (none with an embedding) copied in id order."""
         old = self._db
-        rows = [_Row(r.key, r.value, r.metadata, torch.zeros(dim)) for r in old.where().records()]
+        rows = [Row(r.key, r.value, r.metadata, torch.zeros(dim)) for r in old.where().records()]
         if self._path is None:
             new = self._create(dim, None)
-            _put(new, rows, upsert=False)
+            put_rows(new, rows, upsert=False)
             old.close()
             self._db = new
             return
         tag = uuid.uuid4().hex[:8]
         staging = self._path.with_name(f".{self._path.name}.resized-{tag}")
         new = self._create(dim, staging)
-        _put(new, rows, upsert=False)
+        put_rows(new, rows, upsert=False)
         new.close()
         old.close()
         self._db = None
@@ -460,150 +462,7 @@ class KVSearchDocumentStore:
         self._db = self._create(dim, self._path)
 
 
-# ---------------------------------------------------------------------------------------------- documents <-> records
-
-
-def _documents(documents: object) -> list[Document]:
-    if isinstance(documents, (str, bytes, Mapping)) or not isinstance(documents, Iterable):
-        raise InvalidArgumentError(f"expected a list of Documents, got {type(documents).__name__}")
-    docs = list(documents)
-    for i, doc in enumerate(docs):
-        if not isinstance(doc, Document):
-            raise InvalidArgumentError(f"expected a list of Documents, got {type(doc).__name__} at position {i}")
-        _check_meta(doc.meta)
-    return docs
-
-
-def _check_meta(meta: Mapping[str, Any]) -> None:
-    for name in meta:
-        if isinstance(name, str) and is_hidden(name):
-            raise InvalidArgumentError(
-                f"expected meta names that do not start with {RESERVED!r} (the adapter's), got {name!r}"
-            )
-
-
-def _id_list(ids: object) -> list[str]:
-    if isinstance(ids, str) or not isinstance(ids, Iterable):
-        raise InvalidArgumentError(f"expected a list of document ids, got {type(ids).__name__}")
-    ids = list(ids)
-    bad = [i for i in ids if not isinstance(i, str)]
-    if bad:
-        raise InvalidArgumentError(f"expected document ids as str, got {bad[0]!r}")
-    return ids
-
-
-def _repeated(ids: list[str]) -> str:
-    seen: set[str] = set()
-    return next(i for i in ids if i in seen or seen.add(i))  # type: ignore[func-returns-value]
-
-
-def _dim_of(docs: list[Document]) -> int | None:
-    """The dim of the documents' embeddings (None: none has one)."""
-    dims = {len(d.embedding) for d in docs if d.embedding is not None}
-    if len(dims) > 1:
-        raise DimensionMismatchError(f"expected embeddings of one dim in a write, got dims {sorted(dims)}")
-    return dims.pop() if dims else None
-
-
-def _stored_metadata(doc: Document) -> dict[str, Any]:
-    """A document's record metadata: its meta, the hidden date twins, and its extras under ``"_haystack"``."""
-    extras: dict[str, Any] = {}
-    if doc.embedding is None:
-        extras["no_embedding"] = True
-    if doc.blob is not None:
-        data = base64.b64encode(bytes(doc.blob.data)).decode("ascii")
-        extras["blob"] = {"data": data, "mime_type": doc.blob.mime_type, "meta": doc.blob.meta}
-    if doc.sparse_embedding is not None:
-        extras["sparse_embedding"] = doc.sparse_embedding.to_dict()
-    if doc.score is not None:
-        extras["score"] = doc.score
-    return {**doc.meta, **hidden_metadata(doc.meta), **({RESERVED: extras} if extras else {})}
-
-
-def _rows(db: Database, docs: list[Document]) -> list[_Row]:
-    """The records of documents; a document without an embedding gets the key encoder's embedding of its content
-    (when the database has a key encoder and the content is text), else zeros."""
-    embeddings = [None if d.embedding is None else torch.tensor(d.embedding, dtype=torch.float32) for d in docs]
-    stand_in = [i for i, d in enumerate(docs) if d.embedding is None and d.content and db.encoder is not None]
-    if stand_in:
-        with torch.no_grad():
-            encoded = db.encoder.encode([docs[i].content for i in stand_in]).detach().float().cpu()  # (m, dim)
-        for row, i in enumerate(stand_in):
-            embeddings[i] = encoded[row]
-    zeros = torch.zeros(db.dim)
-    return [
-        _Row(key_of_id(d.id), d.content, _stored_metadata(d), zeros if e is None else e)
-        for d, e in zip(docs, embeddings, strict=True)
-    ]
-
-
-def _put(db: Database, rows: list[_Row], *, upsert: bool) -> None:
-    """Write rows in one transaction, in order: runs of text values, and runs of values given as embeddings (no
-    text: a document without content). A value embedding is the key embedding when the dims agree, else the value
-    encoder's (text) or zeros (no text)."""
-    if not rows:
-        return
-    same_dim = db.value_dim == db.dim
-    if any(r.content is not None for r in rows) and db.value_encoder is None and not same_dim:
-        raise MissingEncoderError(
-            f"expected a database with a value encoder, or value_dim {db.dim} (the embeddings' dim), to store "
-            f"contents; got value_dim {db.value_dim} and no value encoder"
-        )
-    for r in rows:
-        if r.embedding.shape != (db.dim,):
-            raise DimensionMismatchError(f"expected embeddings of dim {db.dim}, got {tuple(r.embedding.shape)}")
-    write = db.upsert if upsert else db.add
-    with db.atomic():
-        start = 0
-        while start < len(rows):
-            text = rows[start].content is not None
-            end = start
-            while end < len(rows) and (rows[end].content is not None) == text:
-                end += 1
-            run = rows[start:end]
-            keys = torch.stack([r.embedding for r in run])  # (m, dim)
-            metadata = [r.metadata for r in run]
-            if text:
-                values = None if db.value_encoder is not None else keys  # the value encoder's, else the keys
-                write(
-                    [r.key for r in run],
-                    [r.content for r in run],
-                    metadata,
-                    key_embeddings=keys,
-                    value_embeddings=values,
-                )
-            else:
-                values = keys if same_dim else torch.zeros(len(run), db.value_dim)  # (m, value_dim)
-                write([r.key for r in run], values, metadata, key_embeddings=keys)
-            start = end
-
-
-def _document(
-    id_: int,
-    key: str | None,
-    value: Any,
-    metadata: Mapping[str, Any],
-    key_embedding: Tensor | None,
-    score: float | None = None,
-) -> Document:
-    """A record as a Haystack Document (the hidden metadata taken out of meta)."""
-    extras = metadata.get(RESERVED)
-    extras = extras if isinstance(extras, Mapping) else {}
-    blob = extras.get("blob")
-    if isinstance(blob, Mapping):
-        blob = ByteStream(
-            data=base64.b64decode(blob["data"]), meta=dict(blob.get("meta") or {}), mime_type=blob.get("mime_type")
-        )
-    sparse = extras.get("sparse_embedding")
-    return Document(
-        id=id_of_key(key) if key is not None else f"#{id_}",
-        content=value if isinstance(value, str) else None,
-        blob=blob if isinstance(blob, ByteStream) else None,
-        meta={k: v for k, v in metadata.items() if not is_hidden(k)},
-        score=score if score is not None else extras.get("score"),
-        embedding=None if extras.get("no_embedding") or key_embedding is None else key_embedding.tolist(),
-        sparse_embedding=SparseEmbedding.from_dict(sparse) if isinstance(sparse, Mapping) else None,
-    )
+# ---------------------------------------------------------------------------------------------- helpers
 
 
 def _not_empty(filters: Any, where: str) -> Any:
