@@ -134,7 +134,7 @@ class KVSearchDocumentStore:
         self._made_folder = False  # whether this store created the database's folder (so may replace it)
         self._db = database
         if database is None and "dim" in database_options and not {"encoder", "value_encoder"} & set(database_options):
-            database_options.setdefault("value_dim", database_options["dim"])  # values: the key embeddings
+            database_options.setdefault("value_dim", 1)  # Haystack has no value vectors: one zero each
         if self._db is None and (
             {"dim", "encoder"} & set(database_options) or (path is not None and is_database(path))
         ):
@@ -217,6 +217,8 @@ class KVSearchDocumentStore:
             Nothing is written when any of these is raised.
         """
         docs = checked_documents(documents)
+        if not isinstance(policy, DuplicatePolicy):
+            raise UnknownOptionError(f"expected a DuplicatePolicy, got {policy!r}")
         if policy == DuplicatePolicy.NONE:
             policy = DuplicatePolicy.FAIL
         keys = [key_of_id(d.id) for d in docs]
@@ -228,15 +230,16 @@ class KVSearchDocumentStore:
         if policy == DuplicatePolicy.SKIP:
             kept = sorted({k: i for i, k in reversed(list(enumerate(keys)))}.values())  # the first of them
         docs = [docs[i] for i in kept]
-        if not docs:
-            return 0
-        db = self._writable_database(dim_of(docs))
-        if policy != DuplicatePolicy.OVERWRITE:
-            stored = db.ids_of_keys([key_of_id(d.id) for d in docs]).tolist()
+        dim = dim_of(docs)
+        if policy != DuplicatePolicy.OVERWRITE and self._db is not None:
+            stored = self._db.ids_of_keys([key_of_id(d.id) for d in docs]).tolist()
             if policy == DuplicatePolicy.FAIL and max(stored) >= 0:
                 taken = [d.id for d, i in zip(docs, stored, strict=True) if i >= 0]
                 raise KVSearchDuplicateDocumentError(f"expected new ids, got ids already stored: {taken[:5]!r}")
             docs = [d for d, i in zip(docs, stored, strict=True) if i < 0]
+        if not docs:
+            return 0
+        db = self._writable_database(dim)  # made, or re-made with this dim, or DimensionMismatchError
         put_rows(db, rows_of(db, docs), upsert=policy == DuplicatePolicy.OVERWRITE)
         return len(documents) if policy == DuplicatePolicy.OVERWRITE else len(docs)
 
@@ -350,8 +353,7 @@ class KVSearchDocumentStore:
         selection = self._select(filters)
         if selection is None or name is None:
             return [], 0
-        where = all_of(selection.where, {name: {"$ne": None}})
-        ids = self._db.where(where).ids()
+        ids = self._where(all_of(selection.where, {name: {"$ne": None}})).ids()
         unique: dict[tuple[str, Any], Any] = {}
         for start in range(0, len(ids), _CHUNK):
             for metadata in self._db.metadata_of(ids[start : start + _CHUNK]).values():
@@ -392,8 +394,11 @@ class KVSearchDocumentStore:
             raise InvalidArgumentError(f"expected top_k as an int >= 0, got {top_k!r}")
         where = all_of(to_where(filters), {NO_EMBEDDING: {"$ne": True}})  # documents with an embedding only
         query = _query_tensor(query_embedding)  # (dim,)
-        if self._db is None or top_k == 0 or self._where(where).count() == 0:
+        if self._db is None or top_k == 0:
             return []
+        candidates = self._where(where)  # the filter checked (KVSearchFilterError)
+        if query.shape[0] != self._db.dim and candidates.count() == 0:
+            return []  # nothing to compare with (a stand-in dim while no document has an embedding)
         hits = self._db.search(query, k=top_k, where=where)
         keys = self._db.embeddings([h.id for h in hits])[0].cpu() if return_embedding and hits else None  # (k, dim)
         return [
@@ -417,7 +422,7 @@ class KVSearchDocumentStore:
     def _create(self, dim: int, path: Path | None) -> Database:
         options = dict(self._options)
         if "value_encoder" not in options:
-            options.setdefault("value_dim", dim)
+            options.setdefault("value_dim", 1)  # Haystack has no value vectors: one zero each
         return Database(path, dim=dim, **options)
 
     def _writable_database(self, dim: int | None) -> Database:
@@ -474,7 +479,7 @@ def _not_empty(filters: Any, where: str) -> Any:
 def _meta_name(field: str) -> str | None:
     """A meta field name without its ``"meta."`` (None for a hidden one)."""
     name = field.removeprefix("meta.")
-    return None if is_hidden(name) else name
+    return None if is_hidden(name) or name.startswith("$") else name
 
 
 def _at_path(metadata: Mapping[str, Any], path: str) -> Any:

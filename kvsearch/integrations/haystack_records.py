@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from kvsearch.database import Database
-from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, MissingDependencyError, MissingEncoderError
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, MissingDependencyError
 from kvsearch.integrations.doc_ids import id_of_key, key_of_id
 from kvsearch.integrations.haystack_filters import RESERVED, hidden_metadata, is_hidden
 
@@ -142,17 +142,16 @@ def rows_of(db: Database, docs: list[Document]) -> list[Row]:
 
 
 def put_rows(db: Database, rows: list[Row], *, upsert: bool) -> None:
-    """Write rows in one transaction, in order: runs of text values, and runs of values given as embeddings (no
-    text: a document without content). A value embedding is the key embedding when the dims agree, else the value
-    encoder's (text) or zeros (no text)."""
-    if not rows:
-        return
-    same_dim = db.value_dim == db.dim
-    if any(r.content is not None for r in rows) and db.value_encoder is None and not same_dim:
-        raise MissingEncoderError(
-            f"expected a database with a value encoder, or value_dim {db.dim} (the embeddings' dim), to store "
-            f"contents; got value_dim {db.value_dim} and no value encoder"
-        )
+    """Write rows in one transaction, in order.
+
+    A row's value is its text, or, without one (a document without content), an embedding. Haystack documents
+    carry no value embedding: the value encoder's of the text is stored when the database has one, else the key
+    embedding when the dims agree, else zeros (a database the store creates has value_dim 1: one zero a record).
+
+    Raises:
+        DimensionMismatchError: a key embedding that is not (dim,). KVSearchError: what the database refuses.
+            Nothing is written when any is raised.
+    """
     for r in rows:
         if r.embedding.shape != (db.dim,):
             raise DimensionMismatchError(f"expected embeddings of dim {db.dim}, got {tuple(r.embedding.shape)}")
@@ -166,18 +165,14 @@ def put_rows(db: Database, rows: list[Row], *, upsert: bool) -> None:
                 end += 1
             run = rows[start:end]
             keys = torch.stack([r.embedding for r in run])  # (m, dim)
+            values = keys if db.value_dim == db.dim else torch.zeros(len(run), db.value_dim)  # (m, value_dim)
             metadata = [r.metadata for r in run]
-            if text:
-                values = None if db.value_encoder is not None else keys  # the value encoder's, else the keys
-                write(
-                    [r.key for r in run],
-                    [r.content for r in run],
-                    metadata,
-                    key_embeddings=keys,
-                    value_embeddings=values,
-                )
+            if text and db.value_encoder is not None:
+                write([r.key for r in run], [r.content for r in run], metadata, key_embeddings=keys)
+            elif text:
+                texts = [r.content for r in run]
+                write([r.key for r in run], texts, metadata, key_embeddings=keys, value_embeddings=values)
             else:
-                values = keys if same_dim else torch.zeros(len(run), db.value_dim)  # (m, value_dim)
                 write([r.key for r in run], values, metadata, key_embeddings=keys)
             start = end
 
