@@ -23,6 +23,7 @@ from datetime import datetime
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("haystack")
 
@@ -272,6 +273,14 @@ def test_update_keeps_date_comparisons_true():
     store.update_by_filter({"field": "meta.i", "operator": "==", "value": 1}, {"when": 5})  # no longer a date
     assert store.filter_documents(later) == []
     assert store.filter_documents({"field": "meta.i", "operator": "==", "value": 1})[0].meta == {"when": 5, "i": 1}
+    store.update_by_filter({"field": "meta.i", "operator": "==", "value": 2}, {"note": "x"})  # no date in it
+    stored = store.database.metadata_of(store.database.ids())
+    assert [sorted(name for name in m if name.startswith("_haystack:")) for m in stored.values()] == [
+        ["_haystack:when"],
+        ["_haystack:when"],  # the twin of a date no more is null: no date compares with it
+        ["_haystack:when"],  # no twin written for "note"
+    ]
+    assert stored[2]["_haystack:when"] is None
 
 
 # ---------------------------------------------------------------------------------------------- writing and reading
@@ -391,10 +400,11 @@ def brute_force(docs: list[Document], query: np.ndarray, top_k: int, score: str,
     return [(kept[i].id, float(scores[i])) for i in order]
 
 
+@pytest.mark.parametrize("index", ["Flat", "HNSW32", "IVF4,Flat"])
 @pytest.mark.parametrize("score", ["cosine", "dot"])
 @pytest.mark.parametrize("top_k", [1, 5, 100])
 @pytest.mark.parametrize("with_filter", [False, True])
-def test_retriever_matches_a_brute_force_ranking(tmp_path, score, top_k, with_filter):
+def test_retriever_matches_a_brute_force_ranking(index, score, top_k, with_filter):
     rng = np.random.default_rng(3)
     docs = [
         Document(
@@ -405,7 +415,7 @@ def test_retriever_matches_a_brute_force_ranking(tmp_path, score, top_k, with_fi
         )
         for i in range(40)
     ]
-    store = KVSearchDocumentStore(score=score)
+    store = KVSearchDocumentStore(score=score, index=index)
     store.write_documents(docs)
     retriever = KVSearchEmbeddingRetriever(store, top_k=top_k)
     query = rng.standard_normal(8)
@@ -525,3 +535,16 @@ def test_a_kvsearch_database_serves_its_records_as_documents(tmp_path):
     with pytest.raises(kvsearch.MissingEncoderError):
         KVSearchTextEmbedder(KVSearchDocumentStore(dim=2)).run("text")
     db.close()
+
+
+def test_records_without_key_text_are_documents_too():
+    db = kvsearch.Database(None, dim=2, value_dim=2)
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # keys as embeddings: no key text
+    db.add(keys, ["first", "second"], [{"n": 1}, {"n": 2}], value_embeddings=keys)
+    store = KVSearchDocumentStore(database=db)
+    assert [(d.id, d.content, d.meta, d.embedding) for d in store.filter_documents()] == [
+        ("#1", "first", {"n": 1}, [1.0, 0.0]),
+        ("#2", "second", {"n": 2}, [0.0, 1.0]),
+    ]
+    assert [d.id for d in store.embedding_retrieval([0.1, 0.9], top_k=1)] == ["#2"]
+    assert [d.id for d in store.filter_documents({"field": "meta.n", "operator": ">", "value": 1})] == ["#2"]

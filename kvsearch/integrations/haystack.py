@@ -133,11 +133,11 @@ class KVSearchDocumentStore:
         self._owned = database is None  # a database this store opened, and closes
         self._made_folder = False  # whether this store created the database's folder (so may replace it)
         self._db = database
-        if database is None and "dim" in database_options and not {"encoder", "value_encoder"} & set(database_options):
+        existing = path is not None and is_database(path)
+        given = set(database_options)
+        if database is None and not existing and "dim" in given and not {"encoder", "value_encoder"} & given:
             database_options.setdefault("value_dim", 1)  # Haystack has no value vectors: one zero each
-        if self._db is None and (
-            {"dim", "encoder"} & set(database_options) or (path is not None and is_database(path))
-        ):
+        if database is None and ({"dim", "encoder"} & given or existing):
             self._db = Database(path, **database_options)
 
     @property
@@ -290,7 +290,16 @@ class KVSearchDocumentStore:
         selection = self._select(_not_empty(filters, "update_by_filter"))
         if selection is None:
             return 0
-        return len(selection.update({**meta, **hidden_metadata(meta, clear=True)}, merge=True))
+        dates = hidden_metadata(meta)
+        with self._db.atomic():  # the ids read and both updates: one transaction under the write lock
+            ids = selection.ids()
+            if len(ids):
+                self._db.where(ids=ids).update({**meta, **dates}, merge=True)
+            for name in hidden_metadata(meta, clear=True).keys() - dates.keys():  # a date no more: its twin goes
+                stale = self._db.where({name: {"$exists": True}}, ids=ids)
+                if len(ids) and stale.count():
+                    stale.update({name: None}, merge=True)
+        return len(ids)
 
     def count_documents_by_filter(self, filters: dict[str, Any]) -> int:
         """How many documents match a filter (None or ``{}``: all)."""

@@ -141,6 +141,8 @@ def hidden_metadata(meta: Mapping[str, Any], *, clear: bool = False) -> dict[str
     """
     out = {}
     for name, value in meta.items():
+        if not isinstance(name, str) or "." in name or name.startswith("$"):
+            continue  # a name no filter can reach (kvsearch refuses "$" names anyway)
         mirror = _mirror(value)
         if mirror is not None or clear:
             out[DATES + name] = mirror
