@@ -293,11 +293,12 @@ class KVSearchDocumentStore:
         dates = hidden_metadata(meta)
         with self._db.atomic():  # the ids read and both updates: one transaction under the write lock
             ids = selection.ids()
-            if len(ids):
-                self._db.where(ids=ids).update({**meta, **dates}, merge=True)
+            if len(ids) == 0:
+                return 0
+            self._db.where(ids=ids).update({**meta, **dates}, merge=True)
             for name in hidden_metadata(meta, clear=True).keys() - dates.keys():  # a date no more: its twin goes
                 stale = self._db.where({name: {"$exists": True}}, ids=ids)
-                if len(ids) and stale.count():
+                if stale.count():
                     stale.update({name: None}, merge=True)
         return len(ids)
 
@@ -315,6 +316,8 @@ class KVSearchDocumentStore:
         Returns:
             ``{field without "meta.": count}``.
         """
+        if isinstance(metadata_fields, str) or not all(isinstance(f, str) for f in metadata_fields):
+            raise InvalidArgumentError(f"expected metadata_fields as a list of str, got {metadata_fields!r}")
         selection = self._select(filters)
         out = {}
         for field in metadata_fields:
