@@ -84,7 +84,7 @@ def test_generated_records_and_filters(metas, where):
     db.close()
 
 
-@pytest.fixture(scope="module", params=["Flat", "HNSW16", "IVF4,Flat"])
+@pytest.fixture(scope="module", params=["Flat", "HNSW16", "IVF4,Flat", "torch"])
 def indexed_db(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("filters") / "db"
     rng = np.random.default_rng(3)
@@ -112,7 +112,7 @@ def test_filtered_search_keeps_min_k_matching_on_every_index(indexed_db, where, 
     ids = [h.id for h in hits]
     assert set(ids) <= set(allowed)
     assert len(ids) == min(k, len(allowed))
-    if db.index_spec == "Flat" and allowed:
+    if db.index_spec in ("Flat", "torch") and allowed:  # exact indexes: the brute-force top-k
         keys, _, _ = db.embeddings(allowed)
         scores = (keys @ q).numpy()
         best = [allowed[i] for i in np.argsort(-scores, kind="stable")[:k]]
