@@ -9,6 +9,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # Haystack pipelines never phone home from tests
 
 AUTHORS = {
     "Zhang": "Aston",
