@@ -348,6 +348,17 @@ def test_minilm_loads_silently_and_query_prints_only_its_results(tmp_path, capfd
                                   (row.split() for row in rows))  # fmt: skip
 
 
+def test_python_dash_m_kvsearch_runs_the_command_line(built):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    helped = subprocess.run([sys.executable, "-m", "kvsearch", "--help"], capture_output=True, text=True, env=env)
+    assert (helped.returncode, helped.stderr) == (0, "")
+    assert helped.stdout == run("--help").stdout  # the same program as the console script
+    info = subprocess.run([sys.executable, "-m", "kvsearch", "info", str(built), "--json"], capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert (info.returncode, info.stderr) == (0, "")
+    assert json.loads(info.stdout)["records"] == 6
+
+
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_every_command_has_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
