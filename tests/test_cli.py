@@ -302,6 +302,31 @@ def test_finetune_keep_last_and_metric_are_passed_on(built, tmp_path, capsys):
     assert "\nquery encoder  ngram, dim 256\n" in text
 
 
+def test_the_finetune_command_has_pythons_defaults_and_choices(capsys):
+    from kvsearch.cli.commands import finetune_options
+    from kvsearch.training.config import KEEPS, TRAIN_MODES
+    from kvsearch.training.losses import LOSSES
+    from kvsearch.training.metrics import TARGET_KINDS, TEXT_METRICS
+    from kvsearch.training.precision import PRECISIONS
+
+    parser = build_parser()
+    python = kvsearch.FinetuneConfig()
+    assert finetune_options(parser.parse_args(["finetune", "db"])) == {"verbose": True}  # nothing else passed on
+    cli = kvsearch.FinetuneConfig(**finetune_options(parser.parse_args(["finetune", "db"])))
+    assert cli == python and (cli.loss, cli.target_kind) == ("retrieval", "key")  # (query text, target key) pairs
+    given = parser.parse_args(["finetune", "db", "--loss", "answer", "--epochs", "2", "--quiet"])
+    assert finetune_options(given) == {"loss": "answer", "epochs": 2, "verbose": False}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["finetune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # the help, its line breaks undone
+    for choices in (LOSSES, TARGET_KINDS, TRAIN_MODES, KEEPS, TEXT_METRICS, PRECISIONS):
+        assert "{" + ",".join(choices) + "}" in text
+    for option in ("epochs", "k", "temperature", "seed", "keep", "loss", "precision", "generated"):
+        assert f"default {getattr(python, option)}" in text
+    assert f"default {','.join(python.noise)}" in text and "default None" not in text
+    assert f"default: {python.target_kind} for the {python.loss} loss, value for the answer losses" in text
+
+
 def test_finetune_bad_pairs_is_one_line(built, tmp_path, capsys):
     db = copy_of(built, tmp_path)
     pairs = tmp_path / "pairs.csv"

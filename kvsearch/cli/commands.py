@@ -39,6 +39,7 @@ __all__ = [
     "cmd_info",
     "cmd_delete",
     "cmd_finetune",
+    "finetune_options",
     "cmd_rollback",
     "cmd_demo",
 ]
@@ -303,7 +304,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune the database's encoder on (query, target) pairs and say what was committed."""
     try:
-        from kvsearch.training.loop import FinetuneConfig, finetune
+        from kvsearch.training.loop import finetune
     except ImportError:
         raise CommandError(
             "fine-tuning is not available: this kvsearch has no kvsearch.training.loop.finetune"
@@ -311,9 +312,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     pairs = None if args.pairs is None else _read_pairs(args.pairs, args)
     eval_pairs = None if args.eval is None else _read_pairs(args.eval, args)
-    # only the options given are in the namespace (the parser suppresses the others): the defaults are Python's
-    given = {field.name: getattr(args, field.name) for field in fields(FinetuneConfig) if hasattr(args, field.name)}
-    options: dict[str, Any] = {**given, "verbose": not args.quiet}
+    options = finetune_options(args)
     with _open_existing(args.db, unsharded_for="fine-tuning") as db:
         before = db.generation
         history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
@@ -330,6 +329,24 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     else:
         print(f"nothing was committed: {args.db} keeps its old retriever (generation {after} unchanged)")
     return 0
+
+
+def finetune_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`kvsearch.finetune` options of a parsed ``kvsearch finetune``: only those given on the command line
+    (the parser leaves the others out of the namespace), and ``verbose`` (not ``--quiet``), so that every other
+    option takes :class:`~kvsearch.FinetuneConfig`'s default: ``FinetuneConfig(**finetune_options(args))`` of a
+    command with no training option is ``FinetuneConfig()``.
+
+    Args:
+        args: the namespace of ``build_parser().parse_args(["finetune", ...])``.
+
+    Returns:
+        Option name -> value, for ``finetune(db, pairs, **options)``.
+    """
+    from kvsearch.training.config import FinetuneConfig
+
+    given = {field.name: getattr(args, field.name) for field in fields(FinetuneConfig) if hasattr(args, field.name)}
+    return {**given, "verbose": not args.quiet}
 
 
 def _trained_on(history: Any, pairs: list | None, eval_pairs: list | None) -> str:
