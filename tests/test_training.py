@@ -989,6 +989,26 @@ def test_targets_of_neither_kind_get_no_hint_and_eval_pairs_are_checked_too(name
     assert calls == [] and names_db.query_encoder is None
 
 
+def test_an_unknown_target_is_one_error_type_whatever_the_side(names_db):
+    from kvsearch import UnknownTargetError
+
+    with pytest.raises(UnknownTargetError) as by_key:
+        finetune_as_before(names_db, [("Lipton", "Lipton"), ("x", "Nobody")], loss="retrieval", verbose=False)
+    with pytest.raises(UnknownTargetError) as by_value:
+        finetune_as_before(names_db, [("Li", "Mu"), ("x", "Nobody"), ("y", "Li")], loss="answer", verbose=False)
+    with pytest.raises(UnknownTargetError) as evaluated:
+        evaluate(names_db, [("x", "Nobody"), ("Li", "Li")], k=3)
+    expected = [(by_key, "train_pairs", "key", [1]), (by_value, "train_pairs", "value", [1, 2])]
+    for caught, pairs, targets, positions in [*expected, (evaluated, "pairs", "key", [0])]:
+        error = caught.value
+        # what either side raised before: the key side a KeyNotFoundError, the value side an InvalidArgumentError
+        assert isinstance(error, KeyNotFoundError) and isinstance(error, InvalidArgumentError)
+        assert (error.pairs, error.targets, error.positions) == (pairs, targets, positions)
+        assert str(error).startswith(f"{pairs}: {len(positions)} of ")  # not KeyError's quoted repr
+    assert "at position 1" in str(by_key.value) and "at positions 1, 2" in str(by_value.value)
+    assert names_db.query_encoder is None  # nothing ran
+
+
 # ----------------------------------------------------------------------------- hostile options
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvsearch.cli.parser import PROG, CommandError
-from kvsearch.cli.printing import answer_table, history_table, info_text
+from kvsearch.cli.printing import answer_table, counted, history_table, info_text
 from kvsearch.distributed import layout as sharding
 from kvsearch.storage import folder as folders
 
@@ -150,10 +150,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.upsert:
         print(
             f"upserted {args.source} into {args.db}: {done.added} added, {done.replaced} replaced, "
-            f"{done.unchanged} unchanged ({total} records in all)"
+            f"{done.unchanged} unchanged ({counted(total, 'record')} in all)"
         )
     else:
-        print(f"added {done} records from {args.source} to {args.db} ({total} records in all)")
+        print(f"added {counted(done, 'record')} from {args.source} to {args.db} ({counted(total, 'record')} in all)")
     return 0
 
 
@@ -297,7 +297,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
                 raise KeyNotFoundError(f"expected a stored key, got {missing!r}; nothing was deleted")
         ids = db.delete(list(args.keys))
         left = len(db)
-    print(f"deleted {len(ids)} record{'s' if len(ids) != 1 else ''} from {args.db} ({left} left)")
+    print(f"deleted {counted(len(ids), 'record')} from {args.db} ({left} left)")
     return 0
 
 
@@ -351,14 +351,14 @@ def finetune_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _trained_on(history: Any, pairs: list | None, eval_pairs: list | None) -> str:
     """What a run trained and was measured on, in words: "on 6 pairs for 3 epochs, evaluated on ..."."""
-    parts = [] if pairs is None else [f"{len(pairs)} pairs"]
+    parts = [] if pairs is None else [counted(len(pairs), "pair")]
     if history.generated:
-        parts.append(f"{history.generated} pairs generated from the stored keys per epoch")
-    text = f"on {' and '.join(parts)} for {len(history.epoch_losses)} epochs"
+        parts.append(f"{counted(history.generated, 'pair')} generated from the stored keys per epoch")
+    text = f"on {' and '.join(parts)} for {counted(len(history.epoch_losses), 'epoch')}"
     if eval_pairs is not None:
-        text += f", evaluated on {len(eval_pairs)} held-out pairs"
+        text += f", evaluated on {counted(len(eval_pairs), 'held-out pair')}"
     elif history.monitor:
-        text += f", evaluated on {history.monitor} queries of held-out keys"
+        text += f", evaluated on {counted(history.monitor, 'query', 'queries')} of held-out keys"
     return text
 
 
@@ -378,7 +378,7 @@ def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             pairs.append((row.fields[0], row.fields[1]))
     if problems:
         shown = "; ".join(f"line {line}: {problem}" for line, problem in problems[:5])
-        raise BadFileError(f"{path!r} has {len(problems)} bad rows, nothing was trained: {shown}", problems)
+        raise BadFileError(f"{path!r} has {counted(len(problems), 'bad row')}, nothing was trained: {shown}", problems)
     if not pairs:
         raise CommandError(f"{path!r} holds no pairs")
     return pairs

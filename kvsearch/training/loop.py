@@ -288,13 +288,15 @@ def finetune(
         Without a commit it answers exactly as before.
 
     Raises:
-        InvalidArgumentError: bad pairs or options, a metric that does not fit the eval pairs, value target
-            texts that no record holds, an unknown option name, or nothing to train (all before any step).
+        InvalidArgumentError: bad pairs or options, a metric that does not fit the eval pairs, an unknown option
+            name, or nothing to train (all before any step).
         UnknownOptionError: an unknown loss, train mode, targets, score, pooling, optimizer, keep, metric or
             precision.
         NotSupportedError: ``precision="fp16"`` on a device other than CUDA, or pairs to generate on a sharded
             database (before any step).
-        KeyNotFoundError: a target key is not stored (before any step).
+        UnknownTargetError: a target matches no stored record — no stored key, or with value targets no stored
+            value text — (before any step; a KeyNotFoundError and an InvalidArgumentError, its ``positions`` say
+            which pairs).
         DimensionMismatchError: tensor pairs of the wrong shape.
         EmptyDatabaseError: the database is empty.
         NonFiniteError: the loss, a query embedding, a trained weight or the eval loss became NaN or Inf (the
