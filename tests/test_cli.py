@@ -335,8 +335,56 @@ def test_finetune_bad_pairs_is_one_line(built, tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        f"kvsearch finetune: error: '{pairs}' has 1 bad rows, nothing was trained: line 3: empty query or target\n"
+        f"kvsearch finetune: error: '{pairs}' has 1 bad row, nothing was trained: line 3: empty query or target\n"
     )
+
+
+def test_unknown_targets_of_a_pair_file_name_the_file_and_the_line(built, tmp_path, capsys):
+    db = copy_of(built, tmp_path)
+    pairs, held_out, values = tmp_path / "pairs.csv", tmp_path / "held_out.tsv", tmp_path / "values.jsonl"
+    pairs.write_text("query,target\nLipto,Lipton\n\nSmol,Nobody\nLii,Li\n")  # line 4 (the blank line 3 counts)
+    held_out.write_text("query\ttarget\nLipto\tLipton\nZang\tAston\nHoo\tRachel\n")  # value texts, not keys
+    values.write_text('{"query": "Lipto", "target": "Zachary"}\n{"query": "Hoo", "target": "Hu"}\n')
+    runs = {
+        "train": (["--pairs", str(pairs)], f"'{pairs}' has 1 bad row, nothing was trained: line 4: target 'Nobody' "
+                  "is no stored key"),
+        "eval": (["--pairs", str(pairs.with_name("ok.csv")), "--eval", str(held_out)],
+                 f"'{held_out}' has 2 bad rows, nothing was trained: line 3: target 'Aston' is no stored key; line 4: "
+                 "target 'Rachel' is no stored key (all or most of these targets are stored value texts: pass "
+                 "--targets value --loss answer)"),
+        "values": (["--pairs", str(values), "--loss", "answer"], f"'{values}' has 1 bad row, nothing was trained: "
+                   "line 2: target 'Hu' is no stored value text (all or most of these targets are stored keys: pass "
+                   "--targets key)"),
+    }  # fmt: skip
+    pairs.with_name("ok.csv").write_text("query,target\nLipto,Lipton\n")
+    for argv, message in runs.values():
+        assert main(["finetune", str(db), *argv, "--quiet"]) == 1
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", f"kvsearch finetune: error: {message}\n")
+    with kvsearch.Database(db) as opened:
+        assert opened.previous_generation is None  # nothing was trained
+
+
+def test_counts_are_singular_for_one(built, tmp_path, capsys):
+    from kvsearch.cli.printing import counted
+
+    assert [counted(n, "epoch") for n in (0, 1, 2)] == ["0 epochs", "1 epoch", "2 epochs"]
+    assert counted(1, "query", "queries") == "1 query" and counted(3, "query", "queries") == "3 queries"
+    source = tmp_path / "one.csv"
+    source.write_text("last,first\nLi,Mu\n")
+    assert main(["build", str(tmp_path / "one"), "--from", str(source), "--key", "last", "--value", "first",
+                 "--quiet"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == f"added 1 record from {source} to {tmp_path / 'one'} (1 record in all)\n"
+    db = copy_of(built, tmp_path)
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("query,target\nLipto,Lipton\n")
+    assert main(["finetune", str(db), "--pairs", str(pairs), "--epochs", "1", "--generated", "0", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"fine-tuned {db} on 1 pair for 1 epoch (")
+    assert "\n1 epoch, loss " in out and "epochs" not in out
+    assert main(["info", str(db)]) == 0
+    (last_run,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("last run")]
+    assert ", 1 step, " in last_run and "epochs" not in last_run and "steps" not in last_run
 
 
 def test_top_level_help_as_a_user_runs_it():

@@ -30,6 +30,7 @@ from kvsearch.storage import folder as folders
 if TYPE_CHECKING:
     from kvsearch.database import Database
     from kvsearch.distributed import ShardedDatabase
+    from kvsearch.errors import BadFileError, UnknownTargetError
     from kvsearch.results import Answer
 
 __all__ = [
@@ -310,12 +311,21 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             "fine-tuning is not available: this kvsearch has no kvsearch.training.loop.finetune"
         ) from None
 
-    pairs = None if args.pairs is None else _read_pairs(args.pairs, args)
-    eval_pairs = None if args.eval is None else _read_pairs(args.eval, args)
+    from kvsearch.errors import UnknownTargetError
+
+    pairs, lines = (None, []) if args.pairs is None else _read_pairs(args.pairs, args)
+    eval_pairs, eval_lines = (None, []) if args.eval is None else _read_pairs(args.eval, args)
+    files = {"train_pairs": (args.pairs, pairs, lines), "eval_pairs": (args.eval, eval_pairs, eval_lines)}
     options = finetune_options(args)
     with _open_existing(args.db, unsharded_for="fine-tuning") as db:
         before = db.generation
-        history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
+        try:
+            history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
+        except UnknownTargetError as exc:
+            path, read, at = files.get(exc.pairs or "", (None, None, []))
+            if path is None or not exc.positions:
+                raise
+            raise _unknown_targets(exc, path, read, at) from None
         after = db.generation
     print(f"fine-tuned {args.db} {_trained_on(history, pairs, eval_pairs)} ({history.seconds:.1f} s)")
     if history.metrics:
@@ -362,12 +372,13 @@ def _trained_on(history: Any, pairs: list | None, eval_pairs: list | None) -> st
     return text
 
 
-def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(query, target) pairs from a CSV, TSV or JSONL file; bad rows reported with their line numbers."""
+def _read_pairs(path: str, args: argparse.Namespace) -> tuple[list[tuple[str, str]], list[int]]:
+    """(query, target) pairs from a CSV, TSV or JSONL file and the line of each; bad rows reported with their line
+    numbers (BadFileError)."""
     from kvsearch.cli.ingest import read_rows
-    from kvsearch.errors import BadFileError
 
     pairs: list[tuple[str, str]] = []
+    lines: list[int] = []
     problems: list[tuple[int, str]] = []
     for row in read_rows(path, (args.query, args.target), format=args.format):
         if row.problem is not None:
@@ -376,12 +387,37 @@ def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             problems.append((row.line, "empty query or target"))
         else:
             pairs.append((row.fields[0], row.fields[1]))
+            lines.append(row.line)
     if problems:
-        shown = "; ".join(f"line {line}: {problem}" for line, problem in problems[:5])
-        raise BadFileError(f"{path!r} has {counted(len(problems), 'bad row')}, nothing was trained: {shown}", problems)
+        raise _bad_pairs(path, problems, len(problems))
     if not pairs:
         raise CommandError(f"{path!r} holds no pairs")
-    return pairs
+    return pairs, lines
+
+
+def _bad_pairs(path: str, problems: list[tuple[int, str]], count: int, hint: str = "") -> BadFileError:
+    """The error of a pair file with ``count`` bad rows: the file, then the first few ``(line, problem)``."""
+    from kvsearch.errors import BadFileError
+
+    shown = "; ".join(f"line {line}: {problem}" for line, problem in problems[:5])
+    more = f"; and {count - 5} more" if count > 5 else ""
+    return BadFileError(f"{path!r} has {counted(count, 'bad row')}, nothing was trained: {shown}{more}{hint}", problems)
+
+
+def _unknown_targets(
+    exc: UnknownTargetError, path: str, pairs: list[tuple[str, str]], lines: list[int]
+) -> BadFileError:
+    """An unknown target of a pair file's pairs as a bad row of that file: its line, and the options to pass when
+    the targets are of the other kind."""
+    what = "stored key" if exc.targets == "key" else "stored value text"
+    problems = [(lines[i], f"target {pairs[i][1]!r} is no {what}") for i in exc.positions]
+    hint = ""
+    if exc.other_kind:
+        other, option = (
+            ("value texts", "--targets value --loss answer") if exc.targets == "key" else ("keys", "--targets key")
+        )
+        hint = f" (all or most of these targets are stored {other}: pass {option})"
+    return _bad_pairs(path, problems, len(problems), hint)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
