@@ -215,10 +215,9 @@ class Database:
         """Add records. Keys must be new.
 
         Args:
-            keys: key texts (any sequence of str: a list, a numpy array or a pandas Series of str; a single str
-                adds one record), or key embeddings (n, dim) (a tensor or a numeric array). Key texts are stored
-                NFC-normalised and stripped of surrounding whitespace (see :func:`~kvsearch.inputs.normalize_key`);
-                values are stored as given.
+            keys: key texts (a list, numpy array or pandas Series of str; a str adds one record), or key embeddings
+                (n, dim) (a tensor or numeric array). Key texts are stored NFC-normalised and stripped of surrounding
+                whitespace (see :func:`~kvsearch.inputs.normalize_key`); values are stored as given.
             values: value texts, or value embeddings (n, value_dim) (or (n,) when value_dim is 1).
             metadata: one JSON-serialisable dict (or None) per record.
             key_embeddings: the key texts' own embeddings (n, dim), computed elsewhere (e.g. by another
