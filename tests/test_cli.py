@@ -450,6 +450,8 @@ def test_every_command_has_help(name, capsys):
         ["query", "db", "x", "--pooling", "max"],
         ["build", "db", "--from", "a.csv", "--shards", "0"],
         ["build", "db", "--from", "a.csv", "--shards", "-2"],
+        ["query", "db", ""],
+        ["query", "db", "Li", " \t"],
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(argv, capsys):
@@ -458,6 +460,18 @@ def test_usage_errors_are_one_line_with_status_2(argv, capsys):
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "error:" in lines[0] and lines[0].endswith("--help)")
+
+
+def test_an_empty_query_is_a_usage_error(built, capsys):
+    for blank in ("", "   "):
+        with pytest.raises(SystemExit) as exit_:
+            main(["query", str(built), "Li", blank])
+        assert exit_.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == (
+            f"kvsearch query: error: argument TEXT: expected a non-empty query text, got {blank!r} "
+            "(see kvsearch query --help)\n"
+        )
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,13 @@ def _k(text: str) -> int | str:
     return "all" if text == "all" else _positive_int(text)
 
 
+def _query_text(text: str) -> str:
+    """A query TEXT: not empty nor blank (a usage error, as for any bad argument), kept as typed."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty query text, got {text!r}")
+    return text
+
+
 def _where(text: str) -> dict[str, Any]:
     """``--where``: a JSON object checked as a metadata filter (:func:`kvsearch.filters.check_where`)."""
     from kvsearch.errors import KVSearchError
@@ -266,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         "that is not stored is reported as not found, with exit status 1.",
     )
     p.add_argument("db", metavar="DB", help="the database folder")
-    p.add_argument("texts", nargs="+", metavar="TEXT", help="one or more queries")
+    p.add_argument("texts", nargs="+", type=_query_text, metavar="TEXT", help="one or more queries (not blank)")
     p.add_argument("--k", type=_k, default=5, metavar="N", help='candidates per query, or "all" (default 5)')
     p.add_argument(
         "--pooling",
