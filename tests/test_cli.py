@@ -252,7 +252,7 @@ def test_finetune_that_helps_is_kept_then_rolled_back_once(built, tmp_path):
     assert (info["generation"], info["previous_generation"], info["query_encoder"]) == (start, None, None)
 
 
-def test_finetune_that_makes_things_worse_keeps_the_old_retriever(built, tmp_path):
+def test_finetune_that_makes_things_worse_keeps_the_old_retriever(built, tmp_path, capsys):
     db = copy_of(built, tmp_path)
     train, held_out = pair_files(tmp_path)
     with kvsearch.Database(db) as opened:
@@ -271,6 +271,13 @@ def test_finetune_that_makes_things_worse_keeps_the_old_retriever(built, tmp_pat
     assert "now answers with the fine-tuned retriever" not in out
     info = json.loads(run("info", str(db), "--json").stdout)
     assert (info["generation"], info["previous_generation"], info["query_encoder"]) == (start, None, None)
+    last = info["last_run"]  # the attempt is recorded all the same, and info shows it
+    assert (last["committed"], last["kept_epoch"], last["epochs"], last["train"]) == (False, 0, 1, "query")
+    assert (last["metric"], round(last["before"], 4), round(last["after"], 4)) == ("recall@1", *[float(rows[0][3])] * 2)
+    assert main(["info", str(db)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("last run")]
+    assert line.startswith(f"last run       recall@1 {rows[0][3]} -> {rows[0][3]}, kept epoch 0 of 1 (the start: "
+                           "nothing was committed), ")  # fmt: skip
     assert search_results(db) == search_results(built)  # the old retriever answers, exactly
     nothing = run("rollback", str(db))  # nothing was committed, so there is nothing to roll back
     assert (nothing.returncode, nothing.stdout) == (1, "")

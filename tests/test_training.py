@@ -749,7 +749,14 @@ def test_a_run_that_only_makes_things_worse_keeps_the_start(directory, tmp_path,
         f"kept the start, generation {generation} unchanged"
     )
     db.close()
-    assert folder_digests(path) == digests
+    # every file as it was but store.sqlite, whose meta table records the attempt (kvsearch info shows it)
+    changed = {name for name, digest in folder_digests(path).items() if digests.get(name) != digest}
+    assert changed <= {"store.sqlite"} and folder_digests(path).keys() == digests.keys()
+    with Database(path) as reopened:
+        last_run = reopened.encoders_info()["last_run"]
+        assert reopened.generation == generation and evaluate(reopened, held, k=8) == before
+    assert (last_run["committed"], last_run["kept_epoch"], last_run["epochs"]) == (False, 0, 2)
+    assert (last_run["before"], last_run["after"], last_run["train"]) == (start, start, train)
 
 
 def test_a_run_that_improves_commits_its_best_epoch(directory, tmp_path):
@@ -782,7 +789,7 @@ def test_a_run_that_improves_commits_its_best_epoch(directory, tmp_path):
         == f"recall@1 {scores[0]:.3f} -> best {scores[1]:.3f} at epoch 1 (kept, generation {generation + 1})"
     )
     last_run = db.encoders_info()["last_run"]
-    assert last_run["metric"] == "recall@1" and last_run["kept_epoch"] == 1
+    assert last_run["metric"] == "recall@1" and last_run["kept_epoch"] == 1 and last_run["committed"] is True
     assert (last_run["before"], last_run["after"]) == (scores[0], scores[1])
     assert last_run["epochs"] == 3 and last_run["steps"] == len(history.losses) and last_run["train"] == "query"
     db.close()

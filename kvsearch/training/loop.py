@@ -494,9 +494,10 @@ def finetune(
             history.kept_epoch = best_epoch
             if best_state is not None:
                 _restore(run, best_state)
-        if history.kept_epoch == 0:  # no epoch beat the start: the database keeps its retriever
+        if history.kept_epoch == 0:  # no epoch beat the start: the database keeps its retriever, records the attempt
             ended = True
-            draft.discard()
+            history.seconds = time.perf_counter() - started
+            draft.discard(summary=_summary(history, config, step))
             for module, state in outsiders:
                 module.load_state_dict(state)
         else:
@@ -603,6 +604,7 @@ def _summary(history: History, config: FinetuneConfig, steps: int) -> dict[str, 
         "before": history.value(0),
         "after": history.value(kept) if history.metrics else None,
         "kept_epoch": history.kept_epoch,
+        "committed": history.kept_epoch != 0,  # kept epoch 0: no epoch beat the start, nothing was committed
         "keep": history.keep,
         "epochs": config.epochs,
         "steps": steps,
