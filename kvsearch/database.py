@@ -35,6 +35,7 @@ from kvsearch.reads import MISSING, Reads
 from kvsearch.rerank import Rerank
 from kvsearch.results import Answer, Hit, LazyKeys
 from kvsearch.retrieval import Retriever
+from kvsearch.selection import Selection
 from kvsearch.storage.locking import DEFAULT_LOCK_TIMEOUT
 from kvsearch.storage.store import Record, Store
 from kvsearch.view import Given, View, check_options, open_store, open_view, reduce_database, same_object
@@ -175,9 +176,7 @@ class Database:
     def value_encoder(self) -> Encoder | None:
         """The value encoder (often the key encoder itself), or None when values are given as embeddings.
 
-        Raises:
-            InvalidArgumentError: (on assignment) not an Encoder or None.
-            DimensionMismatchError: (on assignment) its dim differs from the database's ``value_dim``.
+        Raises (on assignment): InvalidArgumentError (not an Encoder or None), DimensionMismatchError (not value_dim).
         """
         return self._view.encoders.value
 
@@ -191,9 +190,7 @@ class Database:
 
         Text queries are encoded with it when set, else with :attr:`encoder`; saved by :meth:`save_encoders`.
 
-        Raises:
-            InvalidArgumentError: (on assignment) not an Encoder or None.
-            DimensionMismatchError: (on assignment) its dim differs from the database's.
+        Raises (on assignment): InvalidArgumentError (not an Encoder or None), DimensionMismatchError (not dim).
         """
         return self._view.encoders.query
 
@@ -572,10 +569,27 @@ class Database:
         """
         return self._reads.exact_targets(queries)
 
+    def where(self, filter: Mapping[str, Any] | None = None, *, ids: Any = None) -> Selection:
+        """The records a filter selects, to read, count, aggregate, delete or update without a query.
+
+        ``db.where({"lang": "en"}).count()``, ``.records(limit=, offset=)`` (id order), ``.ids()``,
+        ``.distinct(field)``, ``.min_max(field)``, ``.fields()``, ``.delete()``, ``.update(metadata, merge=True)``: see
+        :class:`~kvsearch.selection.Selection`. Each call runs the filter again on what is committed then.
+
+        Args:
+            filter: a filter (:mod:`kvsearch.filters`); None selects every record.
+            ids: only these ids as well (None: no such limit).
+
+        Raises:
+            InvalidArgumentError, UnknownOptionError, NonFiniteError: a bad filter or ids (at once).
+        """
+        self._view.check_open()
+        return Selection(self._view, self._writes, filter, ids)
+
     # ------------------------------------------------------------------ reads by id (for training and tools)
 
     def ids(self) -> Tensor:
-        """Every stored id, sorted: (m,) int64 on the CPU."""
+        """Every stored id, sorted: (m,) int64 on the CPU (``db.where(filter).ids()`` for some)."""
         return self._reads.ids()
 
     def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
@@ -588,11 +602,7 @@ class Database:
         return self._reads.ids_of_keys(texts)
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
-        """Whether some stored record has each value text: (n,) bool on the CPU.
-
-        Raises:
-            InvalidArgumentError: not a list of str, or text that is not valid Unicode.
-        """
+        """Whether some stored record has each value text: (n,) bool on the CPU (InvalidArgumentError: not str)."""
         return self._reads.values_present(texts)
 
     def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool = False) -> list[str | None]:
@@ -609,11 +619,7 @@ class Database:
         return self._reads.key_texts(ids, encoded_only=encoded_only)
 
     def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]:
-        """id -> the value text (None for a value given as an embedding), for the stored ones among ``ids``.
-
-        Raises:
-            InvalidArgumentError: ``ids`` are not integers.
-        """
+        """id -> the value text (None for a value given as an embedding), for the stored ones among ``ids``."""
         return self._reads.value_texts(ids)
 
     def embeddings(self, ids: Tensor | Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -629,17 +635,12 @@ class Database:
         return self._reads.embeddings(ids)
 
     def values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
-        """id -> the value as answers show it: its text, or its embedding (CPU tensor) when it has no text.
-
-        Raises:
-            InvalidArgumentError: ``ids`` are not integers.
-        """
+        """id -> the value as answers show it: its text, or its embedding (CPU tensor) when it has no text."""
         return self._reads.values_of(ids)
 
     def metadata_of(self, ids: Tensor | Sequence[int]) -> dict[int, dict[str, Any]]:
         """id -> the record's metadata dict ({} when it has none), for the stored ones among ``ids``.
 
-        Raises:
-            InvalidArgumentError: ``ids`` are not integers (see :func:`kvsearch.inputs.id_tensor`).
+        The reads by id raise InvalidArgumentError for ids that are not integers (:func:`kvsearch.inputs.id_tensor`).
         """
         return self._reads.metadata_of(ids)

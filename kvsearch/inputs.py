@@ -11,7 +11,6 @@ Key texts and text queries are compared after Unicode NFC normalisation and stri
 from __future__ import annotations
 
 import json
-import math
 import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,8 +27,8 @@ from kvsearch.errors import (
     EmptyKeyError,
     InvalidArgumentError,
     MissingEncoderError,
-    NonFiniteError,
 )
+from kvsearch.metadata import check as check_stored_metadata
 
 __all__ = [
     "Queries",
@@ -330,15 +329,9 @@ def check_metadata(metadata: object, n: int) -> list[dict[str, Any] | None]:
         if m is None:
             out.append(None)
             continue
-        if not isinstance(m, Mapping) or not all(isinstance(key, str) for key in m):
+        if not isinstance(m, Mapping):
             raise InvalidArgumentError(f"expected metadata as a dict with str keys, got {m!r} at position {i}")
-        for key, value in m.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise NonFiniteError(f"expected finite numbers in metadata, got {key}={value} at position {i}")
-        try:  # UTF-8 as stored: a lone surrogate in a string (a UnicodeEncodeError, a ValueError) is refused
-            json.dumps(m, allow_nan=False, ensure_ascii=False).encode("utf-8")
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"expected JSON-serialisable metadata at position {i}: {exc}") from None
+        check_stored_metadata(m, f"metadata at position {i}")
         out.append(dict(m))
     return out
 

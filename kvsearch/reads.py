@@ -15,7 +15,6 @@ its device.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,6 +33,7 @@ from kvsearch.errors import (
 )
 from kvsearch.filters import check_where
 from kvsearch.inputs import Queries, id_tensor, query_batch, query_tensor, query_texts, text_list
+from kvsearch.metadata import decode as decode_metadata
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
@@ -270,7 +270,7 @@ class Reads:
         wanted = [i for i in id_tensor(ids).reshape(-1).tolist() if i >= 0]
         with self.view.reading():
             texts = self.store.metadata_texts(wanted)
-            return {i: json.loads(texts[i]) if i in texts else {} for i in wanted if self.store.contains_id(i)}
+            return {i: decode_metadata(texts.get(i)) for i in wanted if self.store.contains_id(i)}
 
     def check_not_empty(self) -> None:
         """EmptyDatabaseError when the database holds no records (callers hold a snapshot)."""

@@ -7,7 +7,6 @@ tensors.
 
 from __future__ import annotations
 
-import json
 import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kvsearch.metadata import decode as decode_metadata
 
 __all__ = ["Hit", "Answer", "LazyKeys", "LazyMetadata", "make_hits", "make_answer"]
 
@@ -219,8 +220,7 @@ class LazyMetadata(_LazyRows):
     def _item(self, id_: int) -> dict[str, Any] | None:
         if id_ < 0:
             return None
-        text = self._source.get(id_)
-        return json.loads(text) if text else {}
+        return decode_metadata(self._source.get(id_))
 
 
 def make_hits(
@@ -252,7 +252,7 @@ def make_hits(
 
 
 def _parse(text: str | None) -> dict[str, Any]:
-    return json.loads(text) if text else {}
+    return decode_metadata(text)
 
 
 def make_answer(

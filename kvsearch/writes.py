@@ -38,6 +38,7 @@ from kvsearch.errors import (
     NotSupportedError,
     UnknownOptionError,
 )
+from kvsearch.filters import check_where
 from kvsearch.inputs import KeysIn, check_metadata, delete_items, encode_side, record_side
 from kvsearch.limits import check_fits, index_bytes
 from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE
@@ -235,3 +236,23 @@ class Writes:
                 store.delete(ids)
                 self.retriever.apply(removed=ids, added=[], keys=None)
         return ids
+
+    def delete_where(self, where: Mapping[str, Any]) -> list[int]:
+        """``Selection.delete``: delete the records a filter matches in one transaction; their ids, sorted."""
+        check_where(where)  # before the lock: a bad filter takes nothing
+        with self.view.writing():
+            ids = self.store.ids_where(where).tolist()
+            if ids:
+                self.store.delete(ids)
+                self.retriever.apply(removed=ids, added=[], keys=None)
+        return ids
+
+    def update_metadata(self, where: Mapping[str, Any], metadata: Mapping[str, Any], *, merge: bool) -> list[int]:
+        """``Selection.update``: set the metadata of the records a filter matches in one transaction (no vector
+        changes, nothing is re-encoded); their ids, sorted."""
+        check_where(where)
+        check_metadata([metadata], 1)  # before the lock: bad metadata writes nothing
+        if not isinstance(merge, bool):
+            raise InvalidArgumentError(f"expected merge=True or False, got {merge!r}")
+        with self.view.writing():
+            return self.store.update_metadata(where, metadata, merge=merge)

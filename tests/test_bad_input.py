@@ -143,7 +143,7 @@ BAD_CALLS = {
     "get bad id": (lambda db: db.get("1"), InvalidArgumentError, "int id"),
     # unsafe names and paths where a name is expected
     "field dotdot": (lambda db: db.search("Li", where={"..": 1}), InvalidArgumentError, "field name"),
-    "field path": (lambda db: db.search("Li", where={"a.b": 1}), InvalidArgumentError, "field name"),
+    "field path": (lambda db: db.search("Li", where={"a..b": 1}), InvalidArgumentError, "field name"),
     "field quote": (lambda db: db.search("Li", where={'a"b': 1}), InvalidArgumentError, "field name"),
     "field nul": (lambda db: db.search("Li", where={"a\x00": 1}), InvalidArgumentError, "field name"),
     "field dollar": (lambda db: db.search("Li", where={"$where": 1}), InvalidArgumentError, "field name"),

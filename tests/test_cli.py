@@ -485,10 +485,10 @@ def test_an_empty_query_is_a_usage_error(built, capsys):
     ("where", "says"),
     [
         ("{oops", "expected a JSON object such as '{\"year\": {\"$gte\": 2000}}', got '{oops' (Expecting"),
-        ('["lang"]', "expected where as a dict of field -> condition, got list"),
+        ('["lang"]', "expected a filter as a dict of field -> condition at where, got ['lang']"),
         ('{"year": {"$after": 2000}}', "expected a filter operator among ("),
-        ('{"year": {"$gt": NaN}}', "expected a finite number in the filter at year.$gt, got nan"),
-        ('{"lang": {"$in": "en"}}', "expected a list for lang.$in, got str"),
+        ('{"year": {"$gt": NaN}}', "expected a finite number at where.year.$gt, got nan"),
+        ('{"lang": {"$in": "en"}}', "expected a list at where.lang.$in, got str"),
     ],
 )
 def test_bad_where_is_a_one_line_usage_error(built, where, says, capsys):

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvsearch.cli.parser import PROG, CommandError
-from kvsearch.cli.printing import answer_table, counted, history_table, info_text
+from kvsearch.cli.printing import answer_table, counted, history_table, info_text, records_table
 from kvsearch.distributed import layout as sharding
+from kvsearch.metadata import to_json
 from kvsearch.storage import folder as folders
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ __all__ = [
     "cmd_query",
     "cmd_info",
     "cmd_delete",
+    "cmd_list",
+    "cmd_count",
     "cmd_finetune",
     "finetune_options",
     "cmd_rollback",
@@ -226,7 +229,7 @@ def _answer_rows(
                 "key": answer.keys[b][j],
                 "value": value_texts.get(i),  # None for a value stored as an embedding
                 "weight": round(float(weights[b][j]), 6),
-                "metadata": metadata.get(i, {}),
+                "metadata": to_json(metadata.get(i, {})),
             }
             for j, i in enumerate(ids[b])
             if i >= 0 and (weights[b][j] > 0 or not only_weighted)
@@ -299,6 +302,35 @@ def cmd_delete(args: argparse.Namespace) -> int:
         ids = db.delete(list(args.keys))
         left = len(db)
     print(f"deleted {counted(len(ids), 'record')} from {args.db} ({left} left)")
+    return 0
+
+
+def _parts(db: Database | ShardedDatabase) -> list[Database]:
+    """The databases that hold the records: the shards of a sharded database, else the database itself."""
+    return [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print the records that match ``--where`` in id order, ``--offset`` skipped, at most ``--limit``."""
+    where = args.where or {}
+    with _open_existing(args.db) as db:
+        wanted = None if args.limit is None else args.offset + args.limit
+        records = [r for part in _parts(db) for r in part.where(where).records(limit=wanted)]
+    records.sort(key=lambda r: r.id)  # shards hold ids of their own ranges: merge them in id order
+    end = None if args.limit is None else args.offset + args.limit
+    page = records[args.offset : end]
+    rows = [{"id": r.id, "key": r.key, "value": r.value, "metadata": to_json(r.metadata)} for r in page]
+    if args.json:
+        print(json.dumps(rows, ensure_ascii=False, indent=2))
+    else:
+        print(records_table(rows))
+    return 0
+
+
+def cmd_count(args: argparse.Namespace) -> int:
+    """Print how many records match ``--where`` (all records without it)."""
+    with _open_existing(args.db) as db:
+        print(sum(part.where(args.where or {}).count() for part in _parts(db)))
     return 0
 
 
@@ -442,6 +474,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "query": cmd_query,
     "info": cmd_info,
     "delete": cmd_delete,
+    "list": cmd_list,
+    "count": cmd_count,
     "finetune": cmd_finetune,
     "rollback": cmd_rollback,
     "demo": cmd_demo,

@@ -574,7 +574,10 @@ def _upsert_batch(db: Database | ShardedDatabase, rows: list[Row], *, with_metad
 
 def _same_metadata(stored: dict[str, Any] | None, given: dict[str, Any] | None) -> bool:
     """Equal as JSON (so 1, 1.0 and true differ, as they do to a filter); None and {} are both "none"."""
-    return json.dumps(stored or {}, sort_keys=True) == json.dumps(given or {}, sort_keys=True)
+    def text(metadata: dict[str, Any] | None) -> str:  # a stored datetime (never in a file) by its repr: differs
+        return json.dumps(metadata or {}, sort_keys=True, default=repr)
+
+    return text(stored) == text(given)
 
 
 def stored_records(db: Database | ShardedDatabase, keys: Sequence[str]) -> dict[str, Record]:

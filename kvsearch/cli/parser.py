@@ -1,6 +1,7 @@
 """The ``kvsearch`` command's argument parser: its commands, options, argument types and one-line usage errors.
 
-:func:`build_parser` describes every command (build, query, info, delete, finetune, rollback, demo) and its options;
+:func:`build_parser` describes every command (build, query, info, delete, list, count, finetune, rollback, demo) and its
+options;
 the argument types (a positive integer, ``--k`` as a number or ``all``, a positive float, ``--where`` as a checked
 JSON filter) refuse a bad value as a usage error (exit status 2). :class:`CommandError` is the failure a command
 reports on one line with exit status 1.
@@ -45,6 +46,10 @@ def _integer(text: str, low: int, expected: str) -> int:
 
 def _positive_int(text: str) -> int:
     return _integer(text, 1, "a positive integer")
+
+
+def _count(text: str) -> int:
+    return _integer(text, 0, "an integer >= 0")
 
 
 def _k(text: str) -> int | str:
@@ -211,7 +216,8 @@ def _generated(text: str) -> int | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``kvsearch`` command (build, query, info, delete, finetune, rollback, demo)."""
+    """The argument parser of the ``kvsearch`` command (build, query, info, delete, list, count, finetune, rollback,
+    demo)."""
     parser = OneLineParser(
         prog=PROG,
         description="A differentiable key-value search engine: FAISS candidates, attention pooling in torch.",
@@ -312,6 +318,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("db", metavar="DB", help="the database folder")
     p.add_argument("keys", nargs="+", metavar="KEY", help="the keys to delete")
+    p.set_defaults(quiet=True)
+
+    p = sub.add_parser(
+        "list",
+        help="print the records that match a filter, in id order",
+        description="Print the records of DB that match --where (every record without it) in id order: id, key, "
+        "value and metadata, one line each (or JSON). Page with --limit and --offset.",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("--where", type=_where, default=None, help='a JSON filter, e.g. \'{"lang": "en"}\'')
+    p.add_argument("--limit", type=_count, default=None, help="print at most N records (default: all)")
+    p.add_argument("--offset", type=_count, default=0, help="skip the first N matching records (default 0)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    p.set_defaults(quiet=True)
+
+    p = sub.add_parser(
+        "count",
+        help="how many records match a filter",
+        description="Print how many records of DB match --where (every record without it).",
+    )
+    p.add_argument("db", metavar="DB", help="the database folder")
+    p.add_argument("--where", type=_where, default=None, help='a JSON filter, e.g. \'{"year": {"$gte": 2000}}\'')
     p.set_defaults(quiet=True)
 
     _add_finetune(sub)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from kvsearch.metadata import to_json
+
 if TYPE_CHECKING:
     from kvsearch.training.config import History
 
@@ -104,10 +106,27 @@ def cell(text: str, width: int = MAX_CELL) -> str:
 
 
 def metadata_text(metadata: dict[str, Any]) -> str:
-    """Metadata as ``year=2001 lang=en`` (texts bare, other values as JSON: ``ok=true``, ``note=null``)."""
+    """Metadata as ``year=2001 lang=en`` (texts bare, other values as JSON: ``ok=true``, ``note=null``; datetimes
+    as ISO text)."""
+    metadata = to_json(metadata)
     return " ".join(
-        f"{name}={value if isinstance(value, str) else json.dumps(value)}" for name, value in metadata.items()
+        f"{name}={value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}"
+        for name, value in metadata.items()
     )
+
+
+def records_table(rows: list[dict[str, Any]]) -> str:
+    """``kvsearch list``: one line per record, ``id  key -> value  metadata``; "no records" for none."""
+    if not rows:
+        return "no records"
+    width = max(len(str(r["id"])) for r in rows)
+    lines = []
+    for r in rows:
+        key = "<embedding>" if r["key"] is None else cell(r["key"])
+        value = "<embedding>" if r["value"] is None else cell(r["value"])
+        meta = metadata_text(r["metadata"])
+        lines.append(f"{r['id']:>{width}}  {key} -> {value}" + (f"  {meta}" if meta else ""))
+    return "\n".join(lines)
 
 
 def encoder_text(config: dict[str, Any] | str | None, dim: int | None, *, absent: str = "none") -> str:

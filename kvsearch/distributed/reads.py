@@ -12,7 +12,6 @@ It knows nothing of search, candidates or writes, nor of a shard's internals: it
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from torch import Tensor
 from kvsearch.distributed.layout import ID_SHIFT, shard_of_id
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError
 from kvsearch.inputs import query_tensor
+from kvsearch.metadata import encode as encode_metadata
 
 if TYPE_CHECKING:
     from kvsearch.distributed.sharded_database import ShardedDatabase
@@ -143,7 +143,7 @@ class ShardReads:
                 if own:
                     keys.update(zip(own, db.key_texts(own, encoded_only=encoded_only)))
                     values.update(db.values_of(own))  # text, or the embedding for a value given as one
-                    metadata.update((i, json.dumps(m)) for i, m in db.metadata_of(own).items() if m)
+                    metadata.update((i, encode_metadata(m)) for i, m in db.metadata_of(own).items() if m)
             return keys, values, metadata
 
         keys: dict[int, str | None] = {}

@@ -3,13 +3,19 @@
     store = KVSearchVectorStore(embeddings)                        # a new database in memory; path= for a folder
     store.add_documents([Document(page_content="...", metadata={...})], ids=["doc-1"])
     store.similarity_search("question", k=4, filter={"lang": "en"})
+    store.max_marginal_relevance_search("question", k=4, fetch_k=20, lambda_mult=0.5)  # as_retriever(search_type="mmr")
     KVSearchVectorStore(database=db).as_retriever(search_kwargs={"k": 2}).invoke("Lipto")   # an open database
 
 A document is one record: its id is the key text, its page content the value text, its metadata the record's
-metadata; LangChain filters are kvsearch ``where=`` filters. Embeddings come from the LangChain ``Embeddings``
+metadata; LangChain filters are kvsearch ``where=`` filters. Document ids are opaque strings, never normalised: an
+id that the key's normalisation would change ("doc-7 ", "Müller" in NFD) is stored as its JSON literal
+(:mod:`kvsearch.integrations.doc_ids`), so two ids that differ in any character are two documents, and the keys of a
+database built by kvsearch itself are served as they are. Embeddings come from the LangChain ``Embeddings``
 (``embed_documents`` for the records, passed as ``key_embeddings=``; ``embed_query`` for queries, searched as
 tensors) or, when ``embedding`` is None, from the database's own encoders (a fine-tuned one included). Adding a
-document whose id is stored replaces it (an upsert); deleting ids that are not stored is not an error.
+document whose id is stored replaces the whole document, metadata included (as LangChain's ``InMemoryVectorStore``);
+deleting ids that are not stored is not an error. Scores are the database's similarities (higher is closer), not
+distances; maximal marginal relevance picks among the filtered ``fetch_k`` nearest by their stored key embeddings.
 
 It owns the mapping between documents and records, and nothing else: search, storage and encoders are the
 :class:`~kvsearch.Database`'s. It needs the ``langchain`` extra (``pip install 'kvsearch[langchain]'``); without
@@ -24,11 +30,13 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kvsearch.database import Database
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError, MissingDependencyError, MissingEncoderError
+from kvsearch.integrations.doc_ids import id_of_key, key_of_id
 from kvsearch.results import Hit
 from kvsearch.storage.folder import is_database
 
@@ -36,6 +44,7 @@ try:
     from langchain_core.documents import Document
     from langchain_core.embeddings import Embeddings
     from langchain_core.vectorstores import VectorStore
+    from langchain_core.vectorstores.utils import maximal_marginal_relevance
 except ImportError as exc:  # the optional extra is missing
     raise MissingDependencyError(
         f"kvsearch.integrations.langchain needs langchain-core ({exc}): pip install 'kvsearch[langchain]'"
@@ -139,12 +148,13 @@ class KVSearchVectorStore(VectorStore):
         ids: list[str | None] | None = None,
         **kwargs: Any,
     ) -> list[str]:
-        """Add texts as documents; a stored id is replaced (an upsert). An id that is None or "" gets a uuid4.
+        """Add texts as documents; a stored id is replaced whole (page content, embedding and metadata: a document
+        added without metadata has none). An id that is None or "" gets a uuid4; any other id is kept as it is.
 
         Args:
             texts: the page contents.
-            metadatas: one JSON-serialisable dict per text (or None).
-            ids: one id per text; within one call, the last of repeated ids wins.
+            metadatas: one JSON-serialisable dict per text (or None: no metadata).
+            ids: one id per text, opaque strings (never normalised); within one call, the last of repeated ids wins.
 
         Returns:
             The ids, in order.
@@ -174,8 +184,9 @@ class KVSearchVectorStore(VectorStore):
                     f"embeddings), got value_dim {db.value_dim} and no value encoder"
                 )
             values = embs
-        metadata = None if metadatas is None else [metadatas[i] for i in last]
-        db.upsert([ids[i] for i in last], kept_texts, metadata, key_embeddings=embs, value_embeddings=values)
+        metadata = [{} if metadatas is None or metadatas[i] is None else metadatas[i] for i in last]  # {} clears
+        keys = [key_of_id(ids[i]) for i in last]
+        db.upsert(keys, kept_texts, metadata, key_embeddings=embs, value_embeddings=values)
         return ids
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
@@ -189,7 +200,7 @@ class KVSearchVectorStore(VectorStore):
         if ids is None:
             return False
         if self._db is not None and ids:
-            self._db.delete([str(i) for i in ids], missing="ignore")
+            self._db.delete([key_of_id(str(i)) for i in ids], missing="ignore")
         return True
 
     # ------------------------------------------------------------------ reading
@@ -200,14 +211,15 @@ class KVSearchVectorStore(VectorStore):
             return []
         wanted = list(dict.fromkeys(str(i) for i in ids))
         documents = []
-        for id_ in self._db.ids_of_keys(wanted).tolist():
+        for id_ in self._db.ids_of_keys([key_of_id(i) for i in wanted]).tolist():
             try:
                 record = self._db.get(id_) if id_ >= 0 else None
             except KeyNotFoundError:  # deleted since its id was read
                 record = None
             if record is not None:
                 content = record.value if record.value is not None else ""
-                documents.append(Document(id=record.key, page_content=content, metadata=record.metadata))
+                doc_id = id_of_key(record.key)
+                documents.append(Document(id=doc_id, page_content=content, metadata=record.metadata))
         return documents
 
     def similarity_search(
@@ -219,7 +231,8 @@ class KVSearchVectorStore(VectorStore):
     def similarity_search_with_score(
         self, query: str, k: int = 4, filter: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> list[tuple[Document, float]]:
-        """As :meth:`similarity_search`, with each document's score (the database's score: higher is closer)."""
+        """As :meth:`similarity_search`, with each document's score: the database's similarity (higher is closer;
+        not a distance as in LangChain's Chroma and FAISS stores)."""
         _no_extra(kwargs, "similarity_search")
         if self._db is None:
             return []
@@ -242,6 +255,90 @@ class KVSearchVectorStore(VectorStore):
             return []
         q = torch.tensor(embedding, dtype=torch.float32)  # (dim,)
         return [(_document(h), h.score) for h in self._db.search(q, k=k, where=filter)]
+
+    def max_marginal_relevance_search(
+        self,
+        query: str,
+        k: int = 4,
+        fetch_k: int = 20,
+        lambda_mult: float = 0.5,
+        *,
+        filter: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        """The k documents picked by maximal marginal relevance among the ``fetch_k`` nearest to a query text.
+
+        The query is embedded by the LangChain embeddings, or else by the database's encoder for queries; then as
+        :meth:`max_marginal_relevance_search_by_vector`.
+
+        Args:
+            query: the query text.
+            k: how many documents (fewer when fewer match).
+            fetch_k: how many nearest documents (that match ``filter``) to choose among.
+            lambda_mult: in [0, 1]: 1 ranks by similarity to the query alone, 0 by diversity alone.
+            filter: a kvsearch ``where=`` filter.
+
+        Returns:
+            The documents, in the order MMR picked them.
+
+        Raises:
+            InvalidArgumentError: ``k`` or ``fetch_k`` not an integer >= 1, ``lambda_mult`` outside [0, 1], or an
+                unknown keyword argument; what :meth:`~kvsearch.Database.search` raises.
+        """
+        _no_extra(kwargs, "max_marginal_relevance_search")
+        if self._embedding is not None:
+            embedding = self._embedding.embed_query(query)
+            return self.max_marginal_relevance_search_by_vector(embedding, k, fetch_k, lambda_mult, filter=filter)
+        _check_mmr(k, fetch_k, lambda_mult)
+        if self._db is None:
+            return []
+        hits = self._db.search(query, k=fetch_k, where=filter)  # encodes with the encoders now (caught up)
+        encoder = self._db.query_encoder or self._db.encoder  # the one that search encoded the query with
+        return self._pick_mmr(encoder.encode([query])[0], hits, k, lambda_mult)  # (dim,)
+
+    def max_marginal_relevance_search_by_vector(
+        self,
+        embedding: list[float],
+        k: int = 4,
+        fetch_k: int = 20,
+        lambda_mult: float = 0.5,
+        *,
+        filter: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        """The k documents picked by maximal marginal relevance among the ``fetch_k`` nearest to a query embedding.
+
+        The ``fetch_k`` nearest documents that match ``filter`` (by the database's score), then LangChain's
+        ``maximal_marginal_relevance`` over their stored key embeddings (cosine similarity, ``lambda_mult``).
+
+        Args:
+            embedding: the query embedding (dim,).
+            k, fetch_k, lambda_mult, filter: as :meth:`max_marginal_relevance_search`.
+
+        Returns:
+            The documents, in the order MMR picked them.
+
+        Raises:
+            As :meth:`max_marginal_relevance_search`; DimensionMismatchError, NonFiniteError for the embedding.
+        """
+        _no_extra(kwargs, "max_marginal_relevance_search_by_vector")
+        _check_mmr(k, fetch_k, lambda_mult)
+        if self._db is None:
+            return []
+        q = torch.tensor(embedding, dtype=torch.float32)  # (dim,)
+        return self._pick_mmr(q, self._db.search(q, k=fetch_k, where=filter), k, lambda_mult)
+
+    def _pick_mmr(self, query: Tensor, hits: list[Hit], k: int, lambda_mult: float) -> list[Document]:
+        """MMR over the hits' stored key embeddings (hits deleted since the search are left out)."""
+        if not hits:
+            return []
+        keys, _, mask = self._db.embeddings([h.id for h in hits])  # (n, dim), _, (n,)
+        kept = mask.cpu().tolist()
+        hits = [h for h, stored in zip(hits, kept, strict=True) if stored]
+        keys = keys[mask].detach().float().cpu()  # (m, dim)
+        q = query.detach().float().cpu().numpy()  # (dim,)
+        picked = maximal_marginal_relevance(q, keys.tolist(), lambda_mult=lambda_mult, k=k)
+        return [_document(hits[i]) for i in picked]
 
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
         """The database's score mapped to a relevance in [0, 1] (see ``similarity_search_with_relevance_scores``)."""
@@ -267,9 +364,19 @@ class KVSearchVectorStore(VectorStore):
 
 
 def _document(hit: Hit) -> Document:
-    """A search hit as a LangChain document: the key text as its id (the record id when it has none)."""
+    """A search hit as a LangChain document: the id its key text stores (the record id when it has none)."""
     content = hit.value if isinstance(hit.value, str) else ""
-    return Document(id=hit.key if hit.key is not None else str(hit.id), page_content=content, metadata=hit.metadata)
+    doc_id = id_of_key(hit.key) if hit.key is not None else str(hit.id)
+    return Document(id=doc_id, page_content=content, metadata=hit.metadata)
+
+
+def _check_mmr(k: object, fetch_k: object, lambda_mult: object) -> None:
+    """Refuse a ``k`` or ``fetch_k`` that is not an integer >= 1, or a ``lambda_mult`` outside [0, 1]."""
+    for name, given in (("k", k), ("fetch_k", fetch_k)):
+        if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 1:
+            raise InvalidArgumentError(f"expected {name} as an integer >= 1, got {given!r}")
+    if isinstance(lambda_mult, bool) or not isinstance(lambda_mult, (int, float)) or not 0 <= lambda_mult <= 1:
+        raise InvalidArgumentError(f"expected lambda_mult as a number in [0, 1], got {lambda_mult!r}")
 
 
 def _no_extra(kwargs: Mapping[str, Any], where: str) -> None:

@@ -49,7 +49,9 @@ from kvsearch.errors import (
     StoreChangedError,
 )
 from kvsearch.filters import where_sql
-from kvsearch.storage import changelog, fileio, legacy, schema
+from kvsearch.metadata import decode as decode_metadata
+from kvsearch.metadata import encode as encode_metadata
+from kvsearch.storage import changelog, fileio, legacy, queries, schema
 from kvsearch.storage.embeddings import Embeddings
 from kvsearch.storage.locking import LOCK_FILE, WriteLock
 from kvsearch.storage.mirror import CatchUp, Mirror
@@ -399,7 +401,7 @@ class Store:
         value_np = value_embs.detach().to("cpu", torch.float32).contiguous().numpy()  # (n, value_dim)
 
         def meta(i: int) -> str | None:
-            return None if not metadata[i] else json.dumps(metadata[i])
+            return encode_metadata(metadata[i])
 
         with self.lock:
             with self.transaction():
@@ -583,7 +585,7 @@ class Store:
                 id=id_,
                 key=key,
                 value=value,
-                metadata=json.loads(meta) if meta else {},
+                metadata=decode_metadata(meta),
                 key_embedding=keys[i].clone(),  # its own storage, not a view of the batch
                 value_embedding=values[i].clone(),
             )
@@ -640,6 +642,14 @@ class Store:
         sql, params = where_sql(where)  # every user value is a bound parameter
         rows = self.conn.execute(f"SELECT id FROM records WHERE {sql} ORDER BY id", params).fetchall()
         return torch.tensor([r[0] for r in rows], dtype=torch.long)  # (m,)
+
+    def update_metadata(self, where: Mapping[str, Any], metadata: Mapping[str, Any], *, merge: bool) -> list[int]:
+        """Set the metadata of the records a filter matches, in one transaction (see
+        :func:`kvsearch.storage.queries.set_metadata`): no vector, version or index changes. Their ids, sorted."""
+        with self.lock, self.transaction():
+            ids = queries.ids(self.conn, where)
+            queries.set_metadata(self.conn, ids, metadata, merge=merge)
+        return ids
 
     def close(self) -> None:
         """Close the SQLite connection (in a child of fork(), only the child's own connection)."""
