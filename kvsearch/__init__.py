@@ -38,6 +38,7 @@ from kvsearch.errors import (
     StorageError,
     StoreChangedError,
     UnknownOptionError,
+    UnknownTargetError,
 )
 from kvsearch.index.faiss_index import Index
 from kvsearch.index.torch_index import TorchIndex
@@ -96,6 +97,7 @@ __all__ = [
     "StoreChangedError",
     "TorchIndex",
     "UnknownOptionError",
+    "UnknownTargetError",
     "attend",
     "streaming_attention",
     "compute_scores",

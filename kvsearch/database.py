@@ -212,9 +212,9 @@ class Database:
         """Add records. Keys must be new.
 
         Args:
-            keys: key texts (a list of str; a single str adds one record), or key embeddings (n, dim). Key texts
-                are stored NFC-normalised and stripped of surrounding whitespace (see
-                :func:`~kvsearch.inputs.normalize_key`); values are stored as given.
+            keys: key texts (a list, numpy array or pandas Series of str; a str adds one record), or key embeddings
+                (n, dim) (a tensor or numeric array). Key texts are stored NFC-normalised and stripped of surrounding
+                whitespace (see :func:`~kvsearch.inputs.normalize_key`); values are stored as given.
             values: value texts, or value embeddings (n, value_dim) (or (n,) when value_dim is 1).
             metadata: one JSON-serialisable dict (or None) per record.
             key_embeddings: the key texts' own embeddings (n, dim), computed elsewhere (e.g. by another
@@ -369,7 +369,7 @@ class Database:
             The draft; the run ends with its ``commit()`` or ``discard()`` (which puts the encoders back).
         """
         self._view.check_open()
-        return Draft(self, self._view.encoders.snapshot(), self._view.encoders.restore)
+        return Draft(self, self._view.encoders.snapshot(), self._view.encoders.restore, self._view.record_run)
 
     def rollback_encoders(self) -> int:
         """Return to the previous generation of encoders (once): keys re-encoded with them, values restored.

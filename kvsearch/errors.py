@@ -16,6 +16,7 @@ __all__ = [
     "EmptyKeyError",
     "DuplicateKeyError",
     "KeyNotFoundError",
+    "UnknownTargetError",
     "EmptyDatabaseError",
     "DatabaseClosedError",
     "ConfigMismatchError",
@@ -70,6 +71,35 @@ class KeyNotFoundError(KVSearchError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
         return str(self.args[0]) if self.args else "key not found"
+
+
+class UnknownTargetError(KeyNotFoundError, InvalidArgumentError):
+    """A (query, target) pair's target matches no stored record: no stored key (``targets="key"``) or no stored
+    value text (``targets="value"``), whatever the side. A :class:`KeyNotFoundError` (a ``KeyError``) and an
+    :class:`InvalidArgumentError` (a ``ValueError``): the types an unknown key and an unknown value raised before.
+
+    Attributes:
+        pairs: the argument whose targets these are (``"train_pairs"``, ``"eval_pairs"``, ``"pairs"``), or None.
+        positions: the positions in it of the pairs whose target is unknown, in order.
+        targets: ``"key"`` or ``"value"``, or None.
+        other_kind: whether all or most of the unknown targets are of the other kind (stored value texts for key
+            targets, stored keys for value targets).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        pairs: str | None = None,
+        positions: list[int] | None = None,
+        targets: str | None = None,
+        other_kind: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.pairs = pairs
+        self.positions: list[int] = list(positions or [])
+        self.targets = targets
+        self.other_kind = other_kind
 
 
 class EmptyDatabaseError(KVSearchError, LookupError):

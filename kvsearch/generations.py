@@ -313,7 +313,8 @@ def describe(files: encoder_files.EncoderFiles, encoders: EncoderSet, config: Ma
     """What a database's generation is: ``{"generation", "previous", "encoder", "value_encoder", "query_encoder",
     "last_run"}`` — an encoder's configuration, ``"key"`` for a value encoder that is the key encoder, None where
     there is none; ``previous`` the generation a rollback returns to (or None); ``last_run`` the summary of the
-    run that made this generation (or None)."""
+    last fine-tuning run: the one that made this generation, or a later one that committed nothing (its
+    ``"committed"`` False), or None."""
     previous = files.record().get("previous")
     value = None if encoders.value is None else ("key" if encoders.value is encoders.key else encoders.value.config())
     return {
@@ -410,12 +411,14 @@ class Draft:
         snapshot: the encoders as they were at the start (see
             :meth:`~kvsearch.encoders.encoder_set.EncoderSet.snapshot`).
         restore: puts a snapshot back.
+        record: records the summary of a run that committed nothing (see :meth:`discard`), or None.
     """
 
-    def __init__(self, db: Database, snapshot: dict[str, Any], restore: Any) -> None:
+    def __init__(self, db: Database, snapshot: dict[str, Any], restore: Any, record: Any = None) -> None:
         self.db = db
         self._snapshot = snapshot
         self._restore = restore
+        self._record = record
         self._retriever: Retriever | None = None
         #: ``"open"``, ``"committed"`` or ``"discarded"``.
         self.state: Literal["open", "committed", "discarded"] = "open"
@@ -472,13 +475,21 @@ class Draft:
         self._retriever = None
         return self.generation
 
-    def discard(self) -> None:
-        """Put the encoders back as they were at the start; nothing on disk changed. Harmless after commit."""
+    def discard(self, *, summary: Mapping[str, Any] | None = None) -> None:
+        """Put the encoders back as they were at the start; nothing on disk changed. Harmless after commit.
+
+        Args:
+            summary: a JSON-able description of a run that ended without committing (no epoch beat the start):
+                recorded as the database's last run (``encoders_info()["last_run"]``, shown by ``kvsearch info``),
+                the generation unchanged. None (a run that raised, or no run): nothing is recorded.
+        """
         if self.state != "open":
             return
         self._restore(self._snapshot)
         self._retriever = None
         self.state = "discarded"
+        if summary is not None and self._record is not None:
+            self._record(summary)
 
     def _check_open(self) -> None:
         if self.state != "open":

@@ -42,12 +42,42 @@ __all__ = [
     "check_metadata",
     "delete_items",
     "text_list",
+    "text_items",
     "id_tensor",
     "generation_args",
 ]
 
 Queries = str | Sequence[str] | Tensor | np.ndarray
-KeysIn = str | Sequence[str] | Tensor | np.ndarray
+KeysIn = str | Sequence[str] | Tensor | np.ndarray  # also a pandas Series (or any ``.to_numpy()`` holder) of str
+
+
+def text_items(items: object, name: str) -> object:
+    """A numpy array of str (dtype ``<U`` or object) or a pandas Series / Index of str as a list of str; anything
+    else as it came (a numeric array stays an array: embeddings, or ids).
+
+    A holder with a ``to_numpy()`` method (pandas, polars) is read through it, so a Series of numbers becomes a
+    numeric array. Items of an object array are checked by the caller as any list item is.
+
+    Args:
+        items: what the user passed.
+        name: what it is, for the error message (``"keys"``, ``"queries"``...).
+
+    Returns:
+        A list (its numpy str items as plain ``str``), or ``items`` unchanged.
+
+    Raises:
+        InvalidArgumentError: an array of str that is not one-dimensional, or an array of bytes.
+    """
+    if not isinstance(items, (np.ndarray, Tensor, str, bytes)) and callable(getattr(items, "to_numpy", None)):
+        items = np.asarray(items.to_numpy())
+        items = items if items.flags.writeable else items.copy()  # torch shares no read-only memory (pandas 3)
+    if not isinstance(items, np.ndarray) or items.dtype.kind not in "UOS":
+        return items
+    if items.dtype.kind == "S":
+        raise InvalidArgumentError(f"expected {name} as str, got a numpy array of bytes ({items.dtype}): decode it")
+    if items.ndim != 1:
+        raise InvalidArgumentError(f"expected {name} as a one-dimensional array of str, got shape {items.shape}")
+    return [str(t) if isinstance(t, str) else t for t in items.tolist()]  # np.str_ -> str
 
 
 def normalize_key(text: str) -> str:
@@ -75,6 +105,7 @@ def query_texts(queries: Queries) -> list[str] | None:
     Raises:
         InvalidArgumentError: an empty list, a non-str item, an empty or blank text, too many queries.
     """
+    queries = text_items(queries, "query texts")
     if not (isinstance(queries, str) or (isinstance(queries, Sequence) and not isinstance(queries, str))):
         return None
     texts = [queries] if isinstance(queries, str) else list(queries)
@@ -193,6 +224,7 @@ def record_side(
     """
     if isinstance(items, str):
         items = [items]
+    items = text_items(items, name)
     if isinstance(items, np.ndarray) and items.dtype.kind in "fiu":
         items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
     if isinstance(items, Tensor):
@@ -204,7 +236,8 @@ def record_side(
         embs = _embeddings(items, name, dim)  # (n, dim)
         return [None] * embs.shape[0], embs
     if not isinstance(items, Sequence):
-        raise InvalidArgumentError(f"expected {name} as a list of str or a tensor, got {type(items).__name__}")
+        got = f"an array of {items.dtype}" if isinstance(items, np.ndarray) else type(items).__name__
+        raise InvalidArgumentError(f"expected {name} as a list of str or a tensor, got {got}")
     texts = list(items)
     seen: dict[str, int] = {}
     for i, t in enumerate(texts):
@@ -315,6 +348,7 @@ def delete_items(key_or_keys: object) -> list[str | int]:
             valid Unicode, or something that is neither an item nor a list / tuple of them (a dict, a set, a
             generator, bytes, None, a float).
     """
+    key_or_keys = text_items(key_or_keys, "keys to delete")
     if isinstance(key_or_keys, (Tensor, np.ndarray)):  # ids as an integer tensor or array
         array = key_or_keys.detach().cpu().numpy() if isinstance(key_or_keys, Tensor) else key_or_keys
         if array.dtype.kind not in "iu":
@@ -341,12 +375,14 @@ def delete_items(key_or_keys: object) -> list[str | int]:
 
 
 def text_list(texts: object, name: str) -> list[str]:
-    """Texts to look up (keys, values): a list or tuple of valid Unicode strs, possibly empty.
+    """Texts to look up (keys, values): a list or tuple of valid Unicode strs (or a numpy array / pandas Series of
+    str, :func:`text_items`), possibly empty.
 
     Raises:
         InvalidArgumentError: a single str (a list is expected), not a list or tuple, a non-str item, or text that
             is not valid Unicode.
     """
+    texts = text_items(texts, name)
     if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
         raise InvalidArgumentError(f"expected {name} as a list of str, got {type(texts).__name__}")
     out = list(texts)

@@ -260,6 +260,13 @@ class View:
             self.retriever.rebuild()
         return self.config
 
+    def record_run(self, summary: Mapping[str, Any]) -> None:
+        """Record a fine-tuning run that committed nothing as the last run (``encoders_info()["last_run"]``); the
+        generation, the encoders and the records stay as they are. A read-only database records nothing."""
+        if self.store.read_only is None:
+            with self.writing():
+                self.store.set_meta("last_run", dict(summary))
+
     def set_search_params(self, params: dict[str, float]) -> None:
         """``Database.set_search_params``: set them on the index and record them in the configuration."""
         with self.writing():

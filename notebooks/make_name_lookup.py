@@ -73,10 +73,13 @@ PATH = ROOT / "indexes" / "names\"""",
         "md",
         """## 1. The authors database
 
-A `Database` is a folder: the records and their embeddings in SQLite (the single source of truth) and a FAISS
-index derived from them. Keys and values here are texts, so the database needs an encoder; the
-`NgramEncoder` hashes a text's character n-grams into a 256-dimensional vector (it is a small torch module,
-so it can be trained later).""",
+A `Database` is a folder: `store.sqlite` holds the records (the single source of truth), their key and value
+embeddings are stored once in the file set `store.sqlite.v1.ids / .keys / .values` (every process maps them
+rather than reading them into its memory), the encoders of the current generation are in `generations/1/`, and
+`write.lock` lets one process write at a time (the SQLite `-wal` / `-shm` files are there while it is open). The
+exact `"Flat"` index is computed from the embeddings (trained or graph indexes are saved too). Keys and values
+here are texts, so the database needs an encoder; the `NgramEncoder` hashes a text's character n-grams into a
+256-dimensional vector (it is a small torch module, so it can be trained later).""",
     ),
     (
         "code",
@@ -95,7 +98,7 @@ print(f"{len(db)} records, key dim {db.dim}, value dim {db.value_dim}, index {db
 for id_ in ids:
     record = db.get(id_)
     print(f"  id {record.id}: {record.key:8} -> {record.value}")
-print("files:", sorted(p.name for p in PATH.iterdir()))
+print("files:", sorted(p.relative_to(PATH).as_posix() for p in PATH.rglob("*") if p.is_file()))
 print('n-grams of "Li":', db.encoder.ngrams("Li"))""",
     ),
     (
@@ -288,8 +291,11 @@ print(f"after a step of 0.5 against the gradient: weights {weights_after}, loss 
 
 `kvsearch.finetune` uses that gradient to train the query encoder end to end: for each (query, target) pair
 the index picks 32 candidates (the right record is forced in if the index missed it), the candidates are
-scored in torch, and the loss, a cross-entropy over those scores, flows back into a query-side copy of the
-n-gram encoder. The stored keys and the index do not change.
+scored in torch, and the loss, a cross-entropy over those scores, flows back into the n-gram encoder. With the
+defaults an n-gram encoder is trained where it is shared by queries and keys (`train="query+keys"`): the keys
+are re-encoded into a working index as it learns, and the database switches to the trained encoder (a new
+generation) only if an epoch beats the start on the eval pairs. Pairs generated from the stored keys (typos and
+phonetic misspellings, 2 per key) are mixed into the user's pairs, as `finetune`'s defaults do.
 
 The data: the 1,500 most frequent US surnames (`kvsearch.datasets.surname_directory`), each with a first
 name, and queries that are the surnames written in Cyrillic letters ("Miller" -> "Миллер"). A Cyrillic query

@@ -252,7 +252,7 @@ def test_finetune_that_helps_is_kept_then_rolled_back_once(built, tmp_path):
     assert (info["generation"], info["previous_generation"], info["query_encoder"]) == (start, None, None)
 
 
-def test_finetune_that_makes_things_worse_keeps_the_old_retriever(built, tmp_path):
+def test_finetune_that_makes_things_worse_keeps_the_old_retriever(built, tmp_path, capsys):
     db = copy_of(built, tmp_path)
     train, held_out = pair_files(tmp_path)
     with kvsearch.Database(db) as opened:
@@ -271,6 +271,13 @@ def test_finetune_that_makes_things_worse_keeps_the_old_retriever(built, tmp_pat
     assert "now answers with the fine-tuned retriever" not in out
     info = json.loads(run("info", str(db), "--json").stdout)
     assert (info["generation"], info["previous_generation"], info["query_encoder"]) == (start, None, None)
+    last = info["last_run"]  # the attempt is recorded all the same, and info shows it
+    assert (last["committed"], last["kept_epoch"], last["epochs"], last["train"]) == (False, 0, 1, "query")
+    assert (last["metric"], round(last["before"], 4), round(last["after"], 4)) == ("recall@1", *[float(rows[0][3])] * 2)
+    assert main(["info", str(db)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("last run")]
+    assert line.startswith(f"last run       recall@1 {rows[0][3]} -> {rows[0][3]}, kept epoch 0 of 1 (the start: "
+                           "nothing was committed), ")  # fmt: skip
     assert search_results(db) == search_results(built)  # the old retriever answers, exactly
     nothing = run("rollback", str(db))  # nothing was committed, so there is nothing to roll back
     assert (nothing.returncode, nothing.stdout) == (1, "")
@@ -302,6 +309,31 @@ def test_finetune_keep_last_and_metric_are_passed_on(built, tmp_path, capsys):
     assert "\nquery encoder  ngram, dim 256\n" in text
 
 
+def test_the_finetune_command_has_pythons_defaults_and_choices(capsys):
+    from kvsearch.cli.commands import finetune_options
+    from kvsearch.training.config import KEEPS, TRAIN_MODES
+    from kvsearch.training.losses import LOSSES
+    from kvsearch.training.metrics import TARGET_KINDS, TEXT_METRICS
+    from kvsearch.training.precision import PRECISIONS
+
+    parser = build_parser()
+    python = kvsearch.FinetuneConfig()
+    assert finetune_options(parser.parse_args(["finetune", "db"])) == {"verbose": True}  # nothing else passed on
+    cli = kvsearch.FinetuneConfig(**finetune_options(parser.parse_args(["finetune", "db"])))
+    assert cli == python and (cli.loss, cli.target_kind) == ("retrieval", "key")  # (query text, target key) pairs
+    given = parser.parse_args(["finetune", "db", "--loss", "answer", "--epochs", "2", "--quiet"])
+    assert finetune_options(given) == {"loss": "answer", "epochs": 2, "verbose": False}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["finetune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # the help, its line breaks undone
+    for choices in (LOSSES, TARGET_KINDS, TRAIN_MODES, KEEPS, TEXT_METRICS, PRECISIONS):
+        assert "{" + ",".join(choices) + "}" in text
+    for option in ("epochs", "k", "temperature", "seed", "keep", "loss", "precision", "generated"):
+        assert f"default {getattr(python, option)}" in text
+    assert f"default {','.join(python.noise)}" in text and "default None" not in text
+    assert f"default: {python.target_kind} for the {python.loss} loss, value for the answer losses" in text
+
+
 def test_finetune_bad_pairs_is_one_line(built, tmp_path, capsys):
     db = copy_of(built, tmp_path)
     pairs = tmp_path / "pairs.csv"
@@ -310,8 +342,56 @@ def test_finetune_bad_pairs_is_one_line(built, tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        f"kvsearch finetune: error: '{pairs}' has 1 bad rows, nothing was trained: line 3: empty query or target\n"
+        f"kvsearch finetune: error: '{pairs}' has 1 bad row, nothing was trained: line 3: empty query or target\n"
     )
+
+
+def test_unknown_targets_of_a_pair_file_name_the_file_and_the_line(built, tmp_path, capsys):
+    db = copy_of(built, tmp_path)
+    pairs, held_out, values = tmp_path / "pairs.csv", tmp_path / "held_out.tsv", tmp_path / "values.jsonl"
+    pairs.write_text("query,target\nLipto,Lipton\n\nSmol,Nobody\nLii,Li\n")  # line 4 (the blank line 3 counts)
+    held_out.write_text("query\ttarget\nLipto\tLipton\nZang\tAston\nHoo\tRachel\n")  # value texts, not keys
+    values.write_text('{"query": "Lipto", "target": "Zachary"}\n{"query": "Hoo", "target": "Hu"}\n')
+    runs = {
+        "train": (["--pairs", str(pairs)], f"'{pairs}' has 1 bad row, nothing was trained: line 4: target 'Nobody' "
+                  "is no stored key"),
+        "eval": (["--pairs", str(pairs.with_name("ok.csv")), "--eval", str(held_out)],
+                 f"'{held_out}' has 2 bad rows, nothing was trained: line 3: target 'Aston' is no stored key; line 4: "
+                 "target 'Rachel' is no stored key (all or most of these targets are stored value texts: pass "
+                 "--targets value --loss answer)"),
+        "values": (["--pairs", str(values), "--loss", "answer"], f"'{values}' has 1 bad row, nothing was trained: "
+                   "line 2: target 'Hu' is no stored value text (all or most of these targets are stored keys: pass "
+                   "--targets key)"),
+    }  # fmt: skip
+    pairs.with_name("ok.csv").write_text("query,target\nLipto,Lipton\n")
+    for argv, message in runs.values():
+        assert main(["finetune", str(db), *argv, "--quiet"]) == 1
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", f"kvsearch finetune: error: {message}\n")
+    with kvsearch.Database(db) as opened:
+        assert opened.previous_generation is None  # nothing was trained
+
+
+def test_counts_are_singular_for_one(built, tmp_path, capsys):
+    from kvsearch.cli.printing import counted
+
+    assert [counted(n, "epoch") for n in (0, 1, 2)] == ["0 epochs", "1 epoch", "2 epochs"]
+    assert counted(1, "query", "queries") == "1 query" and counted(3, "query", "queries") == "3 queries"
+    source = tmp_path / "one.csv"
+    source.write_text("last,first\nLi,Mu\n")
+    assert main(["build", str(tmp_path / "one"), "--from", str(source), "--key", "last", "--value", "first",
+                 "--quiet"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == f"added 1 record from {source} to {tmp_path / 'one'} (1 record in all)\n"
+    db = copy_of(built, tmp_path)
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("query,target\nLipto,Lipton\n")
+    assert main(["finetune", str(db), "--pairs", str(pairs), "--epochs", "1", "--generated", "0", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"fine-tuned {db} on 1 pair for 1 epoch (")
+    assert "\n1 epoch, loss " in out and "epochs" not in out
+    assert main(["info", str(db)]) == 0
+    (last_run,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("last run")]
+    assert ", 1 step, " in last_run and "epochs" not in last_run and "steps" not in last_run
 
 
 def test_top_level_help_as_a_user_runs_it():
@@ -348,6 +428,17 @@ def test_minilm_loads_silently_and_query_prints_only_its_results(tmp_path, capfd
                                   (row.split() for row in rows))  # fmt: skip
 
 
+def test_python_dash_m_kvsearch_runs_the_command_line(built):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    helped = subprocess.run([sys.executable, "-m", "kvsearch", "--help"], capture_output=True, text=True, env=env)
+    assert (helped.returncode, helped.stderr) == (0, "")
+    assert helped.stdout == run("--help").stdout  # the same program as the console script
+    info = subprocess.run([sys.executable, "-m", "kvsearch", "info", str(built), "--json"], capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert (info.returncode, info.stderr) == (0, "")
+    assert json.loads(info.stdout)["records"] == 6
+
+
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_every_command_has_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -366,6 +457,8 @@ def test_every_command_has_help(name, capsys):
         ["query", "db", "x", "--pooling", "max"],
         ["build", "db", "--from", "a.csv", "--shards", "0"],
         ["build", "db", "--from", "a.csv", "--shards", "-2"],
+        ["query", "db", ""],
+        ["query", "db", "Li", " \t"],
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(argv, capsys):
@@ -374,6 +467,18 @@ def test_usage_errors_are_one_line_with_status_2(argv, capsys):
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "error:" in lines[0] and lines[0].endswith("--help)")
+
+
+def test_an_empty_query_is_a_usage_error(built, capsys):
+    for blank in ("", "   "):
+        with pytest.raises(SystemExit) as exit_:
+            main(["query", str(built), "Li", blank])
+        assert exit_.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == (
+            f"kvsearch query: error: argument TEXT: expected a non-empty query text, got {blank!r} "
+            "(see kvsearch query --help)\n"
+        )
 
 
 @pytest.mark.parametrize(

@@ -209,7 +209,7 @@ def test_cli_finetune_without_pairs(tmp_path, capsys):
     small_db(folder).close()
     assert main(["finetune", str(folder), "--epochs", "1", "--generated", "400", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "on 400 pairs generated from the stored keys per epoch for 1 epochs" in out
+    assert "on 400 pairs generated from the stored keys per epoch for 1 epoch" in out
     assert "queries of held-out keys" in out
     assert main(["finetune", str(folder), "--noise", "none", "--quiet"]) == 1
     assert "expected train_pairs" in capsys.readouterr().err

@@ -83,7 +83,7 @@ def test_bad_rows_are_all_reported_with_line_numbers_and_nothing_is_written(tmp_
     assert info.value.problems == [
         (3, "empty key ''"),
         (4, "duplicate key 'Zhang' (first on line 2)"),
-        (5, "missing column 'first' (1 fields, header has 2)"),
+        (5, "missing column 'first' (1 field, header has 2)"),
         (8, "key 'Hu' is already stored in the database"),
         (9, "empty key '   '"),
     ]

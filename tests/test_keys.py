@@ -182,3 +182,64 @@ def test_training_and_evaluation_queries_are_normalised_too():
     normalised = run([(NFC, NFC), ("Mueller", "Mueller")])
     assert as_typed[0] == normalised[0] == {"recall@1": 1.0, "recall@k": 1.0, "mrr": 1.0}
     assert as_typed[1] == normalised[1] and torch.equal(as_typed[2], normalised[2])  # the same training run
+
+
+# ----------------------------------------------------------------------------- keys and values as any sequence of str
+
+KEYS, VALUES = ["Zhang", "Lipton", NFD, "Smola"], ["Aston", "Zachary", "Mu", "Alex"]
+
+
+def records_of(db: kvsearch.Database) -> list[tuple[int, str | None, object, dict]]:
+    return [(r.id, r.key, r.value, r.metadata) for r in (db.get(i) for i in db.ids().tolist())]
+
+
+@pytest.mark.parametrize("kind", ["numpy <U", "numpy object", "pandas"])
+def test_numpy_and_pandas_string_arrays_are_taken_as_lists_of_str(kind):
+    import numpy as np
+
+    def wrap(texts):
+        if kind == "pandas":
+            pd = pytest.importorskip("pandas")
+            return pd.Series(texts)
+        return np.array(texts) if kind == "numpy <U" else np.array(texts, dtype=object)
+
+    reference, db = names_db(), names_db()  # the same writes and reads, as lists and as arrays
+    assert db.add(wrap(KEYS), wrap(VALUES)) == reference.add(KEYS, VALUES)
+    assert db.upsert(wrap(["Lipton", "Hu"]), wrap(["Z.", "Rachel"])) == reference.upsert(
+        ["Lipton", "Hu"], ["Z.", "Rachel"]
+    )
+    for record in records_of(db):
+        assert type(record[1]) is str and type(record[2]) is str  # plain str stored, not numpy.str_
+    assert records_of(db) == records_of(reference)
+    assert torch.equal(db.ids_of_keys(wrap([NFC, "nobody", "Hu"])), reference.ids_of_keys([NFC, "nobody", "Hu"]))
+    assert torch.equal(db.values_present(wrap(["Rachel", "Li"])), reference.values_present(["Rachel", "Li"]))
+    assert [h.key for h in db.search(wrap(["Smola", "Zhang"]), k=2)[1]] == [
+        h.key for h in reference.search(["Smola", "Zhang"], k=2)[1]
+    ]
+    assert db.delete(wrap(["Smola", " Hu "])) == reference.delete(["Smola", " Hu "])
+    assert records_of(db) == records_of(reference)
+
+
+def test_a_numeric_array_is_still_embeddings_and_a_bad_string_array_is_refused():
+    import numpy as np
+
+    from kvsearch.errors import InvalidArgumentError
+
+    rng = np.random.default_rng(0)
+    keys, values = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((3, 2))
+    db = kvsearch.Database(dim=4, value_dim=2, device="cpu")
+    ids = db.add(keys, values)
+    assert torch.equal(db.embeddings(ids)[0], torch.from_numpy(keys))  # numbers: embeddings, as before
+    assert db.delete(np.array(ids[:1])) == ids[:1]  # an integer array: ids, as before
+    texts = names_db()
+    with pytest.raises(InvalidArgumentError, match=r"one-dimensional array of str, got shape \(1, 2\)"):
+        texts.add(np.array([["a", "b"]]), ["1", "2"])
+    with pytest.raises(InvalidArgumentError, match="numpy array of bytes"):
+        texts.add(np.array([b"a"]), ["1"])
+    with pytest.raises(InvalidArgumentError, match="expected keys as str, got int at position 1"):
+        texts.add(np.array(["a", 1], dtype=object), ["1", "2"])
+    assert len(texts) == 0  # nothing written
+    pd = pytest.importorskip("pandas")
+    more = pd.DataFrame(rng.standard_normal((2, 4)).astype(np.float32))  # a frame of numbers: embeddings
+    more_ids = db.add(more, pd.DataFrame(rng.standard_normal((2, 2))))
+    assert torch.equal(db.embeddings(more_ids)[0], torch.tensor(more.to_numpy()))

@@ -42,7 +42,7 @@ RANKS: list[tuple[str, ...]] = [
     ("distributed",),
     ("training",),
     ("cli", "integrations"),
-    ("kvsearch",),
+    ("kvsearch", "__main__"),  # __main__: `python -m kvsearch`, the command line
 ]
 
 # (importing module, imported module) -> why an upward import is fine there. Only imports inside functions for an

@@ -45,9 +45,12 @@ def run_blocks(blocks: list[str], namespace: dict[str, object], round_: str) -> 
 
 
 def test_the_readme_has_the_examples_this_test_runs():
+    """The examples are there, and the (query text, target key) pairs train with finetune's defaults (no loss=)."""
     blocks = python_blocks(README.read_text(encoding="utf-8"))
     assert len(blocks) >= 3, "expected the Use, torch layer and fine-tuning examples as ```python blocks"
     assert any("finetune(" in block and "rollback_encoders()" in block for block in blocks)
+    (key_pairs,) = [block for block in blocks if "# pairs: (query text, target key)" in block]
+    assert "finetune(db, train_pairs" in key_pairs and "loss=" not in key_pairs and "targets=" not in key_pairs
     assert python_blocks("text\n```python\na = 1\n```\n```bash\nls\n```\n```python\nb = 2\n```\n") == [
         "a = 1\n",
         "b = 2\n",

@@ -749,7 +749,14 @@ def test_a_run_that_only_makes_things_worse_keeps_the_start(directory, tmp_path,
         f"kept the start, generation {generation} unchanged"
     )
     db.close()
-    assert folder_digests(path) == digests
+    # every file as it was but store.sqlite, whose meta table records the attempt (kvsearch info shows it)
+    changed = {name for name, digest in folder_digests(path).items() if digests.get(name) != digest}
+    assert changed <= {"store.sqlite"} and folder_digests(path).keys() == digests.keys()
+    with Database(path) as reopened:
+        last_run = reopened.encoders_info()["last_run"]
+        assert reopened.generation == generation and evaluate(reopened, held, k=8) == before
+    assert (last_run["committed"], last_run["kept_epoch"], last_run["epochs"]) == (False, 0, 2)
+    assert (last_run["before"], last_run["after"], last_run["train"]) == (start, start, train)
 
 
 def test_a_run_that_improves_commits_its_best_epoch(directory, tmp_path):
@@ -782,7 +789,7 @@ def test_a_run_that_improves_commits_its_best_epoch(directory, tmp_path):
         == f"recall@1 {scores[0]:.3f} -> best {scores[1]:.3f} at epoch 1 (kept, generation {generation + 1})"
     )
     last_run = db.encoders_info()["last_run"]
-    assert last_run["metric"] == "recall@1" and last_run["kept_epoch"] == 1
+    assert last_run["metric"] == "recall@1" and last_run["kept_epoch"] == 1 and last_run["committed"] is True
     assert (last_run["before"], last_run["after"]) == (scores[0], scores[1])
     assert last_run["epochs"] == 3 and last_run["steps"] == len(history.losses) and last_run["train"] == "query"
     db.close()
@@ -987,6 +994,26 @@ def test_targets_of_neither_kind_get_no_hint_and_eval_pairs_are_checked_too(name
             names_db, [("Li", "Mu")], eval_pairs=[("Li", "Mu"), ("Li", "Li")], loss="answer", verbose=False
         )
     assert calls == [] and names_db.query_encoder is None
+
+
+def test_an_unknown_target_is_one_error_type_whatever_the_side(names_db):
+    from kvsearch import UnknownTargetError
+
+    with pytest.raises(UnknownTargetError) as by_key:
+        finetune_as_before(names_db, [("Lipton", "Lipton"), ("x", "Nobody")], loss="retrieval", verbose=False)
+    with pytest.raises(UnknownTargetError) as by_value:
+        finetune_as_before(names_db, [("Li", "Mu"), ("x", "Nobody"), ("y", "Li")], loss="answer", verbose=False)
+    with pytest.raises(UnknownTargetError) as evaluated:
+        evaluate(names_db, [("x", "Nobody"), ("Li", "Li")], k=3)
+    expected = [(by_key, "train_pairs", "key", [1]), (by_value, "train_pairs", "value", [1, 2])]
+    for caught, pairs, targets, positions in [*expected, (evaluated, "pairs", "key", [0])]:
+        error = caught.value
+        # what either side raised before: the key side a KeyNotFoundError, the value side an InvalidArgumentError
+        assert isinstance(error, KeyNotFoundError) and isinstance(error, InvalidArgumentError)
+        assert (error.pairs, error.targets, error.positions) == (pairs, targets, positions)
+        assert str(error).startswith(f"{pairs}: {len(positions)} of ")  # not KeyError's quoted repr
+    assert "at position 1" in str(by_key.value) and "at positions 1, 2" in str(by_value.value)
+    assert names_db.query_encoder is None  # nothing ran
 
 
 # ----------------------------------------------------------------------------- hostile options

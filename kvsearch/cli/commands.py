@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvsearch.cli.parser import PROG, CommandError
-from kvsearch.cli.printing import answer_table, history_table, info_text, records_table
+from kvsearch.cli.printing import answer_table, counted, history_table, info_text, records_table
 from kvsearch.distributed import layout as sharding
 from kvsearch.metadata import to_json
 from kvsearch.storage import folder as folders
@@ -31,6 +31,7 @@ from kvsearch.storage import folder as folders
 if TYPE_CHECKING:
     from kvsearch.database import Database
     from kvsearch.distributed import ShardedDatabase
+    from kvsearch.errors import BadFileError, UnknownTargetError
     from kvsearch.results import Answer
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "cmd_list",
     "cmd_count",
     "cmd_finetune",
+    "finetune_options",
     "cmd_rollback",
     "cmd_demo",
 ]
@@ -152,10 +154,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.upsert:
         print(
             f"upserted {args.source} into {args.db}: {done.added} added, {done.replaced} replaced, "
-            f"{done.unchanged} unchanged ({total} records in all)"
+            f"{done.unchanged} unchanged ({counted(total, 'record')} in all)"
         )
     else:
-        print(f"added {done} records from {args.source} to {args.db} ({total} records in all)")
+        print(f"added {counted(done, 'record')} from {args.source} to {args.db} ({counted(total, 'record')} in all)")
     return 0
 
 
@@ -299,7 +301,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
                 raise KeyNotFoundError(f"expected a stored key, got {missing!r}; nothing was deleted")
         ids = db.delete(list(args.keys))
         left = len(db)
-    print(f"deleted {len(ids)} record{'s' if len(ids) != 1 else ''} from {args.db} ({left} left)")
+    print(f"deleted {counted(len(ids), 'record')} from {args.db} ({left} left)")
     return 0
 
 
@@ -335,20 +337,27 @@ def cmd_count(args: argparse.Namespace) -> int:
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune the database's encoder on (query, target) pairs and say what was committed."""
     try:
-        from kvsearch.training.loop import FinetuneConfig, finetune
+        from kvsearch.training.loop import finetune
     except ImportError:
         raise CommandError(
             "fine-tuning is not available: this kvsearch has no kvsearch.training.loop.finetune"
         ) from None
 
-    pairs = None if args.pairs is None else _read_pairs(args.pairs, args)
-    eval_pairs = None if args.eval is None else _read_pairs(args.eval, args)
-    # only the options given are in the namespace (the parser suppresses the others): the defaults are Python's
-    given = {field.name: getattr(args, field.name) for field in fields(FinetuneConfig) if hasattr(args, field.name)}
-    options: dict[str, Any] = {**given, "verbose": not args.quiet}
+    from kvsearch.errors import UnknownTargetError
+
+    pairs, lines = (None, []) if args.pairs is None else _read_pairs(args.pairs, args)
+    eval_pairs, eval_lines = (None, []) if args.eval is None else _read_pairs(args.eval, args)
+    files = {"train_pairs": (args.pairs, pairs, lines), "eval_pairs": (args.eval, eval_pairs, eval_lines)}
+    options = finetune_options(args)
     with _open_existing(args.db, unsharded_for="fine-tuning") as db:
         before = db.generation
-        history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
+        try:
+            history = finetune(db, pairs, eval_pairs=eval_pairs, **options)
+        except UnknownTargetError as exc:
+            path, read, at = files.get(exc.pairs or "", (None, None, []))
+            if path is None or not exc.positions:
+                raise
+            raise _unknown_targets(exc, path, read, at) from None
         after = db.generation
     print(f"fine-tuned {args.db} {_trained_on(history, pairs, eval_pairs)} ({history.seconds:.1f} s)")
     if history.metrics:
@@ -364,25 +373,44 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def finetune_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`kvsearch.finetune` options of a parsed ``kvsearch finetune``: only those given on the command line
+    (the parser leaves the others out of the namespace), and ``verbose`` (not ``--quiet``), so that every other
+    option takes :class:`~kvsearch.FinetuneConfig`'s default: ``FinetuneConfig(**finetune_options(args))`` of a
+    command with no training option is ``FinetuneConfig()``.
+
+    Args:
+        args: the namespace of ``build_parser().parse_args(["finetune", ...])``.
+
+    Returns:
+        Option name -> value, for ``finetune(db, pairs, **options)``.
+    """
+    from kvsearch.training.config import FinetuneConfig
+
+    given = {field.name: getattr(args, field.name) for field in fields(FinetuneConfig) if hasattr(args, field.name)}
+    return {**given, "verbose": not args.quiet}
+
+
 def _trained_on(history: Any, pairs: list | None, eval_pairs: list | None) -> str:
     """What a run trained and was measured on, in words: "on 6 pairs for 3 epochs, evaluated on ..."."""
-    parts = [] if pairs is None else [f"{len(pairs)} pairs"]
+    parts = [] if pairs is None else [counted(len(pairs), "pair")]
     if history.generated:
-        parts.append(f"{history.generated} pairs generated from the stored keys per epoch")
-    text = f"on {' and '.join(parts)} for {len(history.epoch_losses)} epochs"
+        parts.append(f"{counted(history.generated, 'pair')} generated from the stored keys per epoch")
+    text = f"on {' and '.join(parts)} for {counted(len(history.epoch_losses), 'epoch')}"
     if eval_pairs is not None:
-        text += f", evaluated on {len(eval_pairs)} held-out pairs"
+        text += f", evaluated on {counted(len(eval_pairs), 'held-out pair')}"
     elif history.monitor:
-        text += f", evaluated on {history.monitor} queries of held-out keys"
+        text += f", evaluated on {counted(history.monitor, 'query', 'queries')} of held-out keys"
     return text
 
 
-def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(query, target) pairs from a CSV, TSV or JSONL file; bad rows reported with their line numbers."""
+def _read_pairs(path: str, args: argparse.Namespace) -> tuple[list[tuple[str, str]], list[int]]:
+    """(query, target) pairs from a CSV, TSV or JSONL file and the line of each; bad rows reported with their line
+    numbers (BadFileError)."""
     from kvsearch.cli.ingest import read_rows
-    from kvsearch.errors import BadFileError
 
     pairs: list[tuple[str, str]] = []
+    lines: list[int] = []
     problems: list[tuple[int, str]] = []
     for row in read_rows(path, (args.query, args.target), format=args.format):
         if row.problem is not None:
@@ -391,12 +419,37 @@ def _read_pairs(path: str, args: argparse.Namespace) -> list[tuple[str, str]]:
             problems.append((row.line, "empty query or target"))
         else:
             pairs.append((row.fields[0], row.fields[1]))
+            lines.append(row.line)
     if problems:
-        shown = "; ".join(f"line {line}: {problem}" for line, problem in problems[:5])
-        raise BadFileError(f"{path!r} has {len(problems)} bad rows, nothing was trained: {shown}", problems)
+        raise _bad_pairs(path, problems, len(problems))
     if not pairs:
         raise CommandError(f"{path!r} holds no pairs")
-    return pairs
+    return pairs, lines
+
+
+def _bad_pairs(path: str, problems: list[tuple[int, str]], count: int, hint: str = "") -> BadFileError:
+    """The error of a pair file with ``count`` bad rows: the file, then the first few ``(line, problem)``."""
+    from kvsearch.errors import BadFileError
+
+    shown = "; ".join(f"line {line}: {problem}" for line, problem in problems[:5])
+    more = f"; and {count - 5} more" if count > 5 else ""
+    return BadFileError(f"{path!r} has {counted(count, 'bad row')}, nothing was trained: {shown}{more}{hint}", problems)
+
+
+def _unknown_targets(
+    exc: UnknownTargetError, path: str, pairs: list[tuple[str, str]], lines: list[int]
+) -> BadFileError:
+    """An unknown target of a pair file's pairs as a bad row of that file: its line, and the options to pass when
+    the targets are of the other kind."""
+    what = "stored key" if exc.targets == "key" else "stored value text"
+    problems = [(lines[i], f"target {pairs[i][1]!r} is no {what}") for i in exc.positions]
+    hint = ""
+    if exc.other_kind:
+        other, option = (
+            ("value texts", "--targets value --loss answer") if exc.targets == "key" else ("keys", "--targets key")
+        )
+        hint = f" (all or most of these targets are stored {other}: pass {option})"
+    return _bad_pairs(path, problems, len(problems), hint)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tqdm import tqdm
 
+from kvsearch.cli.printing import counted
 from kvsearch.errors import BadFileError, InvalidArgumentError, KVSearchError, UnknownOptionError
 from kvsearch.inputs import normalize_key
 
@@ -281,13 +282,14 @@ def _delimited_rows(
             yield Row(
                 line,
                 None,
-                f"{len(fields)} fields, header has {len(header)}: expected one field per column "
+                f"{counted(len(fields), 'field')}, header has {len(header)}: expected one field per column "
                 "(an unquoted delimiter?)",
             )
             continue
         if len(fields) <= max(positions_read):
             absent = [c for c, p in zip(names, positions_read) if p >= len(fields)]
-            yield Row(line, None, f"missing column {absent[0]!r} ({len(fields)} fields, header has {len(header)})")
+            got = f"{counted(len(fields), 'field')}, header has {len(header)}"
+            yield Row(line, None, f"missing column {absent[0]!r} ({got})")
             continue
         meta = None
         if metadata is not None:  # an empty field is left out: CSV cannot say null
@@ -394,8 +396,7 @@ def _validate(
                 "upsert with 'kvsearch build --upsert' or kvsearch.cli.ingest.upsert_file)"
             )
         raise BadFileError(
-            f"{os.fspath(path)!r} has {total_bad} bad row{'s' if total_bad > 1 else ''}, nothing was written"
-            f"{hint}: {shown}{more}",
+            f"{os.fspath(path)!r} has {counted(total_bad, 'bad row')}, nothing was written{hint}: {shown}{more}",
             problems,
         )
     return count

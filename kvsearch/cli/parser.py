@@ -56,6 +56,13 @@ def _k(text: str) -> int | str:
     return "all" if text == "all" else _positive_int(text)
 
 
+def _query_text(text: str) -> str:
+    """A query TEXT: not empty nor blank (a usage error, as for any bad argument), kept as typed."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty query text, got {text!r}")
+    return text
+
+
 def _where(text: str) -> dict[str, Any]:
     """``--where``: a JSON object checked as a metadata filter (:func:`kvsearch.filters.check_where`)."""
     from kvsearch.errors import KVSearchError
@@ -98,10 +105,15 @@ def _add_finetune(sub: Any) -> None:
     """The ``finetune`` command. Its defaults are :class:`~kvsearch.FinetuneConfig`'s: a training option not given is
     absent from the parsed namespace (``argparse.SUPPRESS``) and not passed on, so Python and the CLI train alike."""
     from kvsearch.noise import NOISE_MODELS
-    from kvsearch.training.config import FinetuneConfig
+    from kvsearch.training.config import KEEPS, TRAIN_MODES, FinetuneConfig
+    from kvsearch.training.defaults import auto_batch_size
+    from kvsearch.training.losses import ANSWER_LOSSES, LOSSES
+    from kvsearch.training.metrics import TARGET_KINDS, TEXT_METRICS
+    from kvsearch.training.precision import PRECISIONS
 
-    d = FinetuneConfig()
+    d = FinetuneConfig()  # the one source of the defaults: the help says them, the parser passes none of them
     noise = ",".join(d.noise or ())
+    answer_targets = FinetuneConfig(loss=ANSWER_LOSSES[0]).target_kind
     p = sub.add_parser(
         "finetune",
         help="fine-tune the retriever on (query, target key) pairs, or on misspellings of the stored keys",
@@ -128,9 +140,9 @@ def _add_finetune(sub: Any) -> None:
     p.add_argument("--target", default="target", metavar="COL", help="the target column (default: target)")
     p.add_argument(
         "--targets",
-        choices=("key", "value"),
+        choices=TARGET_KINDS,
         help="the target column holds the right record's key, or the answer's value text "
-        "(default: key for the retrieval loss, value for the answer losses)",
+        f"(default: {d.target_kind} for the {d.loss} loss, {answer_targets} for the answer losses)",
     )
     p.add_argument(
         "--format", default=None, choices=("csv", "tsv", "jsonl"), help="the file format (default: from the suffix)"
@@ -148,33 +160,39 @@ def _add_finetune(sub: Any) -> None:
         metavar="N|auto",
         help=f"how many generated pairs to mix in (default {d.generated}: see kvsearch.training.pairs)",
     )
-    p.add_argument("--loss", choices=("retrieval", "answer", "answer_mse"), help=f"default {d.loss}")
+    p.add_argument("--loss", choices=LOSSES, help=f"default {d.loss}")
     p.add_argument(
         "--train",
-        choices=("query", "query+keys"),
-        help=f"train a query-side copy of the encoder, or the shared encoder with index refreshes (default {d.train})",
+        choices=TRAIN_MODES,
+        help="train a query-side copy of the encoder, or the shared encoder with index refreshes (default: "
+        "query+keys for an n-gram encoder, else query)",
     )
     p.add_argument("--epochs", type=_positive_int, metavar="N", help=f"passes over the pairs (default {d.epochs})")
     p.add_argument("--k", type=_positive_int, metavar="N", help=f"candidates per query (default {d.k})")
     p.add_argument("--lr", type=_positive_float, metavar="LR", help="learning rate (default: per encoder kind)")
     p.add_argument("--temperature", type=_positive_float, metavar="T", help=f"default {d.temperature}")
-    p.add_argument("--batch-size", type=_positive_int, metavar="N", help=f"pairs per step (default {d.batch_size})")
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        metavar="N",
+        help=f"pairs per step (default: {auto_batch_size(1)} with generated pairs, else {auto_batch_size(0)})",
+    )
     p.add_argument("--seed", type=int, help=f"seeds the shuffling and the generated pairs (default {d.seed})")
     p.add_argument(
         "--keep",
-        choices=("best", "last"),
+        choices=KEEPS,
         help=f"keep the epoch with the best eval metric, the start included, or the last epoch (default {d.keep})",
     )
     p.add_argument(
         "--metric",
-        choices=("recall@1", "recall@k", "mrr"),
-        help="the eval metric that --keep best compares (default recall@1)",
+        choices=TEXT_METRICS,
+        help=f"the eval metric that --keep best compares (default {TEXT_METRICS[0]})",
     )
     p.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "fp16"),
-        help="train in float32 (default), or under autocast with bfloat16 (CPU or CUDA) or float16 (CUDA only); "
-        "the weights written stay float32",
+        choices=PRECISIONS,
+        help="train in float32 (fp32), or under autocast with bfloat16 (CPU or CUDA) or float16 (CUDA only); "
+        f"the weights written stay float32 (default {d.precision})",
     )
     p.add_argument("--quiet", action="store_true", default=False, help="no progress bars")
 
@@ -261,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "that is not stored is reported as not found, with exit status 1.",
     )
     p.add_argument("db", metavar="DB", help="the database folder")
-    p.add_argument("texts", nargs="+", metavar="TEXT", help="one or more queries")
+    p.add_argument("texts", nargs="+", type=_query_text, metavar="TEXT", help="one or more queries (not blank)")
     p.add_argument("--k", type=_k, default=5, metavar="N", help='candidates per query, or "all" (default 5)')
     p.add_argument(
         "--pooling",

@@ -22,6 +22,7 @@ __all__ = [
     "cell",
     "last_run_text",
     "human_size",
+    "counted",
     "history_table",
 ]
 
@@ -160,9 +161,9 @@ def last_run_text(run: dict[str, Any]) -> str:
         of = f" of {run['epochs']}" if run.get("epochs") is not None else ""
         parts.append(f"kept epoch {kept}{of}" + (" (the start: nothing was committed)" if kept == 0 else ""))
     elif run.get("epochs") is not None:
-        parts.append(f"{run['epochs']} epochs")
+        parts.append(counted(int(run["epochs"]), "epoch"))
     if run.get("steps") is not None:
-        parts.append(f"{run['steps']} steps")
+        parts.append(counted(int(run["steps"]), "step"))
     if run.get("seconds") is not None:
         parts.append(f"{float(run['seconds']):.1f} s")
     if run.get("train") is not None:
@@ -185,6 +186,12 @@ def human_size(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"  # pragma: no cover
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """A count and its noun, singular for exactly one: ``counted(1, "epoch")`` is "1 epoch", ``counted(2, "query",
+    "queries")`` "2 queries" (``plural`` defaults to ``noun + "s"``), ``counted(0, "record")`` "0 records"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def history_table(history: History) -> str:

@@ -80,10 +80,12 @@ class ShardedDraft:
             raise
         return self.generation
 
-    def discard(self) -> None:
-        """Put the encoders back as they were at the start on every shard. Harmless after commit."""
+    def discard(self, *, summary: Mapping[str, Any] | None = None) -> None:
+        """Put the encoders back as they were at the start on every shard (and record ``summary``, a run that
+        committed nothing, as each shard's last run: see :meth:`kvsearch.generations.Draft.discard`). Harmless after
+        commit."""
         for draft in self.drafts.values():
-            draft.discard()
+            draft.discard(summary=summary)
 
     def __enter__(self) -> ShardedDraft:
         return self

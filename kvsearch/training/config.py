@@ -303,7 +303,8 @@ class History:
             losses = self.epoch_losses
             trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step"
             done = f"generation {self.generation}" if self.committed else f"generation {self.generation} unchanged"
-            return f"{len(losses)} epochs, {trend} (last epoch kept, {done})"
+            epochs = f"{len(losses)} epoch{'' if len(losses) == 1 else 's'}"
+            return f"{epochs}, {trend} (last epoch kept, {done})"
         head = f"{self.metric} {start:.3f}"
         best = self.best_epoch()
         if not self.committed:

@@ -288,13 +288,15 @@ def finetune(
         Without a commit it answers exactly as before.
 
     Raises:
-        InvalidArgumentError: bad pairs or options, a metric that does not fit the eval pairs, value target
-            texts that no record holds, an unknown option name, or nothing to train (all before any step).
+        InvalidArgumentError: bad pairs or options, a metric that does not fit the eval pairs, an unknown option
+            name, or nothing to train (all before any step).
         UnknownOptionError: an unknown loss, train mode, targets, score, pooling, optimizer, keep, metric or
             precision.
         NotSupportedError: ``precision="fp16"`` on a device other than CUDA, or pairs to generate on a sharded
             database (before any step).
-        KeyNotFoundError: a target key is not stored (before any step).
+        UnknownTargetError: a target matches no stored record — no stored key, or with value targets no stored
+            value text — (before any step; a KeyNotFoundError and an InvalidArgumentError, its ``positions`` say
+            which pairs).
         DimensionMismatchError: tensor pairs of the wrong shape.
         EmptyDatabaseError: the database is empty.
         NonFiniteError: the loss, a query embedding, a trained weight or the eval loss became NaN or Inf (the
@@ -492,9 +494,10 @@ def finetune(
             history.kept_epoch = best_epoch
             if best_state is not None:
                 _restore(run, best_state)
-        if history.kept_epoch == 0:  # no epoch beat the start: the database keeps its retriever
+        if history.kept_epoch == 0:  # no epoch beat the start: the database keeps its retriever, records the attempt
             ended = True
-            draft.discard()
+            history.seconds = time.perf_counter() - started
+            draft.discard(summary=_summary(history, config, step))
             for module, state in outsiders:
                 module.load_state_dict(state)
         else:
@@ -601,6 +604,7 @@ def _summary(history: History, config: FinetuneConfig, steps: int) -> dict[str, 
         "before": history.value(0),
         "after": history.value(kept) if history.metrics else None,
         "kept_epoch": history.kept_epoch,
+        "committed": history.kept_epoch != 0,  # kept epoch 0: no epoch beat the start, nothing was committed
         "keep": history.keep,
         "epochs": config.epochs,
         "steps": steps,

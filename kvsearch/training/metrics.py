@@ -28,9 +28,9 @@ from kvsearch.encoders.base import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
     InvalidArgumentError,
-    KeyNotFoundError,
     NonFiniteError,
     UnknownOptionError,
+    UnknownTargetError,
 )
 from kvsearch.inputs import normalize_key
 from kvsearch.nn.attend import Candidates
@@ -199,10 +199,10 @@ def check_targets(db: Database, texts: Sequence[str], targets: TargetKind, name:
         (n,) int64 ids on the CPU for key targets; None for value targets.
 
     Raises:
-        KeyNotFoundError: (key targets) a target text is no stored key; the message says how many of how many,
-            shows a few and hints at ``targets="value"`` when they are stored value texts.
-        InvalidArgumentError: (value targets) a target text is no stored value text (likewise, with the hint
-            ``targets="key"`` when they are stored keys).
+        UnknownTargetError: a target text is no stored key (key targets) or no stored value text (value
+            targets); the message says how many of how many, shows a few, says where (the error's ``positions``)
+            and hints at the other ``targets=`` when they are of the other kind. It is a KeyNotFoundError and an
+            InvalidArgumentError, the types the two sides raised before.
     """
     if targets == "key":
         return _key_ids(db, list(texts), name)  # (n,)
@@ -211,31 +211,44 @@ def check_targets(db: Database, texts: Sequence[str], targets: TargetKind, name:
 
 
 def _key_ids(db: Database, texts: list[str], name: str) -> Tensor:
-    """(n,) ids of key texts; KeyNotFoundError (with a hint at value targets) when one is not stored."""
+    """(n,) ids of key texts; UnknownTargetError (with a hint at value targets) when one is not stored."""
     ids = db.ids_of_keys(texts)  # (n,)
-    missing = [t for t, id_ in zip(texts, ids.tolist()) if id_ < 0]
-    unique = list(dict.fromkeys(missing))
+    at = [i for i, id_ in enumerate(ids.tolist()) if id_ < 0]
+    unique = list(dict.fromkeys(texts[i] for i in at))
     other = int(db.values_present(unique).sum())  # always called: collective on a sharded database
-    if missing:
-        hint = _hint(other, len(unique), "stored value texts", 'targets="value" (with an answer loss)')
-        raise KeyNotFoundError(
-            f"{name}: {len(missing)} of {len(texts)} target texts are no stored key (e.g. {_shown(missing)}){hint}"
-        )
+    if at:
+        raise _unknown(texts, at, name, "key", other, len(unique))
     return ids  # (n,)
 
 
 def _check_value_texts(db: Database, texts: list[str], name: str) -> None:
-    """InvalidArgumentError (with a hint at key targets) when a text is the value text of no stored record."""
+    """UnknownTargetError (with a hint at key targets) when a text is the value text of no stored record."""
     present = db.values_present(texts)  # (n,) bool
-    missing = [t for t, ok in zip(texts, present.tolist()) if not ok]
-    unique = list(dict.fromkeys(missing))
+    at = [i for i, ok in enumerate(present.tolist()) if not ok]
+    unique = list(dict.fromkeys(texts[i] for i in at))
     other = int((db.ids_of_keys(unique) >= 0).sum())  # always called: collective on a sharded database
-    if missing:
-        hint = _hint(other, len(unique), "stored keys", 'targets="key"')
-        raise InvalidArgumentError(
-            f"{name}: {len(missing)} of {len(texts)} target texts are no stored value text "
-            f"(e.g. {_shown(missing)}){hint}"
-        )
+    if at:
+        raise _unknown(texts, at, name, "value", other, len(unique))
+
+
+def _unknown(texts: list[str], at: list[int], name: str, targets: str, other: int, unique: int) -> UnknownTargetError:
+    """The error for the targets at positions ``at`` of ``texts`` that match no stored key / value text: how many,
+    a few of them, where, and a hint at the other ``targets=`` when ``other`` of the ``unique`` are of that kind."""
+    if targets == "key":
+        what, hint = "stored key", _hint(other, unique, "stored value texts", 'targets="value" (with an answer loss)')
+    else:
+        what, hint = "stored value text", _hint(other, unique, "stored keys", 'targets="key"')
+    where = ", ".join(map(str, at[:SHOWN_TARGETS])) + (
+        f" and {len(at) - SHOWN_TARGETS} more" if len(at) > SHOWN_TARGETS else ""
+    )
+    return UnknownTargetError(
+        f"{name}: {len(at)} of {len(texts)} target texts are no {what} (e.g. {_shown([texts[i] for i in at])}), "
+        f"at position{'s' if len(at) > 1 else ''} {where}{hint}",
+        pairs=name,
+        positions=at,
+        targets=targets,
+        other_kind=bool(hint),
+    )
 
 
 def target_ids(db: Database, keys: Sequence[str], name: str = "pairs") -> Tensor:
@@ -250,7 +263,7 @@ def target_ids(db: Database, keys: Sequence[str], name: str = "pairs") -> Tensor
         (n,) int64 ids on the CPU.
 
     Raises:
-        KeyNotFoundError: a key is not stored (see :func:`check_targets`: how many, a few of them, a hint).
+        UnknownTargetError: a key is not stored (see :func:`check_targets`: how many, a few of them, where, a hint).
     """
     return _key_ids(db, list(keys), name)  # (n,)
 
@@ -348,7 +361,7 @@ def evaluate(
 
     Raises:
         InvalidArgumentError: bad pairs, k, batch size or retriever.
-        KeyNotFoundError: a target key is not stored.
+        UnknownTargetError: a target key is not stored (a KeyNotFoundError; see :func:`check_targets`).
         UnknownOptionError: an unknown ``targets`` or ``rerank`` name.
         MissingDependencyError: a ``rerank`` name and no rapidfuzz (``pip install "kvsearch[fuzzy]"``).
         NonFiniteError: the query encoder gives NaN or Inf (e.g. diverged weights).

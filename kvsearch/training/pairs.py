@@ -161,8 +161,9 @@ def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, confi
     """The pairs of a :func:`~kvsearch.finetune` run: its pairs checked, ``generated="auto"`` resolved, planned.
 
     Raises:
-        InvalidArgumentError, KeyNotFoundError: bad pairs, or user target keys that are not stored (counted among
-            the user's pairs, before any pair is generated); see :func:`plan_pairs` for the rest.
+        InvalidArgumentError: bad pairs; see :func:`plan_pairs` for the rest.
+        UnknownTargetError: user targets that match no stored record (counted among the user's pairs, their
+            positions those of ``train_pairs``, before any pair is generated).
     """
     if train_pairs is not None:
         check_pairs(train_pairs, "train_pairs", db)
