@@ -229,3 +229,20 @@ def test_filter_only_operations_under_a_concurrent_writer_process(tmp_path):
     assert db.where({"parity": 0}).count() == batches // 2 * 10
     assert len(db) == 1 + batches // 2 * 10
     db.close()
+
+
+def test_delete_and_update_by_filter_join_an_atomic_block():
+    db = _db([{"n": 1}, {"n": 2}, {"n": 3}])
+    with pytest.raises(RuntimeError):
+        with db.atomic():
+            db.where({"n": 1}).update({"m": 5})
+            db.where({"n": {"$gte": 2}}).delete()
+            raise RuntimeError("rolled back: nothing of the block is kept")
+    assert [(r.id, r.metadata) for r in db.where().records()] == [(1, {"n": 1}), (2, {"n": 2}), (3, {"n": 3})]
+    assert len(db.search(np.ones(DIM, dtype=np.float32), k=3)) == 3  # the index rolled back too
+    with db.atomic():
+        db.where({"n": 1}).update({"m": 5})
+        db.where({"n": {"$gte": 2}}).delete()
+    assert [(r.id, r.metadata) for r in db.where().records()] == [(1, {"n": 1, "m": 5})]
+    assert [h.id for h in db.search(np.ones(DIM, dtype=np.float32), k=3)] == [1]
+    db.close()
