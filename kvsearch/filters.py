@@ -114,7 +114,8 @@ def _kind(value: Any) -> str:
     return "array" if isinstance(value, (list, tuple)) else "object"
 
 
-def _scalar(value: object, at: str, field: Field) -> Any:
+def _scalar(value: object, at: str, field: Field | None) -> Any:
+    """A scalar operand checked; for a record field (``field`` given), of that field's type (a key normalised)."""
     if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
         raise InvalidArgumentError(f"expected an integer within 64 bits at {at}, got {value}")
     if isinstance(value, float) and not math.isfinite(value):
@@ -125,6 +126,8 @@ def _scalar(value: object, at: str, field: Field) -> Any:
         raise InvalidArgumentError(
             f"expected a str, int, float, bool, None, datetime or date at {at}, got {type(value).__name__}"
         )
+    if field is None:
+        return value
     if field.part == "id" and (value is None or _kind(value) != "number"):
         raise InvalidArgumentError(f"expected a number for $id at {at}, got {value!r}")
     if field.part in ("key", "value") and _kind(value) not in ("text", "null"):
@@ -181,7 +184,7 @@ def _check_ops(field: Field, cond: Any, at: str, count: _Counter, depth: int) ->
                 raise InvalidArgumentError(
                     f"expected a str (or, for a list field, a number, bool or None) at {here}, got {operand!r}"
                 )
-            out.append(("cond", field, op, _scalar(operand, here, Field(path=("x",)))))
+            out.append(("cond", field, op, _scalar(operand, here, None)))  # a substring: never normalised
         else:
             out.append(("cond", field, op, _scalar(operand, here, field)))
     return out[0] if len(out) == 1 else ("and", out)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvsearch.errors import InvalidArgumentError, NonFiniteError
 
-__all__ = ["encode", "decode", "check", "to_json", "epoch_us", "DATETIME", "DATE", "EPOCH_US", "INT64"]
+__all__ = ["encode", "decode", "from_json", "check", "to_json", "epoch_us", "DATETIME", "DATE", "EPOCH_US", "INT64"]
 
 DATETIME, DATE, EPOCH_US = "$datetime", "$date", "$epoch_us"
 INT64 = (-(2**63), 2**63 - 1)
@@ -115,9 +115,14 @@ def _hook(obj: dict[str, Any]) -> Any:
     return obj
 
 
+def from_json(text: str) -> Any:
+    """Stored JSON text (metadata, or one value of it) back to Python: tagged datetimes and dates as such."""
+    return json.loads(text, object_hook=_hook)
+
+
 def decode(text: str | None) -> dict[str, Any]:
-    """Stored JSON text back to metadata ({} for none): tagged datetimes and dates as such."""
-    return json.loads(text, object_hook=_hook) if text else {}
+    """Stored metadata text back to the dict ({} for none)."""
+    return from_json(text) if text else {}
 
 
 def to_json(value: Any) -> Any:

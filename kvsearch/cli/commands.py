@@ -314,10 +314,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     """Print the records that match ``--where`` in id order, ``--offset`` skipped, at most ``--limit``."""
     where = args.where or {}
     with _open_existing(args.db) as db:
-        wanted = None if args.limit is None else args.offset + args.limit
-        records = [r for part in _parts(db) for r in part.where(where).records(limit=wanted)]
+        end = None if args.limit is None else args.offset + args.limit  # each shard's first `end` may all be kept
+        records = [r for part in _parts(db) for r in part.where(where).records(limit=end)]
     records.sort(key=lambda r: r.id)  # shards hold ids of their own ranges: merge them in id order
-    end = None if args.limit is None else args.offset + args.limit
     page = records[args.offset : end]
     rows = [{"id": r.id, "key": r.key, "value": r.value, "metadata": to_json(r.metadata)} for r in page]
     if args.json:

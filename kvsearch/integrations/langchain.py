@@ -36,6 +36,7 @@ from torch import Tensor
 
 from kvsearch.database import Database
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError, MissingDependencyError, MissingEncoderError
+from kvsearch.inputs import normalize_key
 from kvsearch.integrations.doc_ids import id_of_key, key_of_id
 from kvsearch.results import Hit
 from kvsearch.storage.folder import is_database
@@ -292,9 +293,9 @@ class KVSearchVectorStore(VectorStore):
         _check_mmr(k, fetch_k, lambda_mult)
         if self._db is None:
             return []
-        hits = self._db.search(query, k=fetch_k, where=filter)  # encodes with the encoders now (caught up)
-        encoder = self._db.query_encoder or self._db.encoder  # the one that search encoded the query with
-        return self._pick_mmr(encoder.encode([query])[0], hits, k, lambda_mult)  # (dim,)
+        encoder = self._db.query_encoder or self._db.encoder  # the one a text search encodes with
+        q = encoder.encode([normalize_key(query)])[0].detach().float()  # (dim,): encoded once, searched by vector
+        return self._pick_mmr(q, self._db.search(q, k=fetch_k, where=filter), k, lambda_mult)
 
     def max_marginal_relevance_search_by_vector(
         self,
@@ -337,7 +338,7 @@ class KVSearchVectorStore(VectorStore):
         hits = [h for h, stored in zip(hits, kept, strict=True) if stored]
         keys = keys[mask].detach().float().cpu()  # (m, dim)
         q = query.detach().float().cpu().numpy()  # (dim,)
-        picked = maximal_marginal_relevance(q, keys.tolist(), lambda_mult=lambda_mult, k=k)
+        picked = maximal_marginal_relevance(q, keys.numpy(), lambda_mult=lambda_mult, k=k)
         return [_document(hits[i]) for i in picked]
 
     def _select_relevance_score_fn(self) -> Callable[[float], float]:

@@ -8,14 +8,14 @@ knows nothing of embeddings, versions or the index: a metadata update changes no
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvsearch.errors import InvalidArgumentError
 from kvsearch.filters import Field, parse_field, where_sql
-from kvsearch.metadata import EPOCH_US, check, decode
+from kvsearch.metadata import EPOCH_US, check, decode, encode, from_json
+from kvsearch.storage.schema import select_in
 
 __all__ = ["count", "ids", "distinct", "min_max", "fields", "set_metadata"]
 
@@ -74,9 +74,7 @@ def _value(kind: str, raw: Any) -> Any:
     """A value as metadata reads back: bools as bools, datetimes, lists and objects decoded."""
     if kind == "bool":
         return bool(raw)
-    if kind in ("datetime", "array", "object"):
-        return decode(json.dumps({"v": json.loads(raw)}))["v"]
-    return raw
+    return from_json(raw) if kind in ("datetime", "array", "object") else raw
 
 
 def distinct(conn: sqlite3.Connection, name: str, where: Mapping[str, Any]) -> list[tuple[Any, int]]:
@@ -155,13 +153,6 @@ def set_metadata(conn: sqlite3.Connection, ids: Sequence[int], metadata: Mapping
     if not merge:
         conn.executemany("UPDATE records SET metadata = ? WHERE id = ?", ((text if metadata else None, i) for i in ids))
         return
-    rows = []
-    for start in range(0, len(ids), 500):
-        chunk = list(ids[start : start + 500])
-        marks = ",".join("?" * len(chunk))
-        rows += conn.execute(f"SELECT id, metadata FROM records WHERE id IN ({marks})", chunk).fetchall()
-    updates = []
-    for id_, stored in rows:
-        merged = {**decode(stored), **metadata}
-        updates.append((check(merged) if merged else None, id_))
-    conn.executemany("UPDATE records SET metadata = ? WHERE id = ?", updates)
+    rows = select_in(conn, "SELECT id, metadata FROM records WHERE id IN ({})", ids)
+    merged = ((id_, {**decode(stored), **metadata}) for id_, stored in rows)
+    conn.executemany("UPDATE records SET metadata = ? WHERE id = ?", ((encode(m), id_) for id_, m in merged))
