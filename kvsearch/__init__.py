@@ -22,6 +22,8 @@ from kvsearch.errors import (
     DuplicateKeyError,
     EmptyDatabaseError,
     EmptyKeyError,
+    FileLimitError,
+    ForeignFolderError,
     InconsistentDatabaseError,
     InvalidArgumentError,
     KeyNotFoundError,
@@ -39,6 +41,7 @@ from kvsearch.errors import (
     StoreChangedError,
     UnknownOptionError,
     UnknownTargetError,
+    WrongKindError,
 )
 from kvsearch.index.faiss_index import Index
 from kvsearch.index.torch_index import TorchIndex
@@ -70,6 +73,8 @@ __all__ = [
     "DuplicateKeyError",
     "EmptyDatabaseError",
     "EmptyKeyError",
+    "FileLimitError",
+    "ForeignFolderError",
     "InconsistentDatabaseError",
     "Encoder",
     "FinetuneConfig",
@@ -98,6 +103,7 @@ __all__ = [
     "TorchIndex",
     "UnknownOptionError",
     "UnknownTargetError",
+    "WrongKindError",
     "attend",
     "streaming_attention",
     "compute_scores",

@@ -31,6 +31,9 @@ __all__ = [
     "MissingFileError",
     "StoreChangedError",
     "NotPicklableError",
+    "WrongKindError",
+    "ForeignFolderError",
+    "FileLimitError",
 ]
 
 
@@ -166,8 +169,23 @@ class DiskFullError(StorageError):
     """No space left on the device (or the quota is used up); the write was rolled back, nothing of it kept."""
 
 
+class FileLimitError(StorageError):
+    """The process may not open more files (``EMFILE`` / ``ENFILE``, ``ulimit -n``): nothing is damaged; the message
+    names the limit and what needed more (for example a shard count), and how to raise it."""
+
+
 class ReadOnlyDatabaseError(StorageError):
     """The database is open read-only (asked for, or its folder or file system cannot be written): no writes."""
+
+
+class WrongKindError(InvalidArgumentError):
+    """The folder holds the other kind of database (a plain one where a sharded one was asked for, or the reverse);
+    the message names what is there and how to open it. Nothing was written."""
+
+
+class ForeignFolderError(InvalidArgumentError):
+    """A new database was asked for in a folder that holds files of its own (not a kvsearch database): the folder is
+    left alone; the message names some of its files."""
 
 
 class DistributedError(KVSearchError, RuntimeError):
