@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -48,36 +48,36 @@ class Database:
     """A differentiable key-value database; a resource like a dataset: copies of a model share it (deepcopy: itself).
 
     Args:
-        path: a folder (created if missing, reopened with what it was created with if it holds a database),
-            or None for a database in memory only (a pickle refuses it; one on disk pickles as folder + options).
+        path: a folder: a new database is made in one absent or empty; one that holds a database reopens with
+            what it was created with. None: in memory only (a pickle refuses it; on disk: pickled as folder + options).
         encoder: encodes key texts and query texts (e.g. :class:`~kvsearch.NgramEncoder`). Optional when
             keys and queries are given as embeddings.
         value_encoder: encodes value texts; by default the key encoder, when its dim fits ``value_dim``.
-        dim: key dimension; needed only without an encoder.
-        value_dim: value dimension; needed only without a value encoder.
-        index: a FAISS ``index_factory`` string; default ``"Flat"`` (exact) for a new database. ``"torch"``
-            (or ``"torch:float16"`` / ``"torch:bfloat16"``) is exact search in torch over the store's own key
-            tensor (:class:`~kvsearch.TorchIndex`): no second copy of the keys, nothing to rebuild on open.
-            It is not chosen automatically; see benchmarks/RESULTS.md for where it is faster.
+        dim, value_dim: key and value dimensions; needed only without an encoder (a value encoder) to tell them.
+        index: a FAISS ``index_factory`` string; default ``"Flat"`` (exact) for a new database. ``"torch"`` (or
+            ``"torch:float16"`` / ``"torch:bfloat16"``): exact search in torch over the store's own key tensor
+            (:class:`~kvsearch.TorchIndex`, never chosen automatically; benchmarks/RESULTS.md says where it is faster).
         score: the default score function, ``"cosine"`` for a new database; it decides the index metric
             (inner product for dot / scaled_dot / cosine, L2 for gaussian).
         device: the torch device of the embeddings and the pooling; CUDA when present, else CPU.
         search_params: FAISS search parameters such as ``{"nprobe": 16}`` or ``{"efSearch": 128}``.
         lock_timeout: seconds a write waits for another writer's lock before ``DatabaseLockedError``.
-        read_only: open an existing database for reading only: nothing in its folder is written (not even the
-            index on close) and writes raise ``ReadOnlyDatabaseError``. A database whose folder (or store file)
-            cannot be written is opened so anyway, with one ``RuntimeWarning``.
+        read_only: open an existing database for reading only: nothing in its folder is written (not even the index
+            on close); writes raise ``ReadOnlyDatabaseError``. An unwritable folder or store opens so, with a warning.
         capacity: keep the newest ``capacity`` records, the oldest dropped first (in memory; NotSupportedError on disk).
 
     Raises:
         InvalidArgumentError: no encoder and no dim, or a bad argument (``read_only`` without a database).
-        UnknownOptionError: an unknown score or index spec.
+        WrongKindError: the folder holds a sharded database, or a new one would lie inside another database;
+            ForeignFolderError: a new one in a folder of someone else's files. UnknownOptionError: an unknown option.
         ConfigMismatchError: reopening with a dim, index, score or encoder that differs from the stored one.
-        MissingFileError: the folder holds kvsearch files but no ``store.sqlite`` (it is never made anew beside
-            them), or an encoder's json is missing (the message says how to restore it).
+        MissingFileError: the folder holds kvsearch files but no ``store.sqlite`` (never made anew beside them), or
+            an encoder's json is missing (the message says how to restore it).
         CorruptDatabaseError: a file of the database is damaged beyond rebuilding.
         DiskFullError, ReadOnlyDatabaseError: a new database cannot be written (nothing of it is left).
     """
+
+    _shard: ClassVar[bool] = False  # a shard's folder lies inside its sharded root (kvsearch.distributed)
 
     def __init__(
         self,
@@ -101,7 +101,7 @@ class Database:
         check_options(search_params, read_only)
         self.path = None if path is None else Path(path)
         capacity = check_capacity(capacity, self.path)  # InvalidArgumentError; NotSupportedError on disk
-        store, creation = open_store(self.path, self.device, read_only=read_only, lock_timeout=lock_timeout)
+        store, creation = open_store(self.path, self.device, read_only, lock_timeout, inside_ok=self._shard)
         self._view = view = View(self.path, store)  # the store, encoders, retriever; the locks and the catch-up
         given = Given(encoder, value_encoder, dim, value_dim, index, score, search_params)
         open_view(view, creation, self.device, given)  # create or reopen; the store closed if it fails

@@ -9,6 +9,11 @@ Caps (documented in ``docs/RELIABILITY.md``):
 
 An operation whose estimated size exceeds that budget raises :class:`~kvsearch.errors.MemoryLimitError`
 before it writes anything.
+
+Open files: an open database holds at most :data:`FILES_PER_DATABASE` file descriptors, a closed one none. Opening
+many at once (the shards of a sharded database) is checked against the process's open-file limit up front
+(:func:`check_open_files`): the soft limit is raised toward the hard one when that is enough, as Go's runtime does at
+start, else :class:`~kvsearch.errors.FileLimitError` names the limit and the count before anything is opened.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import re
 from collections.abc import Callable
 
-from kvsearch.errors import MemoryLimitError
+from kvsearch.errors import FileLimitError, MemoryLimitError
 
 __all__ = [
     "MEMORY_FRACTION",
@@ -25,6 +30,11 @@ __all__ = [
     "memory_budget",
     "check_fits",
     "index_bytes",
+    "FILES_PER_DATABASE",
+    "FILES_RESERVED",
+    "open_files",
+    "file_limits",
+    "check_open_files",
 ]
 
 #: The share of the available memory one operation may plan to use.
@@ -106,3 +116,76 @@ def index_bytes(spec: str, n: int, dim: int) -> int:
     if hnsw:
         per += 8 * int(hnsw.group(1)) + 8
     return n * (per + 8)
+
+
+# --------------------------------------------------------------------------- open files
+
+#: File descriptors an open :class:`~kvsearch.Database` holds at most: the SQLite store, its WAL and shared memory,
+#: the write lock and the three mapped vector columns (ids, keys, values) — 7 — and, for a moment while a write
+#: replaces a file set or saves an index, up to 3 more. A closed database holds none. Measured in
+#: ``tests/test_limits.py`` for every index kind.
+FILES_PER_DATABASE = 10
+#: Descriptors left free for everything else a process opens (torch.distributed's sockets, model files, pipes).
+FILES_RESERVED = 64
+
+
+def open_files() -> int:
+    """How many file descriptors this process holds now (0 where the system cannot tell)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 0
+
+
+def file_limits() -> tuple[int, int] | None:
+    """The process's open-file limits ``(soft, hard)`` (``ulimit -n`` / ``ulimit -Hn``), or None where unknown.
+
+    An unlimited hard limit reads as a very large number.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Unix
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinity = resource.RLIM_INFINITY
+    return (soft if soft != infinity else 1 << 62), (hard if hard != infinity else 1 << 62)
+
+
+def check_open_files(databases: int, what: str) -> None:
+    """Make room for ``databases`` more open databases in the open-file limit, or refuse before opening any.
+
+    The need is ``databases`` x :data:`FILES_PER_DATABASE` on top of the descriptors open now, plus
+    :data:`FILES_RESERVED`. Past the soft limit (a shell's ``ulimit -n``, often 1,024), the soft limit is raised to
+    the need when the hard limit allows it (a process may raise its own soft limit; Go's runtime raises it to the
+    hard limit at start); past the hard limit, the open is refused.
+
+    Args:
+        databases: how many databases (shards) are about to be opened.
+        what: the operation, for the message (e.g. ``"opening 256 shards of indexes/people"``).
+
+    Raises:
+        FileLimitError: they would not fit under the hard limit; nothing was opened.
+    """
+    limits = file_limits()
+    if limits is None:
+        return
+    soft, hard = limits
+    need = open_files() + databases * FILES_PER_DATABASE + FILES_RESERVED
+    if need <= soft:
+        return
+    if need <= hard:
+        import resource
+
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            return
+        except (ValueError, OSError):
+            pass
+    raise FileLimitError(
+        f"{what} needs about {need:,} open files ({databases:,} x {FILES_PER_DATABASE} per database, plus those open "
+        f"now and {FILES_RESERVED} to spare), expected at most the process's hard limit {hard:,} (ulimit -Hn; soft: "
+        f"{soft:,}); nothing was opened. Raise the limit (ulimit -n as root, or LimitNOFILE= in a systemd unit), or "
+        "serve the shards from more ranks (each opens num_shards / world_size)"
+    )

@@ -111,6 +111,11 @@ class Retriever:
         self.index = self._new_index()
         self.rebuild()
 
+    def release(self) -> None:
+        """Let go of the index (at close): an empty one of the same spec takes its place, so that nothing keeps the
+        store's key tensor (and the file mapping under it) alive."""
+        self.index = self._new_index()
+
     def rebuild(self) -> None:
         """Rebuild the index from everything the store holds now (after a refresh, at open, when it asks).
 

@@ -55,6 +55,7 @@ from kvsearch.errors import (
     DatabaseLockedError,
     InconsistentDatabaseError,
     InvalidArgumentError,
+    KVSearchError,
     NonFiniteError,
     NotPicklableError,
     NotSupportedError,
@@ -329,6 +330,8 @@ class View:
         finally:
             self.closed = True
             self.store.close()
+            if hasattr(self, "retriever"):  # (a creation that failed has none)
+                self.retriever.release()
 
 
 # --------------------------------------------------------------------------- copies and pickles
@@ -402,26 +405,32 @@ def check_options(search_params: object, read_only: object) -> None:
 
 
 def open_store(
-    path: Path | None, device: torch.device, *, read_only: bool, lock_timeout: float
+    path: Path | None, device: torch.device, read_only: bool, lock_timeout: float, *, inside_ok: bool = False
 ) -> tuple[Store, folders.Creation | None]:
     """The store of the database folder ``path`` (None: in memory), and the creation to undo if opening fails.
 
     The creation is None for an existing database (nothing of it is removed on failure). A store opened read-only
-    although ``read_only`` was not asked for (its folder or file cannot be written) is warned about, once.
+    although ``read_only`` was not asked for (its folder or file cannot be written) is warned about, once. A new
+    database is made only in an absent or empty folder outside other databases (``inside_ok``: a shard, inside its
+    sharded root).
 
     Raises:
         InvalidArgumentError: ``path`` is a file, or ``read_only`` without an existing database.
+        WrongKindError: the folder holds a sharded database, or a new one would lie inside another database.
+        ForeignFolderError: a new database in a folder of other files.
         MissingFileError: the folder holds kvsearch files but no store.
         DiskFullError, ReadOnlyDatabaseError, CorruptDatabaseError: the folder or the store cannot be made or read.
     """
     if path is not None and path.exists() and not path.is_dir():
         raise InvalidArgumentError(f"expected a folder for the database, got a file: {path}")
+    if path is not None:
+        folders.check_kind(path, "plain")
     exists = path is not None and folders.is_database(path)
     if read_only and not exists:
         where = "a database in memory" if path is None else f"{path} without {folders.STORE_FILE}"
         raise InvalidArgumentError(f"expected an existing database folder to open with read_only=True, got {where}")
-    if path is not None and not exists:
-        folders.check_store_present(path)  # what is left of a database whose store is gone: never a new one
+    if path is not None and not exists:  # never among someone else's files, nor beside what is left of a database
+        folders.check_new_folder(path, inside_ok=inside_ok)
     # what a failed creation leaves behind is removed again; a failed reopen touches nothing
     creation = None if exists else folders.Creation(path)
     if path is not None:
@@ -469,10 +478,14 @@ def open_view(view: View, creation: folders.Creation | None, device: torch.devic
             with fileio.storage_errors(view.path, "creating the database", "nothing of it was kept"):
                 view.adopt(create(store, view.files, device, given))
                 view.switch("a new generation", generations.commit)  # generation 1: the encoders as given
-    except BaseException:
+    except BaseException as exc:
+        out_of_files = not isinstance(exc, KVSearchError) or isinstance(exc, CorruptDatabaseError)
+        out_of_files = out_of_files and isinstance(exc, Exception) and fileio.is_out_of_files(exc)  # before closing
         store.close()
         if creation is not None:
             creation.rollback()
+        if out_of_files:  # what it is, never "corrupt"
+            raise fileio.file_limit_error(exc, view.path, "opening the database", "nothing was written") from None
         raise
 
 

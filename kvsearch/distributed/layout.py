@@ -23,6 +23,7 @@ from typing import Any
 
 from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError
 from kvsearch.inputs import normalize_key
+from kvsearch.storage.folder import SHARDS_FILE  # the file that makes a folder a sharded database
 
 __all__ = [
     "SHARDS_FILE",
@@ -35,16 +36,21 @@ __all__ = [
     "shard_dir",
     "shards_of_rank",
     "is_sharded",
+    "MAX_SHARDS",
 ]
 
-#: The file that makes a folder a sharded database.
-SHARDS_FILE = "shards.json"
 #: Ids of shard s start at ``(s << ID_SHIFT) + 1``: 2^40 records per shard, 2^23 shards in an int64.
 ID_SHIFT = 40
 #: The key hash, by name (recorded in shards.json: a future change of hash is detected, never mixed).
 HASH = "blake2b-64-le"
-#: Most shards a database may have (ids must stay positive int64).
-MAX_SHARDS = 1 << 22
+#: Most shards a new sharded database may have: a count that works on a normal machine. One process that serves
+#: them all (the CLI, a ShardedDatabase without torch.distributed) holds up to
+#: :data:`~kvsearch.limits.FILES_PER_DATABASE` open files per shard (10,240 at this count: within the hard limits
+#: machines ship with, and the soft limit is raised to fit, see :func:`~kvsearch.limits.check_open_files`), about
+#: 0.4 MiB of memory and a few milliseconds to open each. Ids would allow 2^22 shards; at 300 shards and beyond, a
+#: process under the common ``ulimit -n 1024`` failed halfway. More ranks each open ``num_shards / world_size``.
+MAX_SHARDS = 1024
+_LAYOUT_MAX_SHARDS = 1 << 22  # what a layout may say: ids ``(shard << ID_SHIFT) | local`` stay positive int64
 FORMAT = 1
 
 
@@ -113,8 +119,8 @@ class ShardLayout:
 
     def __post_init__(self) -> None:
         n = self.num_shards
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SHARDS:
-            raise InvalidArgumentError(f"expected num_shards as an integer in [1, {MAX_SHARDS}], got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _LAYOUT_MAX_SHARDS:
+            raise InvalidArgumentError(f"expected num_shards as an integer in [1, {_LAYOUT_MAX_SHARDS}], got {n!r}")
 
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write ``path/shards.json`` atomically (a temporary file, then a rename)."""

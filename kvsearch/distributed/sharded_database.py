@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -52,14 +51,9 @@ from kvsearch import errors
 from kvsearch.checks import check_device, check_finite, check_k, check_temperature
 from kvsearch.database import Database
 from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm
-from kvsearch.distributed.generations import ShardedDraft, ShardTeam, check_generations, switch_every_shard
-from kvsearch.distributed.layout import (
-    ID_SHIFT,
-    ShardLayout,
-    is_sharded,
-    shard_dir,
-    shards_of_rank,
-)
+from kvsearch.distributed.generations import ShardedDraft, ShardTeam, switch_every_shard
+from kvsearch.distributed.layout import ID_SHIFT, ShardLayout
+from kvsearch.distributed.opening import check_num_shards, open_shards
 from kvsearch.distributed.reads import ShardReads, texts_list
 from kvsearch.distributed.writes import ShardWrites
 from kvsearch.errors import (
@@ -137,55 +131,17 @@ class ShardedDatabase:
         self._closed = False
         self._reads, self._writes = ShardReads(self), ShardWrites(self)
         options = {"dim": dim, "value_dim": value_dim, "index": index, "score": score, "device": self.device}
-        self.shards: dict[int, Database] = self._agree(lambda: self._open(num_shards, encoder, value_encoder, options))
+        self.shards: dict[int, Database] = self._agree(
+            lambda: open_shards(
+                self.path, check_num_shards(num_shards), encoder, value_encoder, options, *self._where()
+            )
+        )
         layout = ShardLayout.read(self.path)
         self.num_shards, self.dim, self.value_dim = layout.num_shards, layout.dim, layout.value_dim
         self.score, self.index_spec = layout.score, layout.index
         if search_params:
             for shard in self.shards.values():
                 shard.set_search_params(**search_params)
-
-    def _open(self, num_shards, encoder, value_encoder, options) -> dict[int, Database]:
-        """Create (rank 0 writes the layout, the others wait) or reopen, then open this rank's shards."""
-        creating = num_shards is not None and not is_sharded(self.path)
-        if num_shards is not None and is_sharded(self.path):
-            existing = ShardLayout.read(self.path).num_shards
-            if existing != num_shards:
-                raise errors.ConfigMismatchError(
-                    f"{self.path} was created with num_shards={existing}; got num_shards={num_shards}"
-                )
-        if not creating and not is_sharded(self.path):
-            raise InvalidArgumentError(f"expected a sharded database at {self.path} (or num_shards to create one)")
-        mine = shards_of_rank(num_shards if creating else ShardLayout.read(self.path).num_shards, *self._where())
-        shards: dict[int, Database] = {}
-        try:
-            for s in mine:
-                new = not (shard_dir(self.path, s) / "store.sqlite").exists()
-                db = Database(
-                    shard_dir(self.path, s),
-                    encoder=encoder,
-                    value_encoder=value_encoder,
-                    **options,
-                )
-                if new:
-                    db.store.start_ids_after(s << 40)
-                shards[s] = db
-                encoder, value_encoder = db.encoder, (db.value_encoder if db.value_encoder is not db.encoder else None)
-            if creating and self.rank == 0:
-                first = next(iter(shards.values()))
-                layout = ShardLayout(num_shards, first.dim, first.value_dim, first.score, first.index_spec)
-                replace(layout, generation=first.generation).write(self.path)
-            if not creating:
-                check_generations(ShardLayout.read(self.path), shards)
-            query = next((db.query_encoder for db in shards.values() if db.query_encoder is not None), None)
-            for db in shards.values():  # one query-side encoder object for every local shard
-                if query is not None and db.query_encoder is not query:
-                    db.query_encoder = query
-        except BaseException:
-            for db in shards.values():
-                db.close()
-            raise
-        return shards
 
     def _where(self) -> tuple[int, int]:
         return self.rank, self.world_size

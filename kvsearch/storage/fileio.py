@@ -28,7 +28,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from kvsearch.errors import DiskFullError, KVSearchError, ReadOnlyDatabaseError, StorageError
+from kvsearch.errors import (
+    CorruptDatabaseError,
+    DiskFullError,
+    FileLimitError,
+    KVSearchError,
+    ReadOnlyDatabaseError,
+    StorageError,
+)
 
 __all__ = [
     "sqlite_code",
@@ -47,6 +54,7 @@ __all__ = [
 
 _FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _READ_ONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
+_FILES_ERRNOS = {errno.EMFILE, errno.ENFILE}
 _SQLITE_FULL, _SQLITE_READONLY = 13, 8  # SQLite's primary result codes
 _FULL_TEXTS = ("database or disk is full", "no space left on device", "disk quota exceeded")
 _READ_ONLY_TEXTS = ("read-only file system", "readonly database", "permission denied")
@@ -66,6 +74,25 @@ def is_disk_full(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return any(t in text for t in _FULL_TEXTS)
+
+
+def cannot_open_more() -> bool:
+    """Whether this process can open no more files now (``EMFILE``: its limit; ``ENFILE``: the system's)."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        return exc.errno in _FILES_ERRNOS
+    return False
+
+
+def is_out_of_files(exc: BaseException) -> bool:
+    """Whether ``exc`` came of the open-file limit: ``EMFILE`` / ``ENFILE``, or a library's error (SQLite's "unable
+    to open database file", FAISS's) raised while this process can open no more files."""
+    if isinstance(exc, OSError) and exc.errno in _FILES_ERRNOS:
+        return True
+    if isinstance(exc, KVSearchError) and not isinstance(exc, CorruptDatabaseError):
+        return False
+    return "too many open files" in str(exc).lower() or cannot_open_more()
 
 
 def is_read_only(exc: BaseException) -> bool:
@@ -89,18 +116,38 @@ def storage_error(exc: BaseException, path: object, doing: str, then: str = "") 
         then: what it means for the data, e.g. ``"nothing of this write was kept"``.
 
     Returns:
-        :class:`DiskFullError`, :class:`ReadOnlyDatabaseError`, or None.
+        :class:`DiskFullError`, :class:`ReadOnlyDatabaseError`, :class:`FileLimitError` (the process may open no
+        more files), or None.
     """
     if isinstance(exc, KVSearchError):
         return None
     where = getattr(exc, "filename", None) or path
     detail = " ".join(str(exc).split()) or type(exc).__name__
     tail = f"; {then}" if then else ""
+    if is_out_of_files(exc):
+        return file_limit_error(exc, where, doing, then)
     if is_disk_full(exc):
         return DiskFullError(f"no space left on the device of {where} while {doing} ({detail}){tail}; free some space")
     if is_read_only(exc):
         return ReadOnlyDatabaseError(f"cannot write {where} while {doing}: it is read-only ({detail}){tail}")
     return None
+
+
+def file_limit_error(exc: BaseException, path: object, doing: str, then: str = "") -> FileLimitError:
+    """The typed error of an open that failed for the open-file limit: what it is, never corruption."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        limit = f"ulimit -n: {soft:,}, hard {hard:,}" if hard != resource.RLIM_INFINITY else f"ulimit -n: {soft:,}"
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on Unix
+        limit = "ulimit -n"
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    tail = f"; {then}" if then else ""
+    return FileLimitError(
+        f"too many open files while {doing} at {path} ({detail}): this process may open no more ({limit}); nothing "
+        f"is damaged{tail}. Close databases that are not in use or raise the limit (ulimit -n)"
+    )
 
 
 @contextlib.contextmanager

@@ -15,6 +15,11 @@ A database folder holds:
 - ``index.npz`` and ``manifest.json`` — a saved index and what it is the index of (:func:`write_index`,
   :func:`saved_index_path`).
 
+A folder holds one kind of database or none (:func:`kind_of`): a plain one (``store.sqlite``) or a sharded one
+(``shards.json`` and ``shard-0000/`` ..., :mod:`kvsearch.distributed.layout`). A new database is made only in an
+absent or empty folder, never in a folder of someone else's files nor inside another database's folder
+(:func:`check_new_folder`); opening a folder as the other kind is refused (:func:`check_kind`).
+
 This module knows nothing of search, autograd or encoders: it names the folder's files, lists and removes them, and
 moves an index's bytes between the folder and the index.
 """
@@ -24,11 +29,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
-from kvsearch.errors import MissingFileError
+from kvsearch.errors import ForeignFolderError, MissingFileError, WrongKindError
 from kvsearch.storage import fileio
 from kvsearch.storage.locking import LOCK_FILE
 
@@ -41,7 +47,12 @@ __all__ = [
     "GENERATIONS_DIR",
     "MODEL_DIR",
     "STAGING",
+    "SHARDS_FILE",
+    "IGNORED_FILES",
     "is_database",
+    "kind_of",
+    "check_kind",
+    "check_new_folder",
     "files_of_database",
     "check_store_present",
     "Creation",
@@ -53,6 +64,11 @@ __all__ = [
 
 #: The SQLite store: the file that makes a folder a database.
 STORE_FILE = "store.sqlite"
+#: The layout of a sharded database: the file that makes a folder a sharded database's root.
+SHARDS_FILE = "shards.json"
+#: What a folder may hold and still count as empty: the marks file managers and version control leave.
+IGNORED_FILES = frozenset({".DS_Store", "Thumbs.db", "desktop.ini", ".gitkeep", ".keep"})
+_SHARD_ENTRY = re.compile(r"shard-\d{4,}|\.shards\.json\..+\.tmp")  # a shard folder, a layout being written
 #: The saved index (written only for index types that are slower to rebuild than to read).
 INDEX_FILE = "index.npz"
 #: What the saved index is the index of: ``{"version", "spec", "ntotal", "sha256"}``.
@@ -83,6 +99,121 @@ def is_database(path: str | os.PathLike[str]) -> bool:
         True if ``path / STORE_FILE`` is a file.
     """
     return (Path(path) / STORE_FILE).is_file()
+
+
+Kind = Literal["absent", "empty", "plain", "sharded", "unfinished", "foreign"]
+
+
+def kind_of(path: str | os.PathLike[str]) -> Kind:
+    """What the folder ``path`` holds.
+
+    Args:
+        path: a folder (it need not exist).
+
+    Returns:
+        ``"absent"`` (nothing there), ``"plain"`` (a database: :data:`STORE_FILE`), ``"sharded"`` (a sharded
+        database's root: :data:`SHARDS_FILE`), ``"unfinished"`` (shard folders without the layout: a sharded
+        creation that stopped), ``"foreign"`` (files that are not kvsearch's, or a file in place of the folder),
+        or ``"empty"`` (nothing but :data:`IGNORED_FILES`, or only the files kvsearch leaves, such as a lock file).
+    """
+    folder = Path(path)
+    if not folder.exists():
+        return "absent"
+    if not folder.is_dir():
+        return "foreign"
+    if (folder / SHARDS_FILE).is_file():
+        return "sharded"
+    if is_database(folder):
+        return "plain"
+    if _foreign_entries(folder):
+        return "foreign"
+    if any(_SHARD_ENTRY.fullmatch(entry.name) for entry in folder.iterdir()):
+        return "unfinished"
+    return "empty"
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    """The names in ``folder`` that kvsearch did not write, sorted (a user's own files)."""
+    ours = {p.name for p in files_of_database(folder)}
+    names = (entry.name for entry in folder.iterdir())
+    return sorted(n for n in names if n not in ours and n not in IGNORED_FILES and not _SHARD_ENTRY.fullmatch(n))
+
+
+def _shard_count(folder: Path) -> str:
+    """``"4 shards"`` as the folder's layout says, or ``"shards"`` where it cannot be read."""
+    try:
+        return f"{int(json.loads((folder / SHARDS_FILE).read_text(encoding='utf-8'))['num_shards'])} shards"
+    except (OSError, ValueError, TypeError, KeyError):
+        return "shards"
+
+
+def check_kind(path: str | os.PathLike[str], want: Literal["plain", "sharded"]) -> None:
+    """Refuse a folder that holds the other kind of database than the one asked for (before anything is written).
+
+    Args:
+        path: the folder given to ``Database`` (``want="plain"``) or ``ShardedDatabase`` (``want="sharded"``).
+        want: the kind asked for.
+
+    Raises:
+        WrongKindError: the folder holds a sharded database (or the shard folders of an unfinished one) and a plain
+            one was asked for, or it holds a plain database and a sharded one was asked for. The message names
+            what is there and how to open it.
+    """
+    folder = Path(path)
+    found = kind_of(folder)
+    if want == "plain" and found in ("sharded", "unfinished"):
+        what = (
+            f"a sharded database ({_shard_count(folder)}, {SHARDS_FILE})"
+            if found == "sharded"
+            else "the shard folders of a sharded database whose creation did not finish"
+        )
+        raise WrongKindError(
+            f"expected a plain database folder, got {folder} holding {what}: open it with "
+            f"kvsearch.distributed.ShardedDatabase({str(folder)!r}) or `kvsearch info {folder}`; to make one plain "
+            f"database of it, `kvsearch reshard {folder} NEW_FOLDER --shards 1`. Nothing was written"
+        )
+    if want == "sharded" and found == "plain":
+        raise WrongKindError(
+            f"expected a sharded database folder, got {folder} holding a plain database ({STORE_FILE}): open it "
+            f"with kvsearch.Database({str(folder)!r}); to split it into shards, `kvsearch reshard {folder} "
+            "NEW_FOLDER --shards N`. Nothing was written"
+        )
+
+
+def check_new_folder(path: str | os.PathLike[str], *, inside_ok: bool = False) -> None:
+    """Refuse to make a new database in ``path`` unless it is absent or empty, and outside any other database.
+
+    Args:
+        path: the folder a new database (plain or sharded) is about to be made in; it holds no database.
+        inside_ok: whether it may lie inside another database's folder (a shard, inside its sharded root).
+
+    Raises:
+        MissingFileError: it holds what is left of a database whose store is gone (:func:`check_store_present`).
+        ForeignFolderError: it holds files that are not kvsearch's (the message names some of them).
+        WrongKindError: it lies inside the folder of another database (plain or sharded).
+    """
+    folder = Path(path)
+    check_store_present(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ForeignFolderError(f"expected a folder for the database, got a file: {folder}")
+    foreign = _foreign_entries(folder) if folder.is_dir() else []
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5:,} more" if len(foreign) > 5 else "")
+        raise ForeignFolderError(
+            f"expected an empty folder (or a kvsearch database) to make a new database in, got {folder} holding "
+            f"other files: {shown}. kvsearch never writes among someone else's files: choose a new folder such as "
+            f"{folder / 'kvsearch'}. Nothing was written"
+        )
+    if inside_ok:
+        return
+    for parent in folder.absolute().parents:
+        if is_database(parent) or (parent / SHARDS_FILE).is_file():
+            kind = "sharded database" if (parent / SHARDS_FILE).is_file() else "database"
+            raise WrongKindError(
+                f"expected a folder outside other databases for a new database, got {folder}, inside the {kind} at "
+                f"{parent}: a database is never made inside another one. Choose a folder beside it. Nothing was "
+                "written"
+            )
 
 
 def _patterns() -> list[str]:

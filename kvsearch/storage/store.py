@@ -652,11 +652,16 @@ class Store:
         return ids
 
     def close(self) -> None:
-        """Close the SQLite connection (in a child of fork(), only the child's own connection)."""
+        """Close the SQLite connection (in a child of fork(), only the child's own connection) and the write lock,
+        and let go of the mapped vector files: a closed store holds no file descriptor (a tensor the caller still
+        holds keeps its own mapping alive)."""
         with self.lock:
             if self._pid == os.getpid() or self.path is None:
                 self._connection.close()
             self.write_lock.close()
+            self.mirror.clear()
+            if self.embeddings.files is not None:
+                self.embeddings.files.release()
 
 
 # Stores of this process, so that a child of fork() gets fresh thread locks (a lock held by another

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsearch.errors import CorruptDatabaseError
+from kvsearch.storage import fileio
 
 __all__ = ["SCHEMA", "VectorFiles", "FileState"]
 
@@ -296,6 +297,10 @@ class VectorFiles:
                     return True
         return False
 
+    def release(self) -> None:
+        """Forget the mappings of the files (at close): each holds a file descriptor until no array views it."""
+        self._maps.clear()
+
     # ------------------------------------------------------------------ reading (inside the caller's snapshot)
 
     def _column(self, state: FileState, column: str, width: int, dtype: np.dtype) -> np.ndarray:
@@ -311,7 +316,8 @@ class VectorFiles:
         if seq != state.seq or size < need:
             path = self.path(state.seq, column)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                with fileio.storage_errors(path, "reading the vectors"):  # EMFILE: typed, never "corrupt"
+                    fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 raise CorruptDatabaseError(f"{path} is missing: the store names its {state.used} vectors") from None
             try:
@@ -320,7 +326,8 @@ class VectorFiles:
                     raise CorruptDatabaseError(
                         f"{path} holds {size} bytes, the store names {need} ({state.used} slots of {width})"
                     )
-                mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                with fileio.storage_errors(path, "mapping the vectors"):  # mmap holds a descriptor of its own
+                    mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
             self._maps[column] = (state.seq, size, mapping)
