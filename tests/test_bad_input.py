@@ -309,12 +309,12 @@ def test_a_failed_creation_leaves_nothing_behind(tmp_path, options, error):
     with pytest.raises(error):
         kvsearch.Database(target, **{"dim": 4, "value_dim": 4, **options})
     assert not (tmp_path / "parent").exists()
-    existing = tmp_path / "existing"  # a folder that was there before keeps what it had, and only that
+    existing = tmp_path / "existing"  # an (empty) folder that was there before keeps what it had, and only that
     existing.mkdir()
-    (existing / "notes.txt").write_text("mine")
+    (existing / ".gitkeep").write_text("mine")
     with pytest.raises(error):
         kvsearch.Database(existing, **{"dim": 4, "value_dim": 4, **options})
-    assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in existing.iterdir()) == [".gitkeep"]
 
 
 def test_a_query_that_cannot_fit_is_refused_up_front(db, monkeypatch):

@@ -104,7 +104,7 @@ def test_info_as_a_user_runs_it(built):
     assert result.returncode == 0 and result.stderr == ""
     info = json.loads(result.stdout)
     size = sum(f.stat().st_size for f in built.rglob("*") if f.is_file())
-    assert info["records"] == 6 and info["indexed"] == 6
+    assert info["kind"] == "plain" and info["records"] == 6 and info["indexed"] == 6
     assert (info["dim"], info["value_dim"], info["index"], info["score"]) == (256, 256, "Flat", "cosine")
     assert info["encoder"]["kind"] == "ngram" and info["value_encoder"] == "the key encoder"
     assert info["query_encoder"] is None and info["last_run"] is None  # never fine-tuned
@@ -120,6 +120,7 @@ def test_info_as_text(built, capsys):
         generation = db.generation
     assert text.splitlines() == [
         f"path           {built}",
+        "kind           a database (kvsearch.Database)",
         "records        6",
         "encoder        ngram, dim 256",
         "query encoder  the key encoder",
@@ -622,7 +623,7 @@ def test_sharded_info_as_a_user_runs_it(sharded, capsys):
     result = run("info", str(sharded), "--json")
     assert (result.returncode, result.stderr) == (0, "")
     info = json.loads(result.stdout)
-    assert (info["shards"], info["records"], info["indexed"]) == (4, 6, 6)
+    assert (info["kind"], info["shards"], info["records"], info["indexed"]) == ("sharded", 4, 6, 6)
     assert info["records_per_shard"] == per_shard(list(AUTHORS))
     assert (info["dim"], info["value_dim"], info["index"], info["score"]) == (256, 256, "Flat", "cosine")
     assert info["encoder"]["kind"] == "ngram" and info["value_encoder"] == "the key encoder"
@@ -631,7 +632,7 @@ def test_sharded_info_as_a_user_runs_it(sharded, capsys):
 
     assert main(["info", str(sharded)]) == 0  # the text form, in-process
     text = capsys.readouterr().out
-    assert "\nrecords        6\n" in text
+    assert "\nkind           a sharded database (kvsearch.distributed.ShardedDatabase)\nrecords        6\n" in text
     assert "\nshards         4 (records: " + ", ".join(map(str, per_shard(list(AUTHORS)))) + ")\n" in text
     assert "\nencoder        ngram, dim 256\n" in text and "\nindex          Flat, score cosine\n" in text
     assert "generation" not in text and "last run" not in text

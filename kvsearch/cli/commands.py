@@ -263,7 +263,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         shards = [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
         encoders = shards[0].encoders_info()  # every shard has the same encoders
         value_encoder = encoders.get("value_encoder")
-        info: dict[str, Any] = {"path": str(path)}
+        info: dict[str, Any] = {"path": str(path), "kind": "sharded" if _is_sharded_db(db) else "plain"}
         if _is_sharded_db(db):
             info["shards"] = db.num_shards
             info["records_per_shard"] = [len(shard) for shard in shards]

@@ -31,6 +31,12 @@ __all__ = [
 MAX_CELL = 40
 
 
+_KINDS = {  # what `kvsearch info` says of each kind of database folder, and what opens it
+    "plain": "a database (kvsearch.Database)",
+    "sharded": "a sharded database (kvsearch.distributed.ShardedDatabase)",
+}
+
+
 def info_text(info: dict[str, Any]) -> str:
     """The text form of ``kvsearch info``: one ``name  value`` line each, names aligned; what a database does
     not have (shards of a plain one, generations of a sharded one) is left out, and so are the internals that
@@ -44,6 +50,7 @@ def info_text(info: dict[str, Any]) -> str:
     dim, value_dim = info["dim"], info["value_dim"]
     rows = [
         ("path", info["path"]),
+        ("kind", _KINDS.get(info.get("kind"), info.get("kind"))),
         ("records", records),
         ("shards", None if per_shard is None else f"{info['shards']} (records: {', '.join(map(str, per_shard))})"),
         ("encoder", encoder_text(info["encoder"], dim, absent=f"none: keys are embeddings (dim {dim})")),

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError
 from kvsearch.inputs import normalize_key
+from kvsearch.storage import fileio
 from kvsearch.storage.folder import SHARDS_FILE  # the file that makes a folder a sharded database
 
 __all__ = [
@@ -139,12 +140,15 @@ class ShardLayout:
 
         Raises:
             CorruptDatabaseError: missing, not JSON, or not a layout this version reads.
+            FileLimitError: the process may open no more files.
         """
         target = Path(path) / SHARDS_FILE
         try:
             data: Any = json.loads(target.read_text(encoding="utf-8"))
             layout = cls(**data)
         except (OSError, ValueError, TypeError, InvalidArgumentError) as exc:
+            if fileio.is_out_of_files(exc):  # what it is, never "corrupt"
+                raise fileio.file_limit_error(exc, target, "reading the shard layout") from None
             raise CorruptDatabaseError(f"{target} is not a kvsearch shard layout: {exc}") from None
         if layout.format != FORMAT or layout.hash != HASH or layout.id_shift != ID_SHIFT:
             raise CorruptDatabaseError(

@@ -21,6 +21,7 @@ from kvsearch.database import Database
 from kvsearch.distributed.generations import check_generations
 from kvsearch.distributed.layout import MAX_SHARDS, ShardLayout, first_id, is_sharded, shard_dir, shards_of_rank
 from kvsearch.errors import ConfigMismatchError, InvalidArgumentError, MissingFileError
+from kvsearch.storage import fileio
 from kvsearch.storage import folder as folders
 
 if TYPE_CHECKING:
@@ -78,17 +79,18 @@ def open_shards(
         MissingFileError: a shard folder of an existing sharded database is missing.
         FileLimitError: this rank's shards would not fit in the process's open-file limit.
     """
-    folders.check_kind(path, "sharded")
-    exists = is_sharded(path)
-    if exists:
-        stored = ShardLayout.read(path).num_shards
-        if num_shards is not None and stored != num_shards:
-            raise ConfigMismatchError(f"{path} was created with num_shards={stored}; got num_shards={num_shards}")
-        num_shards = stored
-    elif num_shards is None:
-        raise InvalidArgumentError(f"expected a sharded database at {path} (or num_shards to create one)")
-    else:
-        folders.check_new_folder(path)
+    with fileio.storage_errors(path, "opening the sharded database's folder", "nothing was written"):  # EMFILE
+        folders.check_kind(path, "sharded")
+        exists = is_sharded(path)
+        if exists:
+            stored = ShardLayout.read(path).num_shards
+            if num_shards is not None and stored != num_shards:
+                raise ConfigMismatchError(f"{path} was created with num_shards={stored}; got num_shards={num_shards}")
+            num_shards = stored
+        elif num_shards is None:
+            raise InvalidArgumentError(f"expected a sharded database at {path} (or num_shards to create one)")
+        else:
+            folders.check_new_folder(path)
     mine = shards_of_rank(num_shards, rank, world_size)
     limits.check_open_files(len(mine), f"opening {len(mine):,} shards of {path}")
     if exists:

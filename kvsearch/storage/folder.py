@@ -323,7 +323,10 @@ class Creation:
         """
         if self._folder is None:
             return
-        made = [p for p in files_of_database(self._folder) if p not in self._before]
+        try:
+            made = [p for p in files_of_database(self._folder) if p not in self._before]
+        except OSError:  # the folder cannot be listed (no file descriptor left): only its own removal is tried
+            made = []
         for path in sorted(made, key=lambda p: p.is_dir()):  # files, then model and staging folders
             remove_path(path)
         for folder in reversed(self._new_folders):
