@@ -101,8 +101,14 @@ class ShardedDatabase:
         timeout: seconds a collective may wait for a peer before :class:`~kvsearch.errors.DistributedError`.
 
     Raises:
-        InvalidArgumentError: the shard count is not a multiple of the world size, or a bad argument.
-        ConfigMismatchError, CorruptDatabaseError: as for :class:`~kvsearch.Database`.
+        InvalidArgumentError: the shard count is not in [1, :data:`~kvsearch.distributed.layout.MAX_SHARDS`] or not
+            a multiple of the world size, or a bad argument.
+        WrongKindError: the folder holds a plain database (open it with :class:`~kvsearch.Database`, or reshard
+            it), or a new sharded database would lie inside another database. ForeignFolderError: a new one in a
+            folder of someone else's files.
+        FileLimitError: this rank's shards would not fit in the process's open-file limit (checked up front).
+        ConfigMismatchError, CorruptDatabaseError, MissingFileError: as for :class:`~kvsearch.Database`; a shard
+            folder of an existing database is missing.
         DistributedError: a peer failed while opening.
     """
 
