@@ -95,11 +95,16 @@ class Comm:
         """Every rank's ``obj``, in rank order (with the pending call signature, checked: see :meth:`call`)."""
         if self.world == 1:
             return [obj]
+        out, signatures = self._gather_signed(obj)
+        check_signatures(signatures)
+        return out
+
+    def _gather_signed(self, obj: Any) -> tuple[list[Any], list[Signature | None]]:
+        """Every rank's ``obj`` and the signature of its call (None: none pending), in rank order."""
         signature, self.pending = self.pending, None
         out: list[Any] = [None] * self.world
         self._call(lambda: dist.all_gather_object(out, (signature, obj), group=self.group))
-        check_signatures([sent for sent, _ in out])
-        return [got for _, got in out]
+        return [got for _, got in out], [sent for sent, _ in out]
 
     def _check_call(self) -> None:
         """Before a collective that cannot carry the pending signature: one object gather that does."""
@@ -174,7 +179,9 @@ class Comm:
             result = local()
         except KVSearchError as exc:
             failure = exc
-        outcomes = self.gather_objects(None if failure is None else (type(failure).__name__, str(failure)))
+        sent = None if failure is None else (type(failure).__name__, str(failure))
+        outcomes, signatures = self._gather_signed(sent) if self.world > 1 else ([sent], [None])
+        check_signatures(signatures, methods_only=True)  # other methods: their outcomes mean nothing here
         for rank, outcome in enumerate(outcomes):
             if outcome is not None:
                 if failure is not None and rank == self.rank:
@@ -182,6 +189,7 @@ class Comm:
                 kind = getattr(errors, outcome[0], KVSearchError)
                 kind = kind if isinstance(kind, type) and issubclass(kind, KVSearchError) else KVSearchError
                 raise kind(f"rank {rank}: {outcome[1]}")
+        check_signatures(signatures)  # one method, arguments that must agree differ (a bad one was raised above)
         return result
 
 
@@ -203,14 +211,14 @@ class Signature:
     alike: tuple[tuple[str, Any], ...] = ()
 
 
-def check_signatures(signatures: list[Signature | None]) -> None:
+def check_signatures(signatures: list[Signature | None], *, methods_only: bool = False) -> None:
     """Raise :class:`DistributedError` when the ranks' calls (None: a collective outside any method) differ in
-    method or in an argument that must agree.
+    method or (unless ``methods_only``) in an argument that must agree.
 
     Raises:
         DistributedError: naming every rank's call and, for one method, the arguments that must agree.
     """
-    calls = [None if s is None else (s.name, s.alike) for s in signatures]
+    calls = [None if s is None else (s.name, None if methods_only else s.alike) for s in signatures]
     if all(c == calls[0] for c in calls):
         return
     shown = ", ".join(

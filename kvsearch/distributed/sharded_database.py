@@ -626,7 +626,7 @@ class ShardedDatabase:
             similarity = None if rerank is None else check_rerank(rerank)
             q, texts, single = self._queries(queries)
             if similarity is None:
-                return q, texts, single, None, k  # k is checked by candidates()
+                return q, texts, single, None, check_k(k, allow_all=True)  # "all": candidates() refuses it
             return q, require_texts(texts, q.shape[0]), single, similarity, rerank_depth(int(check_k(k)))
 
         q, texts, single, similarity, depth = self._agree(check)
@@ -664,6 +664,7 @@ class ShardedDatabase:
                 check_score(score)
             if pooling not in POOLINGS:
                 raise UnknownOptionError(f"expected pooling among {POOLINGS}, got {pooling!r}")
+            check_k(k, allow_all=True)  # a bad k is raised here, before the ranks compare their k
             return (*self._queries(queries), check_temperature(temperature))
 
         q, texts, single, temp = self._agree(check)
