@@ -303,14 +303,16 @@ def result_path(root: str | Path, scenario: str, rank: int) -> Path:
     return Path(root) / f"{scenario}-rank{rank}.pkl"
 
 
-def join_group(rank: int, world: int, port: int, hang_after: float) -> None:
-    """A spawned rank's start: one thread (torch and FAISS), a traceback dump if it hangs past ``hang_after``
-    seconds (it never outlives the test), then the default gloo group on localhost."""
+def join_group(rank: int, world: int, port: int, hang_after: float, one_thread: bool = True) -> None:
+    """A spawned rank's start: one thread (torch and FAISS; unless ``one_thread`` is False: then as a rank started
+    by hand has them), a traceback dump if it hangs past ``hang_after`` seconds (it never outlives the test), then
+    the default gloo group on localhost."""
     import faiss
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
+    if one_thread:
+        torch.set_num_threads(1)
+        faiss.omp_set_num_threads(1)
     faulthandler.dump_traceback_later(hang_after, exit=True)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT)
@@ -321,7 +323,7 @@ def rank_main(rank: int, world: int, port: int, root: str, scenario: str) -> Non
     """The entry point of a spawned rank: one thread, gloo on localhost, then the scenario's phases."""
     out = Results(result_path(root, scenario, rank))
     try:
-        join_group(rank, world, port, hang_after=280)
+        join_group(rank, world, port, hang_after=280, one_thread=scenario not in OWN_THREADS)
         SCENARIOS[scenario](rank, world, Path(root), out)
     except BaseException:
         out["crash"] = traceback.format_exc()
@@ -680,11 +682,70 @@ def finetune_scenario(rank: int, world: int, root: Path, out: Results) -> None:
     _phase(out, "improve", improve)
 
 
+# ----------------------------------------------------------------------------- mismatched calls, threads per rank
+
+
+def mismatch_scenario(rank: int, world: int, root: Path, out: Results) -> None:
+    """Ranks that call different methods (or one method with arguments that must agree, differing): what each rank
+    raised and how long it took; then the thread count of a rank started by hand (not by torchrun)."""
+    import warnings
+
+    from kvsearch.distributed import ShardedDatabase
+
+    os.environ.pop("OMP_NUM_THREADS", None)
+    threads: dict[str, Any] = {"before": torch.get_num_threads()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sdb = ShardedDatabase(root / "mismatch", num_shards=num_shards(world), encoder=encoder(), timeout=TIMEOUT)
+    threads["after"] = torch.get_num_threads()
+    threads["warnings"] = [str(w.message) for w in caught if "OMP_NUM_THREADS" in str(w.message)]
+    sdb.add(["Smith", "Jones", "Li", "Lipton"] if rank == 0 else [], ["a", "b", "c", "d"] if rank == 0 else [])
+    q = encoder().encode(["Smith", "Li"])  # (2, DIM)
+    first = rank == 0
+    calls: dict[str, Callable[[], Any]] = {
+        "search-vs-query": lambda: sdb.search(q, k=2) if first else sdb.query(q[:1], k=2),
+        "len-vs-candidates": lambda: len(sdb) if first else sdb.candidates(q, 2),
+        "add-vs-delete": lambda: sdb.add(["Zed"], ["z"]) if first else sdb.delete(["Li"]),
+        "k-differs": lambda: sdb.search(["Smith"], k=1 if first else 3),
+        "exact-on-one-rank": lambda: sdb.query(q, k=2, pooling="exact" if first else "softmax"),
+    }
+    res: dict[str, Any] = {"threads": threads, "timeout": TIMEOUT}
+
+    def outcome(call: Callable[[], Any]) -> tuple:  # DistributedError included
+        from kvsearch.errors import KVSearchError
+
+        try:
+            call()
+            return ("ok",)
+        except KVSearchError as exc:
+            return ("err", type(exc).__name__, str(exc))
+
+    for name, call in calls.items():
+        start = time.perf_counter()
+        got = outcome(call)
+        res[name] = (got, time.perf_counter() - start, attempt(lambda: [h.key for h in sdb.search("Smith", k=1)]))
+        out["mismatch"] = res
+        out.save()
+    res["len"] = attempt(lambda: len(sdb))  # nothing was written by the refused add
+    sdb.close()
+    # a thread count chosen with OMP_NUM_THREADS is left alone
+    os.environ["OMP_NUM_THREADS"] = "2"
+    torch.set_num_threads(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ShardedDatabase(root / "mismatch", timeout=TIMEOUT).close()
+    threads["omp_set"] = (torch.get_num_threads(), [str(w.message) for w in caught if "OMP_NUM_THREADS" in str(w)])
+    out["mismatch"] = res
+    out.save()
+
+
 SCENARIOS: dict[str, Callable[[int, int, Path, Results], None]] = {
     "main": main_scenario,
     "silent": silent_scenario,
     "finetune": finetune_scenario,
+    "mismatch": mismatch_scenario,
 }
+OWN_THREADS = {"mismatch"}  # scenarios whose ranks keep the thread counts a rank started by hand has
 
 
 def start_ranks(world: int, root: Path, scenario: str) -> list[Any]:

@@ -28,6 +28,17 @@ Every command has ``--help``. Errors are one line on stderr: exit status 2 for a
 anything else (a bad file, a key that is not stored, "not found" in exact mode); ``--debug`` shows the
 traceback.
 
+A closed output (``kvsearch query ... | head -1``) ends the command quietly, as ``git`` and ``grep`` do, with
+exit status 141 (:data:`CLOSED_OUTPUT_STATUS`: 128 + SIGPIPE, what a shell reports for a process that a closed
+pipe killed): nothing on stderr, nothing half-written. Python ignores SIGPIPE, so a write to a closed pipe raises
+:class:`BrokenPipeError`; :func:`main` catches it, points the closed stream at ``/dev/null`` so that the
+interpreter's last flush does not raise again, and returns the status (Python's recipe, "Note on SIGPIPE" in the
+``signal`` docs). It does not restore SIGPIPE's default action: that would kill the process in the middle of a
+write to stderr (a progress bar), before ``build`` has rolled back its unfinished transaction. ``build`` prints
+its report after its records are committed and the database closed, so a closed pipe there leaves the database
+whole; one that closes earlier (stderr's progress bars) rolls the build back as any failure does. Nothing in the
+library touches signals: only this function handles the pipe.
+
 This module owns :func:`main`: parse (:mod:`kvsearch.cli.parser`), run the command (:mod:`kvsearch.cli.commands`),
 report an error on one line with its exit status, keep a sentence model's loading quiet and show kvsearch's own
 warnings on one line. It knows nothing of what a command does.
@@ -38,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -49,7 +61,12 @@ from kvsearch.distributed import layout as sharding
 from kvsearch.storage import folder as folders
 from kvsearch.storage.encoder_files import current_generation_dir
 
-__all__ = ["main"]
+__all__ = ["main", "CLOSED_OUTPUT_STATUS"]
+
+#: The exit status of a command whose stdout (or stderr) was closed by its reader: 128 + SIGPIPE (13), what a shell
+#: shows for ``git log | head -1``'s git, which the signal ends. An exit, not a death by the signal: the process
+#: ends through Python's normal shutdown.
+CLOSED_OUTPUT_STATUS = 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,8 +77,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success, 1 on an error or a "not found", 2 on a usage error (argparse exits
-        itself for those and for ``--help``).
+        itself for those and for ``--help``), :data:`CLOSED_OUTPUT_STATUS` (141) when the reader of stdout or
+        stderr closed it (``| head -1``), quietly.
     """
+    try:
+        try:
+            return _run(argv)
+        finally:  # what is still buffered goes out now, where a closed pipe is caught (argparse's exits too)
+            sys.stdout.flush()
+            sys.stderr.flush()
+    except BrokenPipeError:
+        _silence_closed_streams()
+        return CLOSED_OUTPUT_STATUS
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse and run the command; an error is reported on one line with its status (a closed pipe raises)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -75,11 +106,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output is gone: no error to report (main ends quietly)
+        raise
     except Exception as exc:
         if args.debug:
             raise
         print(f"{PROG} {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _silence_closed_streams() -> None:
+    """Point stdout and stderr, where their reader is gone, at ``/dev/null``: what they still buffer is dropped
+    there by the interpreter's last flush instead of raising :class:`BrokenPipeError` again ("Exception ignored
+    ... BrokenPipeError" and status 120). A stream that still works is left alone."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+            continue
+        except BrokenPipeError:
+            pass
+        except (OSError, ValueError):  # closed or unusable for another reason: nothing to redirect
+            continue
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no file descriptor (a StringIO)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, stream.fileno())
+            finally:
+                os.close(devnull)
 
 
 def _check_paths(args: argparse.Namespace) -> None:

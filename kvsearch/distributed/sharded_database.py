@@ -50,11 +50,12 @@ from torch import Tensor
 from kvsearch import errors
 from kvsearch.checks import check_device, check_finite, check_k, check_temperature
 from kvsearch.database import Database
-from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm
+from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm, collective
 from kvsearch.distributed.generations import ShardedDraft, ShardTeam, switch_every_shard
 from kvsearch.distributed.layout import ID_SHIFT, ShardLayout
 from kvsearch.distributed.opening import check_num_shards, open_shards
 from kvsearch.distributed.reads import ShardReads, texts_list
+from kvsearch.distributed.threads import share_cores
 from kvsearch.distributed.writes import ShardWrites
 from kvsearch.errors import (
     InvalidArgumentError,
@@ -133,6 +134,7 @@ class ShardedDatabase:
         self.path = Path(path)
         self.device = check_device(device)
         self._comm = Comm(group, float(timeout))
+        share_cores(self._comm.local_world)  # ranks started without torchrun: no oversubscribed cores
         self.rank, self.world_size = self._comm.rank, self._comm.world
         self._closed = False
         self._reads, self._writes = ShardReads(self), ShardWrites(self)
@@ -168,10 +170,12 @@ class ShardedDatabase:
 
     # ------------------------------------------------------------------ small things
 
+    @collective()
     def __len__(self) -> int:
         local = self._agree(lambda: sum(len(db) for db in self.shards.values()))
         return self._comm.all_sum(local)
 
+    @collective()
     def __contains__(self, key: object) -> bool:
         """Whether a record has this key text or key embedding (equal embedding). Collective."""
         self._check_open()
@@ -253,6 +257,7 @@ class ShardedDatabase:
         for db in self.shards.values():
             db.close()
 
+    @collective()
     def refresh(self) -> None:
         """Re-encode every key of every shard with the key encoder: a new generation on every shard. Collective.
 
@@ -262,6 +267,7 @@ class ShardedDatabase:
         self._check_open()
         self.switch_generation(lambda s, db: db.refresh())
 
+    @collective()
     def switch_generation(self, step: Callable[[int, Database], Any]) -> int:
         """Move every shard to a new generation together (two phases). Collective.
 
@@ -280,6 +286,7 @@ class ShardedDatabase:
         """
         return switch_every_shard(self, step)
 
+    @collective()
     def begin_generation(self) -> ShardedDraft:
         """Start a fine-tuning run's draft generation on every shard (see :class:`ShardedDraft`). Collective."""
         self._check_open()
@@ -287,6 +294,7 @@ class ShardedDatabase:
 
     # ------------------------------------------------------------------ writing
 
+    @collective()
     def add(
         self,
         keys: KeysIn,
@@ -307,6 +315,7 @@ class ShardedDatabase:
         self._check_open()
         return self._writes.write(keys, values, metadata, key_embeddings, value_embeddings, upsert=False)
 
+    @collective()
     def upsert(
         self,
         keys: KeysIn,
@@ -325,6 +334,7 @@ class ShardedDatabase:
         self._check_open()
         return self._writes.write(keys, values, metadata, key_embeddings, value_embeddings, upsert=True)
 
+    @collective()
     def delete(
         self, key_or_keys: str | int | Sequence[str | int], *, missing: Literal["raise", "ignore"] = "raise"
     ) -> list[int]:
@@ -340,6 +350,7 @@ class ShardedDatabase:
 
     # ------------------------------------------------------------------ reading by id or key
 
+    @collective()
     def get(self, id: int) -> Record:
         """The record with this global id (see :meth:`kvsearch.Database.get`). Collective: each rank its own id.
 
@@ -349,6 +360,7 @@ class ShardedDatabase:
         self._check_open()
         return self._reads.get(id)
 
+    @collective()
     def lookup(self, key: str | Tensor, default: Any = _MISSING) -> str | Tensor | None:
         """Exact lookup of a key text or key embedding (see :meth:`kvsearch.Database.lookup`). Collective: each
         rank its own key.
@@ -367,6 +379,7 @@ class ShardedDatabase:
             raise KeyNotFoundError(f"no record has the key {shown!r}")
         return default
 
+    @collective()
     def exact_targets(self, queries: Tensor) -> Tensor:
         """For each query embedding, the global id of the one record whose key embedding equals it, else -1 (see
         :meth:`kvsearch.Database.exact_targets`). Collective.
@@ -384,11 +397,13 @@ class ShardedDatabase:
 
         return self._reads.exact_ids(None, self._agree(check))
 
+    @collective()
     def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
         """The global id of each key text: (n,) int64 on the CPU, -1 where the key is not stored. Collective."""
         self._check_open()
         return self._reads.exact_ids(self._agree(lambda: texts_list(texts)), torch.zeros(len(texts), self.dim))
 
+    @collective("encoded_only")
     def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool = False) -> list[str | None]:
         """The key text of each global id, in order: None where it has none or is not stored. Collective.
 
@@ -399,11 +414,13 @@ class ShardedDatabase:
         keys, _, _ = self._reads.texts(wanted, encoded_only=encoded_only)
         return [keys.get(i) for i in wanted]
 
+    @collective()
     def values_present(self, texts: Sequence[str]) -> Tensor:
         """(n,) bool: whether some record of some shard holds each value text. Collective."""
         self._check_open()
         return self._reads.values_present(texts)
 
+    @collective()
     def embeddings(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Key and value embeddings gathered by global id (any shape, -1 allowed), from their owners. Collective.
 
@@ -416,6 +433,7 @@ class ShardedDatabase:
 
     # ------------------------------------------------------------------ search and query
 
+    @collective("k")
     def candidates(
         self,
         queries: Tensor,
@@ -443,6 +461,7 @@ class ShardedDatabase:
         """
         return self.candidates_from(self.shards, queries, k, targets=targets, where=where)
 
+    @collective("k")
     def candidates_from(
         self,
         sources: Mapping[int, Any],
@@ -526,6 +545,7 @@ class ShardedDatabase:
             parts.append(merge_candidates(q, ids, keys, values, t, take, self.score))
         return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
+    @collective()
     def value_texts(self, ids: Sequence[int]) -> dict[int, str | None]:
         """id -> the value text (None for a value given as an embedding), read from each id's owner. Collective."""
         _, values, _ = self._reads.texts(list(ids))
@@ -551,6 +571,7 @@ class ShardedDatabase:
         check_finite(q, "query embeddings")
         return q, texts, isinstance(queries, str)
 
+    @collective("k", rerank=lambda rerank: rerank is not None)
     def search(
         self, queries: Queries, k: int = 10, *, where: Mapping[str, Any] | None = None, rerank: Rerank | None = None
     ) -> list[Hit] | list[list[Hit]]:
@@ -567,7 +588,7 @@ class ShardedDatabase:
             similarity = None if rerank is None else check_rerank(rerank)
             q, texts, single = self._queries(queries)
             if similarity is None:
-                return q, texts, single, None, k  # k is checked by candidates()
+                return q, texts, single, None, check_k(k, allow_all=True)  # "all": candidates() refuses it
             return q, require_texts(texts, q.shape[0]), single, similarity, rerank_depth(int(check_k(k)))
 
         q, texts, single, similarity, depth = self._agree(check)
@@ -582,6 +603,7 @@ class ShardedDatabase:
             hits = self._agree(lambda: rerank_hits(similarity, texts, hits, int(k)))
         return hits[0] if single else hits
 
+    @collective("k", pooling=lambda pooling: pooling == "exact")
     def query(
         self,
         queries: Queries,
@@ -604,6 +626,7 @@ class ShardedDatabase:
                 check_score(score)
             if pooling not in POOLINGS:
                 raise UnknownOptionError(f"expected pooling among {POOLINGS}, got {pooling!r}")
+            check_k(k, allow_all=True)  # a bad k is raised here, before the ranks compare their k
             return (*self._queries(queries), check_temperature(temperature))
 
         q, texts, single, temp = self._agree(check)
