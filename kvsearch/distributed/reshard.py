@@ -8,7 +8,8 @@ What is carried: every record (key and value texts, metadata) under its id; the 
 copied, their SHA-256 checked on open) and its number; the options (dims, score, index spec, search parameters).
 Not carried: the previous generation (a rollback has nothing to return to) and the saved index (each new shard's is
 built from its records). ``num_shards=1`` makes a plain :class:`~kvsearch.Database` folder (one shard is one
-database); more makes a :class:`~kvsearch.distributed.ShardedDatabase` whose layout says ``banded_ids=False``.
+database); more makes a sharded database (:class:`~kvsearch.distributed.ShardedDatabase`) whose layout says
+``banded_ids=False``.
 
 Ids: a key text goes to ``shard_of_key(key, num_shards)``, a key given as an embedding (no text) round-robin in id
 order (as :meth:`ShardedDatabase.add` deals a batch of them out); both keep their ids, so the owner of an id is found
@@ -17,13 +18,15 @@ handed out, deleted ones included: shard s of the result hands out ids of its ba
 every id of that band the source and its own sources handed out (their AUTOINCREMENT sequences, carried as the stores'
 id marks, :mod:`kvsearch.storage.carry`); a plain result after every one of them.
 
-The source is opened read-only and never written; a source written to while it is copied is detected (its store
-versions moved) and nothing is kept. The result is built in a staging folder beside the destination
-(``.NAME.reshard-PID``, marked by :data:`MARKER` so that a later run removes one a killed run left), synced, then
-renamed into place in one ``os.rename``: a crash at any point leaves the destination absent or whole.
+The source is never written, nor opened by SQLite (a reader leaves side files): its files are copied, byte for byte,
+beside the result (room for one copy of the source is needed while it runs), and the copy is read; a source written
+to while it is copied is detected (a file's size or time moved) and nothing is kept. The result is built in a
+staging folder beside the destination (``.NAME.reshard-PID``, marked by :data:`MARKER` so that a later run removes
+one a killed run left), synced, then renamed into place in one ``os.rename``: a crash at any point leaves the
+destination absent or whole.
 
-This module knows nothing of search or of a store's internals: it reads the source through read-only databases and
-writes through :mod:`kvsearch.storage.carry`.
+This module knows nothing of search or of a store's internals: it reads the copy of the source through read-only
+databases and writes through :mod:`kvsearch.storage.carry`.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ from kvsearch.distributed.layout import (
     shard_dir,
     shard_of_key,
 )
-from kvsearch.distributed.sharded_database import ShardedDatabase
 from kvsearch.errors import (
     DatabaseExistsError,
     ForeignFolderError,
@@ -54,7 +56,7 @@ from kvsearch.errors import (
     InvalidArgumentError,
 )
 from kvsearch.storage import carry
-from kvsearch.storage.folder import is_database
+from kvsearch.storage.folder import LOCK_FILE, STORE_FILE, is_database
 from kvsearch.storage.store import Store
 
 __all__ = ["MARKER", "BATCH", "ReshardReport", "reshard"]
@@ -63,6 +65,8 @@ __all__ = ["MARKER", "BATCH", "ReshardReport", "reshard"]
 MARKER = ".kvsearch-reshard"
 #: Records carried in one transaction.
 BATCH = 4096
+#: The folder, inside the staging folder, of the copy of the source that is read (removed before the rename).
+SOURCES = ".sources"
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
     """Copy the database ``src`` (plain or sharded) into the new folder ``dst`` with ``num_shards`` shards.
 
     Args:
-        src: a database folder, plain or sharded; opened read-only, left untouched.
+        src: a database folder, plain or sharded; only read (copied), left untouched.
         dst: the new folder: absent or empty (its parent is created if missing).
         num_shards: the shard count of the result; 1 makes a plain database folder.
 
@@ -208,24 +212,56 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _read_only(folder: Path) -> Iterator[Database]:
-    db = Database(folder, read_only=True, device="cpu")
+def _opened(folder: Path, *, read_only: bool = True) -> Iterator[Database]:
+    db = Database(folder, read_only=read_only, device="cpu")
     try:
         yield db
     finally:
         db.close()
 
 
+def _snapshot(folders: list[Path], into: Path) -> list[Path]:
+    """Copies of the source's database folders in ``into`` (what the reshard reads: the source itself is only read
+    byte for byte, never opened by SQLite, which would leave its side files there).
+
+    Raises:
+        InconsistentDatabaseError: a file of the source changed while it was copied (a writer).
+    """
+    before = _signature(folders)
+    copies = []
+    for n, folder in enumerate(folders):
+        copy = into / f"source-{n:04d}"
+        shutil.copytree(folder, copy, ignore=shutil.ignore_patterns(LOCK_FILE, f"{STORE_FILE}-shm"))
+        copies.append(copy)
+    if _signature(folders) != before:
+        raise InconsistentDatabaseError(
+            f"{folders[0].parent if len(folders) > 1 else folders[0]} was written to while it was resharded: nothing "
+            "was kept; reshard it when no one writes to it"
+        )
+    return copies
+
+
+def _signature(folders: list[Path]) -> list[tuple[str, int, int]]:
+    """(path, size, modification time) of every file under the folders: what a writer changes."""
+    found = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and path.name not in (LOCK_FILE, f"{STORE_FILE}-shm"):
+                stat = path.stat()
+                found.append((str(path), stat.st_size, stat.st_mtime_ns))
+    return found
+
+
 def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) -> tuple[int, int]:
     """Write the result into ``staging``; (records carried, generation)."""
     layout = ShardLayout.read(source) if is_sharded(source) else None
-    # pass 1, one source at a time: where each record goes, the sources' versions, generations and id marks
+    copies = _snapshot(folders, staging / SOURCES)
+    # pass 1, one source at a time: where each record goes, the sources' generations and id marks
     plan: list[tuple[list[int], list[int]]] = []  # per source: its ids, and the target of each (-1: round-robin)
-    versions, generations, marks = [], set(), set()
-    for folder in folders:
-        with _read_only(folder) as db:
+    generations, marks = set(), set()
+    for folder in copies:
+        with _opened(folder) as db:
             store = db.store
-            versions.append(store.version)
             generations.add(db.generation)
             marks.update(carry.id_marks(store))
             ids = store.ids.tolist()
@@ -241,10 +277,8 @@ def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) ->
     # pass 2: every target open, the sources one at a time, carried in batches
     stores: list[Store] = []
     try:
-        for n, folder in enumerate(folders):
-            with _read_only(folder) as db:
-                if db.store.version != versions[n]:
-                    raise _changed(folder)
+        for n, folder in enumerate(copies):
+            with _opened(folder) as db:
                 if not stores:
                     for out in folders_out:
                         out.mkdir(exist_ok=True)
@@ -256,13 +290,12 @@ def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) ->
                 for store, mine in zip(stores, per_target):
                     for start in range(0, len(mine), BATCH):
                         carry.carry(store, [(db.store, mine[start : start + BATCH])])
-                if db.store.version != versions[n]:
-                    raise _changed(folder)
         for t, store in enumerate(stores):
             carry.seal(store, _next_after(None if plain else t, marks, carried), _per_band(marks | set(carried)))
     finally:
         for store in stores:
             store.close()
+    shutil.rmtree(staging / SOURCES)
     if not plain:
         first = layout or _options_of(staging)
         ShardLayout(
@@ -273,7 +306,7 @@ def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) ->
 
 def _options_of(staging: Path) -> ShardLayout:
     """The options of the first new shard, as a layout (for a plain source, which has none)."""
-    with _read_only(shard_dir(staging, 0)) as db:
+    with _opened(shard_dir(staging, 0)) as db:
         return ShardLayout(1, db.dim, db.value_dim, db.score, db.index_spec)
 
 
@@ -286,12 +319,6 @@ def _one_generation(source: Path, layout: ShardLayout | None, generations: set[i
             "open it once as a ShardedDatabase (it finishes an interrupted switch), then reshard"
         )
     return next(iter(generations))
-
-
-def _changed(folder: Path) -> InconsistentDatabaseError:
-    return InconsistentDatabaseError(
-        f"{folder} was written to while it was resharded: nothing was kept; reshard it when no one writes to it"
-    )
 
 
 def _per_band(ids: set[int]) -> list[int]:
@@ -311,12 +338,22 @@ def _next_after(shard: int | None, marks: set[int], carried: list[int]) -> int:
 
 
 def _verify(staging: Path, num_shards: int) -> None:
-    """Open the result as a user would (encoder digests, configuration, generations checked; a trained index built
-    and saved), then close it."""
+    """Open each new database folder as a user would (configuration and encoder digests checked, a trained index
+    built and saved), then close it; a sharded result's layout must name every shard's generation.
+
+    Raises:
+        InconsistentDatabaseError: a shard is at another generation than the layout records.
+    """
     if num_shards == 1:
         Database(staging, device="cpu").close()
-    else:
-        ShardedDatabase(staging, device="cpu").close()
+        return
+    layout = ShardLayout.read(staging)
+    for s in range(num_shards):
+        with _opened(shard_dir(staging, s), read_only=False) as db:  # writable: a trained index is saved
+            if db.generation != layout.generation:
+                raise InconsistentDatabaseError(
+                    f"expected shard {s} of the result at generation {layout.generation}, got {db.generation}"
+                )
 
 
 # ---------------------------------------------------------------------- durability
