@@ -61,7 +61,8 @@ from kvsearch.storage.store import Store
 
 __all__ = ["MARKER", "BATCH", "ReshardReport", "reshard"]
 
-#: The file that marks a staging folder as a reshard's own (a later run removes it once its process is gone).
+#: The file that marks a staging folder as a reshard's own (a later run removes it once its process is gone); removed
+#: from the result just after the rename (a crash in between leaves it there, harmless).
 MARKER = ".kvsearch-reshard"
 #: Records carried in one transaction.
 BATCH = 4096
@@ -124,7 +125,6 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
         (staging / MARKER).write_text(f"{os.getpid()}\n{source}\n{target}\n", encoding="utf-8")
         records, generation = _build(source, folders, staging, num_shards)
         _verify(staging, num_shards)
-        (staging / MARKER).unlink()
         _sync_tree(staging)
         try:
             os.rename(staging, target)  # onto an absent or empty folder: the commit point
@@ -132,10 +132,12 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
             raise ForeignFolderError(
                 f"expected {target} absent or empty to rename the result onto, got {exc}"
             ) from None
-        _sync_dir(target.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    _sync_dir(target.parent)
+    (target / MARKER).unlink()  # the staging folder kept it to the end, so that a killed run's is always known
+    _sync_dir(target)
     seconds = time.perf_counter() - started
     return ReshardReport(
         source, target, len(folders) if is_sharded(source) else 0, num_shards, records, generation, seconds
