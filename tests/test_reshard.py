@@ -219,7 +219,9 @@ def test_native_shards_to_2_and_plain(tmp_path: Path) -> None:
     sdb.close()
     for shards in (2, 1):
         dst = tmp_path / f"to{shards}"
+        before = digest(source)
         kvsearch.reshard(source, dst, num_shards=shards)
+        assert digest(source) == before
         assert_same(source, dst)
         handed |= new_ids_avoid(dst, handed)
     with ShardedDatabase(tmp_path / "to2", device="cpu") as sdb:
@@ -230,6 +232,39 @@ def test_native_shards_to_2_and_plain(tmp_path: Path) -> None:
             sdb.delete(gone[0])
         with pytest.raises(kvsearch.KeyNotFoundError):
             sdb.get(gone[0])
+
+
+def test_query_encoder_and_generation_carried(tmp_path: Path) -> None:
+    """A database with a query-side encoder of its own: its files come along, each shard at the source's generation."""
+    source = tmp_path / "q"
+    make_plain(source, set(), query_encoder=True)
+    kvsearch.reshard(source, tmp_path / "one", num_shards=1)
+    assert_same(source, tmp_path / "one")
+    kvsearch.reshard(source, tmp_path / "two", num_shards=2)
+    with Database(source, device="cpu") as src:
+        query_state = src.query_encoder.state_dict()
+        for s in range(2):  # each shard alone: its encoders, generation and no previous one to roll back to
+            with Database(tmp_path / "two" / f"shard-{s:04d}", device="cpu") as shard:
+                assert shard.generation == src.generation == 3 and shard.previous_generation is None
+                assert all(torch.equal(query_state[n], t) for n, t in shard.query_encoder.state_dict().items())
+                every = [{h.id: h.score for h in row} for row in src.search(QUERIES, k=len(src))]
+                for scores, row in zip(every, shard.search(QUERIES, k=3)):  # text queries: the query encoder's
+                    assert row and all(abs(scores[h.id] - h.score) < 1e-5 for h in row)
+    assert json.loads((tmp_path / "two" / "shards.json").read_text())["generation"] == 3
+
+
+def test_layouts_written_before_are_banded(tmp_path: Path) -> None:
+    """A shards.json without ``banded_ids`` (written before resharding existed) reads as banded; a reshard's is not."""
+    from kvsearch.distributed.layout import ShardLayout
+
+    layout = ShardLayout(2, DIM, DIM, "cosine", "Flat", generation=1)
+    layout.write(tmp_path)
+    data = json.loads((tmp_path / "shards.json").read_text())
+    del data["banded_ids"]
+    (tmp_path / "shards.json").write_text(json.dumps(data))
+    assert ShardLayout.read(tmp_path).banded_ids is True
+    with pytest.raises(kvsearch.InvalidArgumentError, match="banded_ids"):
+        ShardLayout(2, DIM, DIM, "cosine", "Flat", banded_ids="no")  # type: ignore[arg-type]
 
 
 def test_approximate_index(tmp_path: Path) -> None:
