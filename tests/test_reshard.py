@@ -28,6 +28,7 @@ from kvsearch.cli.program import main
 from kvsearch.distributed import ShardedDatabase
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
 DIM = 16
 QUERIES = ["alpha 3", "beta", "gamma 12", "delta 7 x", "omega", "alp"]
 
@@ -265,6 +266,51 @@ def test_layouts_written_before_are_banded(tmp_path: Path) -> None:
     assert ShardLayout.read(tmp_path).banded_ids is True
     with pytest.raises(kvsearch.InvalidArgumentError, match="banded_ids"):
         ShardLayout(2, DIM, DIM, "cosine", "Flat", banded_ids="no")  # type: ignore[arg-type]
+
+
+def test_two_ranks_serve_a_resharded_database(plain: tuple[Path, set[int]], tmp_path: Path) -> None:
+    """2 gloo ranks, one shard each, ids not banded: reads by id, exact targets and deletes by id find their owner on
+    the other rank; a missing id is refused on every rank; new ids are new."""
+    import _distributed_ranks as ranks
+    import _reshard_ranks
+
+    source, handed = plain
+    kvsearch.reshard(source, tmp_path / "two", num_shards=2)
+    with Database(tmp_path / "two" / "shard-0001", device="cpu") as shard:
+        victim = int(shard.ids()[0])
+    assert victim >> 40 != 1  # outside shard 1's band: only asking the shards finds it
+    with Database(source, device="cpu") as src:
+        ids = src.ids().tolist()
+        (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
+        (tmp_path / "victim.txt").write_text(str(victim))
+        procs = _reshard_ranks.start(tmp_path)
+        try:
+            records = {i: (r.key, r.value, r.metadata) for i in ids for r in [src.get(i)]}
+            key_texts, embeddings = src.key_texts(ids), src.embeddings(torch.tensor(ids))
+            exact = src.query(_reshard_ranks.QUERIES, k=4, pooling="exact")
+            hits = src.search(_reshard_ranks.QUERIES, k=5)
+            count = len(src)
+        finally:
+            codes, results = ranks.join_ranks(procs, tmp_path, "reshard", 300.0)
+    assert codes == [0, 0], [r.get("crash") for r in results]
+    added: set[int] = set()
+    for rank, seen in enumerate(results):
+        assert seen["get"] == records and seen["key_texts"] == key_texts
+        assert all(torch.equal(a, b) for a, b in zip(seen["embeddings"], embeddings))
+        found, value, output = seen["exact"]
+        assert found == exact.found and all(same_value(a, b) for a, b in zip(value, exact.value))
+        assert torch.allclose(output, exact.output, atol=1e-6)
+        for row, ref in zip(seen["search"], hits):
+            assert [score for _, score in row] == [round(h.score, 5) for h in ref]
+            assert {i for i, score in row if score > row[-1][1]} == {
+                h.id for h in ref if round(h.score, 5) > row[-1][1]
+            }
+        assert seen["deleted"] == ([victim] if rank == 0 else [])
+        assert seen["get_deleted"] == seen["delete_again"] == "KeyNotFoundError"
+        assert not set(seen["added"]) & handed
+        added |= set(seen["added"])
+        assert seen["len"] == count - 1 + 12
+    assert len(added) == 12
 
 
 def test_approximate_index(tmp_path: Path) -> None:
