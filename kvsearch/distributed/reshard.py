@@ -56,6 +56,7 @@ from kvsearch.errors import (
     InvalidArgumentError,
 )
 from kvsearch.storage import carry
+from kvsearch.storage.fileio import storage_errors
 from kvsearch.storage.folder import LOCK_FILE, STORE_FILE, is_database
 from kvsearch.storage.store import Store
 
@@ -106,7 +107,8 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
             other files. (All before anything is written.)
         InconsistentDatabaseError: the source's shards are at different generations (open it as a ShardedDatabase
             once to finish an interrupted switch), or the source was written to during the copy (nothing is kept).
-        CorruptDatabaseError, StorageError: reading the source or writing the result failed (nothing is kept).
+        CorruptDatabaseError: the source is damaged. DiskFullError, ReadOnlyDatabaseError: the result could not be
+            written (nothing is kept).
     """
     started = time.perf_counter()
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= MAX_SHARDS:
@@ -122,10 +124,11 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        (staging / MARKER).write_text(f"{os.getpid()}\n{source}\n{target}\n", encoding="utf-8")
-        records, generation = _build(source, folders, staging, num_shards)
-        _verify(staging, num_shards)
-        _sync_tree(staging)
+        with storage_errors(staging, f"resharding {source} into {target}", "nothing was kept"):
+            (staging / MARKER).write_text(f"{os.getpid()}\n{source}\n{target}\n", encoding="utf-8")
+            records, generation = _build(source, folders, staging, num_shards)
+            _verify(staging, num_shards)
+            _sync_tree(staging)
         try:
             os.rename(staging, target)  # onto an absent or empty folder: the commit point
         except OSError as exc:
