@@ -189,15 +189,21 @@ def _check_target(source: Path, target: Path) -> None:
 def remove_stale(target: Path) -> list[Path]:
     """Remove the staging folders of earlier reshards into ``target`` whose process is gone (killed); those removed.
 
-    Only folders named ``.NAME.reshard-PID`` beside ``target`` that hold :data:`MARKER` are touched.
+    Only folders named ``.NAME.reshard-PID`` beside ``target`` that hold :data:`MARKER` (or nothing at all: a run
+    killed before it marked its folder) are touched.
     """
     removed = []
     for path in target.parent.glob(f".{target.name}.reshard-*"):
         pid = path.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not (path / MARKER).is_file() or _alive(int(pid)):
+        if not pid.isdigit() or not path.is_dir() or _alive(int(pid)):
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        if (path / MARKER).is_file():
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # killed between making the folder and marking it: empty (rmdir removes nothing else)
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        if not path.exists():
+            removed.append(path)
     return removed
 
 
