@@ -121,7 +121,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(target)
     staging = target.parent / f".{target.name}.reshard-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)  # an earlier run of this process id (ours now)
     staging.mkdir()
     try:
         with storage_errors(staging, f"resharding {source} into {target}", "nothing was kept"):
@@ -136,7 +136,8 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
                 f"expected {target} absent or empty to rename the result onto, got {exc}"
             ) from None
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _remove_staging(staging)
         raise
     _sync_dir(target.parent)
     (target / MARKER).unlink()  # the staging folder kept it to the end, so that a killed run's is always known
@@ -198,13 +199,25 @@ def remove_stale(target: Path) -> list[Path]:
         if not pid.isdigit() or not path.is_dir() or _alive(int(pid)):
             continue
         if (path / MARKER).is_file():
-            shutil.rmtree(path, ignore_errors=True)
-        else:  # killed between making the folder and marking it: empty (rmdir removes nothing else)
+            _remove_staging(path)
+        else:  # killed between making the folder and marking it, or removing it: empty (rmdir removes nothing else)
             with contextlib.suppress(OSError):
                 path.rmdir()
         if not path.exists():
             removed.append(path)
     return removed
+
+
+def _remove_staging(path: Path) -> None:
+    """Remove a staging folder, its marker last: a removal killed halfway leaves a folder still marked (or empty)."""
+    if path.is_dir():
+        for child in path.iterdir():
+            if child.name != MARKER:
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    with contextlib.suppress(OSError):
+        (path / MARKER).unlink()
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def _alive(pid: int) -> bool:
