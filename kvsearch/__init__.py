@@ -7,6 +7,7 @@ into an answer that gradients flow through: ``answer(q) = sum_i alpha(q, k_i) v_
 from __future__ import annotations
 
 from kvsearch.database import Answer, Database, Hit
+from kvsearch.distributed.reshard import reshard
 from kvsearch.encoders.base import Encoder
 from kvsearch.encoders.ngram import NgramEncoder
 from kvsearch.encoders.sentence import SentenceEncoder
@@ -15,6 +16,7 @@ from kvsearch.errors import (
     ConfigMismatchError,
     CorruptDatabaseError,
     DatabaseClosedError,
+    DatabaseExistsError,
     DatabaseLockedError,
     DimensionMismatchError,
     DiskFullError,
@@ -66,6 +68,7 @@ __all__ = [
     "CorruptDatabaseError",
     "Database",
     "DatabaseClosedError",
+    "DatabaseExistsError",
     "DatabaseLockedError",
     "DimensionMismatchError",
     "DiskFullError",
@@ -111,4 +114,5 @@ __all__ = [
     "finetune",
     "load_encoder",
     "pool",
+    "reshard",
 ]

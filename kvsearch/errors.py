@@ -34,6 +34,7 @@ __all__ = [
     "WrongKindError",
     "ForeignFolderError",
     "FileLimitError",
+    "DatabaseExistsError",
 ]
 
 
@@ -186,6 +187,11 @@ class WrongKindError(InvalidArgumentError):
 class ForeignFolderError(InvalidArgumentError):
     """A new database was asked for in a folder that holds files of its own (not a kvsearch database): the folder is
     left alone; the message names some of its files."""
+
+
+class DatabaseExistsError(InvalidArgumentError):
+    """A new database (a reshard's destination) was asked for where a kvsearch database already is: it is left alone;
+    the message names it."""
 
 
 class DistributedError(KVSearchError, RuntimeError):

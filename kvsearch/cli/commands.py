@@ -45,6 +45,7 @@ __all__ = [
     "cmd_finetune",
     "finetune_options",
     "cmd_rollback",
+    "cmd_reshard",
     "cmd_demo",
 ]
 
@@ -460,6 +461,20 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reshard(args: argparse.Namespace) -> int:
+    """Copy a database into a new folder with another shard count (:func:`kvsearch.reshard`)."""
+    from kvsearch.distributed.reshard import reshard
+
+    report = reshard(args.src, args.dst, num_shards=args.shards)
+    before = f"{report.source_shards} shards" if report.source_shards else "plain"
+    after = f"{report.num_shards} shards" if report.num_shards > 1 else "plain"
+    print(
+        f"resharded {args.src} ({before}) -> {args.dst} ({after}): {counted(report.records, 'record')}, ids kept, "
+        f"generation {report.generation}, {report.seconds:.2f} s"
+    )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The quickstart (:mod:`kvsearch.cli.demo`)."""
     from kvsearch.cli.demo import main as demo_main
@@ -477,5 +492,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "count": cmd_count,
     "finetune": cmd_finetune,
     "rollback": cmd_rollback,
+    "reshard": cmd_reshard,
     "demo": cmd_demo,
 }

@@ -1,6 +1,7 @@
 """The ``kvsearch`` command's argument parser: its commands, options, argument types and one-line usage errors.
 
-:func:`build_parser` describes every command (build, query, info, delete, list, count, finetune, rollback, demo) and its
+:func:`build_parser` describes every command (build, query, info, delete, list, count, finetune, rollback, reshard,
+demo) and its
 options;
 the argument types (a positive integer, ``--k`` as a number or ``all``, a positive float, ``--where`` as a checked
 JSON filter) refuse a bad value as a usage error (exit status 2). :class:`CommandError` is the failure a command
@@ -217,7 +218,7 @@ def _generated(text: str) -> int | str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvsearch`` command (build, query, info, delete, list, count, finetune, rollback,
-    demo)."""
+    reshard, demo)."""
     parser = OneLineParser(
         prog=PROG,
         description="A differentiable key-value search engine: FAISS candidates, attention pooling in torch.",
@@ -352,6 +353,25 @@ def build_parser() -> argparse.ArgumentParser:
         "status 1.",
     )
     p.add_argument("db", metavar="DB", help="the database folder")
+    p.set_defaults(quiet=True)
+
+    p = sub.add_parser(
+        "reshard",
+        help="copy a database into a new folder with another shard count (ids, encoders, generation kept)",
+        description="Copy the database SRC (plain or sharded) into the new folder DST with N shards: every record "
+        "under its id, the embeddings as stored (never re-encoded), the encoders and generation, the options. "
+        "--shards 1 makes one plain database. SRC is only read. DST must be absent or empty; it appears whole "
+        "or not at all (built beside it, then renamed).",
+    )
+    p.add_argument("src", metavar="SRC", help="the database folder to copy (plain or sharded)")
+    p.add_argument("dst", metavar="DST", help="the new folder (absent or empty)")
+    p.add_argument(
+        "--shards",
+        type=_positive_int,
+        required=True,
+        metavar="N",
+        help="the shard count of the copy; 1 makes a plain database (N a multiple of the torchrun world size)",
+    )
     p.set_defaults(quiet=True)
 
     p = sub.add_parser(

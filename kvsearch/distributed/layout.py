@@ -5,8 +5,11 @@
 
 A record's id is global: the shard in the high bits, ``id = (shard << ID_SHIFT) | local``; shard s's store hands
 out ids from ``(s << ID_SHIFT) + 1`` (its AUTOINCREMENT sequence is seeded at creation), so a deleted id is never
-reused and the owner of an id is ``id >> ID_SHIFT``. A key text lives on ``shard_of_key(key)``: a stable 64-bit
-BLAKE2b hash of the UTF-8 bytes of its normalised text (never Python's ``hash()``, which is salted per
+reused and the owner of an id is ``id >> ID_SHIFT`` — in a *banded* layout. A resharded database
+(:mod:`kvsearch.distributed.reshard`) keeps its records' ids while they move to their keys' new shards: its layout
+says ``banded_ids=False`` and the owner of an id is the shard that holds it (new ids are still handed out in each
+shard's band, after every id the source ever handed out there). A key text lives on ``shard_of_key(key)``: a
+stable 64-bit BLAKE2b hash of the UTF-8 bytes of its normalised text (never Python's ``hash()``, which is salted per
 process). Rank r of a world of size W serves the shards s with ``s % W == r``.
 
 This module knows nothing of torch.distributed, search or autograd.
@@ -106,6 +109,9 @@ class ShardLayout:
         hash: the key hash (:data:`HASH`). id_shift: :data:`ID_SHIFT`. format: the layout's version.
         generation: the generation every shard is at (the commit point of a switch across shards: see
             :meth:`kvsearch.distributed.ShardedDatabase.switch_generation`); None in layouts written before.
+        banded_ids: whether every id is held by the shard of its band (``id >> id_shift``); False after a reshard
+            (the ids were carried over), when the owner of an id is found by asking the shards. True in layouts
+            written before.
     """
 
     num_shards: int
@@ -117,11 +123,14 @@ class ShardLayout:
     id_shift: int = ID_SHIFT
     format: int = FORMAT
     generation: int | None = None
+    banded_ids: bool = True
 
     def __post_init__(self) -> None:
         n = self.num_shards
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _LAYOUT_MAX_SHARDS:
             raise InvalidArgumentError(f"expected num_shards as an integer in [1, {_LAYOUT_MAX_SHARDS}], got {n!r}")
+        if not isinstance(self.banded_ids, bool):
+            raise InvalidArgumentError(f"expected banded_ids as a bool, got {self.banded_ids!r}")
 
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write ``path/shards.json`` atomically (a temporary file, then a rename)."""

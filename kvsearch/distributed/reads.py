@@ -13,23 +13,54 @@ It knows nothing of search, candidates or writes, nor of a shard's internals: it
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.distributed.layout import ID_SHIFT, shard_of_id
+from kvsearch.distributed.layout import ID_SHIFT
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError
 from kvsearch.inputs import query_tensor
 from kvsearch.metadata import encode as encode_metadata
 
 if TYPE_CHECKING:
+    from kvsearch.database import Database
     from kvsearch.distributed.sharded_database import ShardedDatabase
     from kvsearch.storage.store import Record
 
-__all__ = ["ShardReads", "texts_list"]
+__all__ = ["ShardReads", "owner_shards", "texts_list"]
+
+_INT64_END = 2**63
+
+
+def owner_shards(shards: Mapping[int, Database], ids: Tensor | Sequence[int], *, banded: bool) -> Tensor:
+    """The shard among ``shards`` (this rank's) that owns each global id, -1 where none of them does.
+
+    Args:
+        shards: shard number -> its open database.
+        ids: global ids (any shape; -1 and ids no shard holds are fine).
+        banded: whether the layout's ids are banded (``ShardLayout.banded_ids``): the owner of an id is then the shard
+            of its high bits, when that shard is among ``shards`` (whether it still holds the record is its to say).
+            Otherwise (a resharded database: ids carried over) the owner is the shard that holds the id, asked of
+            each shard (a lookup in its in-memory ids).
+
+    Returns:
+        (n,) int64 on the CPU, the ids flattened.
+    """
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()  # (n,)
+    owner = torch.full_like(ids, -1)  # (n,)
+    if banded:
+        band = torch.where(ids >= 0, ids >> ID_SHIFT, -1)  # (n,)
+        for s in shards:
+            owner[band == s] = s
+        return owner
+    for s, db in shards.items():
+        if len(db) and bool((owner < 0).any()):
+            held = db.embeddings(ids)[2].cpu()  # (n,) the ids this shard stores
+            owner[held & (owner < 0)] = s
+    return owner
 
 
 class ShardReads:
@@ -55,9 +86,9 @@ class ShardReads:
 
         def local() -> dict[int, Record]:
             found: dict[int, Record] = {}
-            for i in set(wanted):
-                s = shard_of_id(i) if i >= 0 else -1
-                if s in sdb.shards:
+            asked = sorted(i for i in set(wanted) if 0 <= i < _INT64_END)  # no record has an id outside int64
+            for i, s in zip(asked, owner_shards(sdb.shards, asked, banded=sdb.banded_ids).tolist()):
+                if s >= 0:
                     try:
                         found[i] = sdb.shards[s].get(i)
                     except KeyNotFoundError:
@@ -137,9 +168,10 @@ class ShardReads:
             keys: dict[int, str | None] = {}
             values: dict[int, Any] = {}
             metadata: dict[int, str] = {}
-            everything = sorted({i for w in wanted for i in w})
+            everything = sorted({i for w in wanted for i in w if i < _INT64_END})
+            owners = owner_shards(sdb.shards, everything, banded=sdb.banded_ids).tolist()
             for s, db in sdb.shards.items():
-                own = [i for i in everything if shard_of_id(i) == s]
+                own = [i for i, owner in zip(everything, owners) if owner == s]
                 if own:
                     keys.update(zip(own, db.key_texts(own, encoded_only=encoded_only)))
                     values.update(db.values_of(own))  # text, or the embedding for a value given as one
@@ -190,8 +222,9 @@ class ShardReads:
             for wanted in asked:  # (n,)
                 keys, values = torch.zeros(len(wanted), dim), torch.zeros(len(wanted), value_dim)
                 mask = torch.zeros(len(wanted), dtype=torch.bool)
+                owners = owner_shards(sdb.shards, wanted, banded=sdb.banded_ids)  # (n,)
                 for s, db in sdb.shards.items():
-                    own = (wanted >= 0) & ((wanted >> ID_SHIFT) == s)  # (n,)
+                    own = owners == s  # (n,)
                     if own.any():
                         k, v, m = db.embeddings(wanted[own])
                         keys[own], values[own], mask[own] = k.cpu().float(), v.cpu().float(), m.cpu()

@@ -52,9 +52,9 @@ from kvsearch.checks import check_device, check_finite, check_k, check_temperatu
 from kvsearch.database import Database
 from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm, collective
 from kvsearch.distributed.generations import ShardedDraft, ShardTeam, switch_every_shard
-from kvsearch.distributed.layout import ID_SHIFT, ShardLayout
+from kvsearch.distributed.layout import ShardLayout
 from kvsearch.distributed.opening import check_num_shards, open_shards
-from kvsearch.distributed.reads import ShardReads, texts_list
+from kvsearch.distributed.reads import ShardReads, owner_shards, texts_list
 from kvsearch.distributed.threads import share_cores
 from kvsearch.distributed.writes import ShardWrites
 from kvsearch.errors import (
@@ -147,6 +147,7 @@ class ShardedDatabase:
         layout = ShardLayout.read(self.path)
         self.num_shards, self.dim, self.value_dim = layout.num_shards, layout.dim, layout.value_dim
         self.score, self.index_spec = layout.score, layout.index
+        self.banded_ids = layout.banded_ids  # False after a reshard: ids carried over (see reads.owner_shards)
         if search_params:
             for shard in self.shards.values():
                 shard.set_search_params(**search_params)
@@ -529,10 +530,11 @@ class ShardedDatabase:
             q, t = queries[start : start + n], targets[start : start + n]  # (n, dim), (n,)
             start += n
             found = []
+            owners = owner_shards(self.shards, t, banded=self.banded_ids) if n else t  # (n,) each target's shard
             for s, db in self.shards.items():
                 if n == 0 or len(db) == 0:
                     continue
-                own = torch.where((t >= 0) & ((t >> ID_SHIFT) == s), t, -1)  # (n,) targets on shard s
+                own = torch.where(owners == s, t, -1)  # (n,) targets on shard s
                 cand = sources[s].candidates(q, take, targets=own, where=filters[source])
                 found.append((cand.ids.cpu(), cand.keys.cpu(), cand.values.cpu()))
             if found:

@@ -1,8 +1,9 @@
 """The writes of a sharded database, each record routed to its owner shard.
 
 :class:`ShardWrites` is what :class:`~kvsearch.distributed.ShardedDatabase` delegates ``add``, ``upsert`` and
-``delete`` to. A key text goes to the shard of its hash, a key given as an embedding round-robin, an id to the
-shard in its high bits (:mod:`kvsearch.distributed.layout`). The ranks gather every rank's records, check them on
+``delete`` to. A key text goes to the shard of its hash, a key given as an embedding round-robin, an id to its
+owner (:func:`~kvsearch.distributed.reads.owner_shards`: the shard in its high bits, or the one holding it in a
+resharded database). The ranks gather every rank's records, check them on
 the owner shards before any write (an error is raised on every rank), then each shard commits its part in one
 transaction of its own: a batch spanning shards is atomic per shard, and retrying it with ``upsert`` is safe.
 
@@ -20,7 +21,8 @@ import torch
 from torch import Tensor
 
 from kvsearch import errors
-from kvsearch.distributed.layout import shard_of_id, shard_of_key
+from kvsearch.distributed.layout import shard_of_key
+from kvsearch.distributed.reads import owner_shards
 from kvsearch.errors import KeyNotFoundError, NotSupportedError, UnknownOptionError
 from kvsearch.inputs import KeysIn, check_metadata, delete_items, record_side
 
@@ -149,9 +151,15 @@ class ShardWrites:
 
         items = comm.agree(items_of)
         requests = comm.gather_objects(items)
+        asked = sorted({int(i) for wanted in requests for i in wanted if not isinstance(i, str) and 0 <= i < 2**63})
+        owners = dict(zip(asked, comm.agree(lambda: owner_shards(sdb.shards, asked, banded=sdb.banded_ids).tolist())))
+        # a resharded database: an id is stored where some rank's shard holds it (else no rank would say it is not)
+        held = (
+            set() if sdb.banded_ids else {i for part in comm.gather_objects(owners) for i, s in part.items() if s >= 0}
+        )
 
         def owner(item: str | int) -> int:
-            return shard_of_key(item, sdb.num_shards) if isinstance(item, str) else shard_of_id(item)
+            return shard_of_key(item, sdb.num_shards) if isinstance(item, str) else owners.get(int(item), -1)
 
         def check() -> None:  # every named record is stored before any shard deletes anything
             if missing == "ignore":
@@ -159,7 +167,11 @@ class ShardWrites:
             for wanted in requests:
                 for item in wanted:
                     s = owner(item)
-                    if s in sdb.shards and not _stored(sdb.shards[s], item):
+                    if isinstance(item, str) or sdb.banded_ids:
+                        gone = s in sdb.shards and not _stored(sdb.shards[s], item)
+                    else:
+                        gone = int(item) not in held
+                    if gone:
                         what = "key" if isinstance(item, str) else "id"
                         raise KeyNotFoundError(f"expected a stored {what}, got {item!r}; nothing was deleted")
 

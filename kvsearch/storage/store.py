@@ -380,6 +380,7 @@ class Store:
         value_embs: Tensor,
         ids: Sequence[int | None] | None = None,
         given: Sequence[int] | None = None,
+        new_ids: Sequence[int] | None = None,
     ) -> list[int]:
         """Insert or update records in one transaction.
 
@@ -391,6 +392,8 @@ class Store:
             given: per record, ``GIVEN_KEY | GIVEN_VALUE`` bits (:mod:`kvsearch.storage.schema`): which texts came
                 with their own embedding (kept as given: re-encoding the texts skips them). None: no text came
                 with an embedding.
+            new_ids: the ids the new records take (carried over from another database by a reshard; none of them
+                stored), instead of the sequence's next ones; None: the sequence's.
 
         Returns:
             The ids of the records, in order (new ids are fresh, never reused).
@@ -408,8 +411,9 @@ class Store:
                 seq = self.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
                 next_id = (seq[0] if seq else 0) + 1
                 out: list[int] = []
+                carried = None if new_ids is None else iter(new_ids)
                 for id_ in ids:
-                    out.append(next_id if id_ is None else int(id_))
+                    out.append(int(id_) if id_ is not None else next_id if carried is None else int(next(carried)))
                     next_id += id_ is None
                 new = [i for i in range(n) if ids[i] is None]
                 old = [i for i in range(n) if ids[i] is not None]
