@@ -16,6 +16,7 @@ import random
 import shutil
 import subprocess
 import sys
+import warnings
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -252,6 +253,12 @@ def test_query_encoder_and_generation_carried(tmp_path: Path) -> None:
                 for scores, row in zip(every, shard.search(QUERIES, k=3)):  # text queries: the query encoder's
                     assert row and all(abs(scores[h.id] - h.score) < 1e-5 for h in row)
     assert json.loads((tmp_path / "two" / "shards.json").read_text())["generation"] == 3
+    for _ in range(3):  # opened whole, again and again: the shards share one query encoder, and nothing changes
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "a switch was interrupted" at the next open
+            with ShardedDatabase(tmp_path / "two", device="cpu") as both:
+                assert both.generation == 3 and {db.generation for db in both.shards.values()} == {3}
+                assert len({id(db.query_encoder) for db in both.shards.values()}) == 1
 
 
 def test_layouts_written_before_are_banded(tmp_path: Path) -> None:

@@ -109,13 +109,10 @@ class EncoderSet:
             return loaded
         if given.config() != loaded.config():
             raise ConfigMismatchError(f"{where} was created with {prefix} {loaded.config()}; got {given.config()}")
-        stored, current = loaded.state_dict(), given.state_dict()
-        if stored.keys() != current.keys() or not all(
-            torch.equal(stored[n], current[n].to(stored[n].device)) for n in stored
-        ):
+        if not same_weights(given, loaded):
             # the stored (possibly fine-tuned) weights win; an encoder that holds them already is left untouched
             # (several shards of a sharded database share one encoder object: none must see it change)
-            given.load_state_dict(stored)
+            given.load_state_dict(loaded.state_dict())
         return given.to(self.device)
 
     def set_query(self, encoder: Encoder | None, dim: int) -> None:
@@ -126,7 +123,11 @@ class EncoderSet:
             DimensionMismatchError: its dim is not ``dim``.
         """
         _check_side(encoder, dim, "query")
+        unchanged = "query_encoder" not in self.changed_parts()
+        same = encoder is not None and self.query is not None and same_weights(encoder, self.query)
         self.query = None if encoder is None else encoder.to(self.device)
+        if unchanged and same:  # another object with the very same weights (shards sharing one copy): nothing to save
+            self._marks["query_encoder"] = self._state()["query_encoder"]
 
     def set_value(self, encoder: Encoder | None, value_dim: int) -> None:
         """Install (or with None remove) the value encoder, as given (it may be the key encoder itself).
@@ -236,6 +237,16 @@ class EncoderSet:
             for prefix in ("encoder", "value_encoder", "query_encoder")
         }
         self.install(loaded, config)
+
+
+def same_weights(a: Encoder, b: Encoder) -> bool:
+    """Whether two encoders are the same encoder: equal configuration and equal weights (on any device)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or a.config() != b.config():
+        return False
+    mine, theirs = a.state_dict(), b.state_dict()
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n].to(mine[n].device)) for n in mine)
 
 
 def _check_side(encoder: object, dim: int, side: str) -> None:
