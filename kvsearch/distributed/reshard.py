@@ -55,7 +55,9 @@ from kvsearch.errors import (
     InconsistentDatabaseError,
     InvalidArgumentError,
 )
+from kvsearch.limits import check_open_files
 from kvsearch.storage import carry
+from kvsearch.storage import folder as folder_checks
 from kvsearch.storage.fileio import storage_errors
 from kvsearch.storage.folder import LOCK_FILE, STORE_FILE, is_database
 from kvsearch.storage.store import Store
@@ -118,6 +120,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
     source, target = Path(src), Path(dst)
     folders = _source_folders(source)
     _check_target(source, target)
+    check_open_files(num_shards + 1, f"resharding into {num_shards:,} shards")  # every new store is open at once
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(target)
     staging = target.parent / f".{target.name}.reshard-{os.getpid()}"
@@ -170,16 +173,18 @@ def _check_target(source: Path, target: Path) -> None:
             f"expected a destination outside the source {source} (and not holding it), got {target}"
         )
     if not target.exists():
+        folder_checks.check_new_folder(target)  # WrongKindError: inside another database's folder
         return
     if not target.is_dir():
         raise InvalidArgumentError(f"expected an absent or empty folder as the destination, got a file: {target}")
-    if is_sharded(target) or is_database(target):
+    if folder_checks.kind_of(target) in ("plain", "sharded", "unfinished"):
         kind = "a sharded" if is_sharded(target) else "a"
         raise DatabaseExistsError(
             f"{target} already holds {kind} kvsearch database: nothing was written; choose a new folder"
         )
+    folder_checks.check_new_folder(target)  # ForeignFolderError naming the files; WrongKindError: inside a database
     entries = sorted(p.name for p in target.iterdir())
-    if entries:
+    if entries:  # (even .gitkeep: the result is renamed onto the folder, which must be empty)
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise ForeignFolderError(
             f"expected an absent or empty folder as the destination, got {target} holding {len(entries)} entries "
