@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "info",
         help="what a database holds: counts, dims, encoders, generation, last fine-tuning, index, size",
-        description="Describe the database DB: record count, dimensions, encoders (key, query-side, value), "
+        description="Describe the database DB: its kind (a plain or a sharded database, and what opens it), "
+        "record count, dimensions, encoders (key, query-side, value), "
         "the generation of the encoders (and the previous one, if a rollback can return to it), the last "
         "fine-tuning run, index type, score, size. For a sharded database: the shard count and the records "
         "of each shard instead of the generation and the last run.",
