@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import all_finite, check_finite, check_temperature
+from kvsearch.checks import all_finite, check_dense, check_finite, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError
 from kvsearch.nn.pooling import POOLINGS, exact_matches, keep_mask, pool
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, eager_checks, full_precision, output_dtype
@@ -77,6 +77,8 @@ def check_pairing(score: object, pooling: str) -> None:
 
 def _valid_lens_mask(valid_lens: object, shape: torch.Size, device: torch.device) -> Tensor:
     """Turn valid lengths into a keep-mask of ``shape``: positions >= valid_len are dropped."""
+    if isinstance(valid_lens, Tensor):
+        check_dense(valid_lens, "valid_lens")
     if (
         not isinstance(valid_lens, Tensor)
         or valid_lens.dtype == torch.bool

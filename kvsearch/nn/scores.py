@@ -19,7 +19,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from kvsearch.checks import COSINE_EPS, all_finite, check_dim
+from kvsearch.checks import COSINE_EPS, all_finite, check_dense, check_dim
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 from kvsearch.nn.precision import eager_checks
 
@@ -71,8 +71,12 @@ def check_option(value: object, valid: tuple[str, ...], what: str) -> str:
 
 
 def check_float_tensor(x: object, name: str) -> None:
-    """Raise InvalidArgumentError unless ``x`` is a floating-point tensor."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():
+    """Raise InvalidArgumentError unless ``x`` is a dense floating-point tensor (:func:`~kvsearch.checks.check_dense`:
+    not sparse, nested, quantized or on the meta device; non-contiguous is fine)."""
+    if not isinstance(x, Tensor):
+        raise InvalidArgumentError(f"{name} must be a floating-point tensor, got {describe(x)}")
+    check_dense(x, name)
+    if not x.is_floating_point():
         raise InvalidArgumentError(f"{name} must be a floating-point tensor, got {describe(x)}")
 
 
