@@ -1,8 +1,8 @@
 """The argument checks every module shares, and the constants they check against.
 
 One function per rule, so a rule reads the same everywhere it applies: ``k``, finiteness, the device,
-the temperature, batch sizes, positive integers, folder paths, tensor layouts (:func:`check_dense`). Each raises a typed error from
-:mod:`kvsearch.errors` that says what was expected and what came, before any work is done.
+the temperature, batch sizes, positive integers, folder paths, tensor layouts (:func:`check_dense`). Each raises
+a typed error from :mod:`kvsearch.errors` that says what was expected and what came, before any work is done.
 
 This module knows nothing of FAISS, SQLite, text or training.
 """
