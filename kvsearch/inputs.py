@@ -381,13 +381,12 @@ def delete_items(key_or_keys: object) -> list[str | int]:
             generator, bytes, None, a float).
     """
     key_or_keys = text_items(key_or_keys, "keys to delete")
-    if isinstance(key_or_keys, (Tensor, np.ndarray)):  # ids as an integer tensor or array
-        if isinstance(key_or_keys, Tensor):
-            check_dense(key_or_keys, "ids to delete")
-        array = key_or_keys.detach().cpu().numpy() if isinstance(key_or_keys, Tensor) else key_or_keys
-        if array.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"expected integer ids, got an array of {array.dtype}")
-        return [int(i) for i in array.reshape(-1).tolist()]
+    if isinstance(key_or_keys, Tensor):  # ids as an integer tensor: dense, of an integer dtype
+        return id_tensor(key_or_keys).reshape(-1).tolist()
+    if isinstance(key_or_keys, np.ndarray):  # or array
+        if key_or_keys.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"expected integer ids, got an array of {key_or_keys.dtype}")
+        return [int(i) for i in key_or_keys.reshape(-1).tolist()]
     if isinstance(key_or_keys, (str, int, np.integer)):
         items: Sequence[object] = [key_or_keys]
     elif isinstance(key_or_keys, Sequence) and not isinstance(key_or_keys, (bytes, bytearray)):

@@ -17,6 +17,7 @@ from numbers import Integral, Real
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvsearch.checks import COSINE_EPS, all_finite, check_dense, check_dim
@@ -168,8 +169,9 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
     -||q - k||^2 / 2: the direct difference for a query with keys of its own (n = 1), else
     -(|q'|^2 - 2 q'.k' + |k'|^2) / 2 clamped to <= 0 on q' = q - r, k' = k - r with r the keys'
     mean — accurate however far the points are from the origin, with memory O(n m) plus one
-    centred copy of each side. A callable is called as is, with these very shapes (not flattened to 2-D): it must handle
-    leading dims, e.g. with ``keys.transpose(-2, -1)`` rather than ``keys.T``, and return (..., n, m).
+    centred copy of each side. A built-in score promotes queries and keys to a common dtype. A callable is called
+    as is, with these very shapes (not flattened to 2-D): it must handle leading dims, e.g. with
+    ``keys.transpose(-2, -1)`` rather than ``keys.T``, and return (..., n, m).
 
     Args:
         queries: (..., n, dim).
@@ -189,6 +191,8 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
         return score(queries, keys)  # (..., n, m)
     check_score(score)
     _check_pair(queries, keys)
+    dtype = torch.promote_types(queries.dtype, keys.dtype)  # as attend: float32 queries with float64 keys -> float64
+    queries, keys = queries.to(dtype), keys.to(dtype)  # no-ops when they agree
     if score == "gaussian":
         return _gaussian(queries, keys)  # (..., n, m)
     if score == "cosine":
@@ -254,8 +258,14 @@ class AdditiveScore(nn.Module):
                 raise DimensionMismatchError(
                     f"AdditiveScore expected {name} of shape (..., {rows}, {dim}), got {tuple(x.shape)}"
                 )
-        features = self.w_q(queries).unsqueeze(-2) + self.w_k(keys).unsqueeze(-3)  # (..., n, m, hidden)
-        return self.w_v(torch.tanh(features)).squeeze(-1)  # (..., n, m)
+        if queries.dtype == keys.dtype == self.w_v.weight.dtype:
+            features = self.w_q(queries).unsqueeze(-2) + self.w_k(keys).unsqueeze(-3)  # (..., n, m, hidden)
+            return self.w_v(torch.tanh(features)).squeeze(-1)  # (..., n, m)
+        # inputs of another dtype than the weights: all promoted to a common one, as attend promotes its inputs
+        dtype = torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), self.w_v.weight.dtype)
+        w_q, w_k, w_v = (layer.weight.to(dtype) for layer in (self.w_q, self.w_k, self.w_v))
+        features = F.linear(queries.to(dtype), w_q).unsqueeze(-2) + F.linear(keys.to(dtype), w_k).unsqueeze(-3)
+        return F.linear(torch.tanh(features), w_v).squeeze(-1)  # (..., n, m)
 
 
 class GaussianKernel(nn.Module):

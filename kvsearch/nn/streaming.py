@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_temperature
+from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_dense, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 from kvsearch.limits import check_fits
 from kvsearch.nn.attend import Candidates, attend
@@ -204,6 +204,8 @@ def streaming_attention(
         raise UnknownOptionError(f"expected score among {STREAMING_SCORES} for streaming attention, got {score!r}")
     temperature = check_temperature(temperature)
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        if isinstance(x, Tensor):
+            check_dense(x, name)  # before its dtype and shape: a nested tensor has no shape
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() != 2:
             got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
             raise InvalidArgumentError(f"expected {name} as a 2-D floating-point tensor, got {got}")
