@@ -212,7 +212,7 @@ def check_dense(x: Tensor, name: str) -> None:
         InvalidArgumentError: ``x`` is of another layout or on the meta device; the message names the layout
             and the conversion (``.to_dense()``, ``.dequantize()``...).
     """
-    if x.layout == torch.strided and not x.is_nested and not x.is_quantized and x.device.type != "meta":
+    if x.layout == torch.strided and not x.is_nested and not x.is_quantized and not x.is_meta:
         return
     if x.is_nested:
         got = "a nested tensor (rows of different lengths): pad it (torch.nested.to_padded_tensor) or stack it"
