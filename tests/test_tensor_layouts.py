@@ -638,21 +638,28 @@ def test_the_matrix_covers_every_layout_and_argument():
 
 
 @pytest.mark.gpu
-def test_cuda_queries_into_a_cpu_database_and_back(tmp_path):
-    """A CUDA query into a CPU database answers as the CPU query (on the query's device); a CPU query into a CUDA
-    database, and CUDA keys into a CPU database, too."""
+def test_cuda_tensors_into_a_cpu_database_and_back(tmp_path):
+    """A CUDA query (contiguous or not) into a CPU database answers as the CPU query, on the query's device; a CPU
+    query into a CUDA database too; CUDA keys and values added to a CPU database are stored as the CPU ones are."""
     cpu = tensor_db(tmp_path)
     gpu = kvsearch.Database(None, dim=DIM, value_dim=VALUE_DIM, device="cuda")
     keys, values, _ = cpu.embeddings(cpu.ids())
     gpu.add(keys.cuda(), values.cuda())
     q = randn(3, DIM, seed=2)
     want = cpu.query(q, k=3)
-    for db, given in [(cpu, q.cuda()), (gpu, q), (gpu, q.cuda())]:
+    want_ids = [[hit.id for hit in hits] for hits in cpu.search(q, k=3)]
+    for db, given in [(cpu, q.cuda()), (cpu, q.cuda().T.contiguous().T), (gpu, q), (gpu, q.cuda())]:
         got = db.query(given, k=3)
         assert got.output.device == given.device
         torch.testing.assert_close(got.output.cpu(), want.output, rtol=1e-5, atol=1e-6)
-        assert [h.id for h in db.search(given, k=3)[0]] == [h.id for h in cpu.search(q, k=3)[0]]
-        layer_out = KVAttention(db, k=3)(given)
-        torch.testing.assert_close(layer_out.cpu(), KVAttention(cpu, k=3)(q), rtol=1e-5, atol=1e-6)
-    cpu.close()
-    gpu.close()
+        assert [[hit.id for hit in hits] for hits in db.search(given, k=3)] == want_ids
+        output = KVAttention(db, k=3)(given)  # (3, value_dim) on the query's device
+        assert output.device == given.device
+        torch.testing.assert_close(output.cpu(), KVAttention(cpu, k=3)(q), rtol=1e-5, atol=1e-6)
+    new_keys, new_values = randn(2, DIM, seed=7), randn(2, VALUE_DIM, seed=8)
+    by_cuda, by_cpu = tensor_db(tmp_path), tensor_db(tmp_path)
+    by_cuda.add(new_keys.cuda(), new_values.cuda())
+    by_cpu.add(new_keys, new_values)
+    assert state(by_cuda) == state(by_cpu)
+    for db in (cpu, gpu, by_cuda, by_cpu):
+        db.close()
