@@ -32,6 +32,7 @@ __all__ = [
     "check_score",
     "check_db_score",
     "compute_scores",
+    "checked_scores",
     "AdditiveScore",
     "GaussianKernel",
     "describe",
@@ -191,8 +192,22 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
         return score(queries, keys)  # (..., n, m)
     check_score(score)
     _check_pair(queries, keys)
-    dtype = torch.promote_types(queries.dtype, keys.dtype)  # as attend: float32 queries with float64 keys -> float64
-    queries, keys = queries.to(dtype), keys.to(dtype)  # no-ops when they agree
+    if queries.dtype != keys.dtype:  # promoted as attend does: float32 queries with float64 keys -> float64
+        dtype = torch.promote_types(queries.dtype, keys.dtype)
+        queries, keys = queries.to(dtype), keys.to(dtype)
+    return checked_scores(queries, keys, score)  # (..., n, m)
+
+
+def checked_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tensor:
+    """:func:`compute_scores` of inputs already checked: dense floating-point tensors of one dtype, (..., n, dim)
+    and (..., m, dim), and a valid score. ``attend`` and ``streaming_attention`` check their inputs once and call
+    this, so their hot path pays each check once.
+
+    Returns:
+        Scores (..., n, m).
+    """
+    if callable(score):
+        return score(queries, keys)  # (..., n, m)
     if score == "gaussian":
         return _gaussian(queries, keys)  # (..., n, m)
     if score == "cosine":

@@ -29,7 +29,7 @@ from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFin
 from kvsearch.limits import check_fits
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, output_dtype
-from kvsearch.nn.scores import ScoreFn, compute_scores
+from kvsearch.nn.scores import ScoreFn, checked_scores
 
 __all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
 
@@ -277,7 +277,7 @@ def streaming_attend(
     with torch.no_grad(), full_precision(queries.device, autocast_dtype(queries.device)):
         for start in range(0, keys.shape[0], step):
             chunk = keys[start : start + step].to(queries.device, dtype)  # (c, dim)
-            scores = compute_scores(q, chunk, score) / temperature  # (batch, c)
+            scores = checked_scores(q, chunk, score) / temperature  # (batch, c): checked by streaming_attention
             weights[:, start : start + step] = torch.exp(scores - lse.unsqueeze(1))  # (batch, c)
     return output, weights
 
