@@ -634,6 +634,22 @@ def test_the_matrix_covers_every_layout_and_argument():
     assert len(CASES) >= 800
 
 
+def test_mixed_float_dtypes_are_promoted_as_attend_promotes():
+    """float32 queries with float64 keys score in float64, as the float64 pair does (``compute_scores``, the score
+    modules), and ``attend`` gives the float64 answer."""
+    q, keys, values = randn(3, DIM, seed=2), randn(5, DIM, seed=3).double(), randn(5, 2, seed=4)
+    for score in ("dot", "scaled_dot", "cosine", "gaussian"):
+        got = kvsearch.compute_scores(q, keys, score)  # (3, 5)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, kvsearch.compute_scores(q.double(), keys, score))
+    additive = _additive()
+    got = additive(q, keys)  # (3, 5) in float64, the float32 weights promoted
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, additive.double()(q.double(), keys))
+    output, _ = kvsearch.attend(q, keys, values)  # (3, 2)
+    torch.testing.assert_close(output, kvsearch.attend(q.double(), keys, values.double())[0])
+
+
 # ----------------------------------------------------------------------------- devices
 
 
