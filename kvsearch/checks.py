@@ -1,8 +1,8 @@
 """The argument checks every module shares, and the constants they check against.
 
 One function per rule, so a rule reads the same everywhere it applies: ``k``, finiteness, the device,
-the temperature, batch sizes, positive integers, folder paths. Each raises a typed error from
-:mod:`kvsearch.errors` that says what was expected and what came, before any work is done.
+the temperature, batch sizes, positive integers, folder paths, tensor layouts (:func:`check_dense`). Each raises
+a typed error from :mod:`kvsearch.errors` that says what was expected and what came, before any work is done.
 
 This module knows nothing of FAISS, SQLite, text or training.
 """
@@ -38,6 +38,7 @@ __all__ = [
     "check_int",
     "check_dim",
     "check_seconds",
+    "check_dense",
     "check_real_tensor",
     "check_path",
     "check_unicode",
@@ -194,12 +195,46 @@ def check_seconds(value: object, name: str) -> float:
     return float(value)
 
 
-def check_real_tensor(x: Tensor, name: str) -> None:
-    """Refuse a tensor whose numbers are not real: complex (the imaginary part would be dropped) or bool.
+def check_dense(x: Tensor, name: str) -> None:
+    """Refuse a tensor whose numbers cannot be read in place as a dense array: a sparse layout (COO, CSR, CSC,
+    BSR, BSC), a nested tensor (ragged rows), a quantized tensor, or one on the ``meta`` device (a shape, no data).
+
+    Every tensor argument of kvsearch (queries, keys, values, ids, targets, masks) passes here first. A strided
+    tensor passes whether contiguous or not (transposed, sliced, expanded with stride 0): torch reads it by its
+    strides and the index copies it once. Only attributes are read: no copy, no GPU sync, and no graph break
+    under ``torch.compile``.
+
+    Args:
+        x: the tensor.
+        name: what it is, for the message (``"queries"``, ``"keys"``...).
 
     Raises:
-        InvalidArgumentError: ``x`` is complex or bool.
+        InvalidArgumentError: ``x`` is of another layout or on the meta device; the message names the layout
+            and the conversion (``.to_dense()``, ``.dequantize()``...).
     """
+    # is_meta is 6x faster than device.type, but torch.compile traces it into the graph: a traced tensor is not meta
+    meta = not torch.compiler.is_compiling() and x.is_meta
+    if x.layout == torch.strided and not x.is_nested and not x.is_quantized and not meta:
+        return
+    if x.is_nested:
+        got = "a nested tensor (rows of different lengths): pad it (torch.nested.to_padded_tensor) or stack it"
+    elif x.layout != torch.strided:
+        got = f"a {str(x.layout).removeprefix('torch.')} tensor: call .to_dense() first"
+    elif x.is_quantized:
+        got = f"a quantized tensor of {x.dtype}: call .dequantize() first"
+    else:
+        got = "a tensor on the meta device (a shape without data): create it on the cpu or cuda"
+    raise InvalidArgumentError(f"expected {name} as a dense (strided) tensor on the cpu or cuda, got {got}")
+
+
+def check_real_tensor(x: Tensor, name: str) -> None:
+    """Refuse a tensor whose numbers are not real: complex (the imaginary part would be dropped) or bool, or
+    one of a layout that cannot be read as a dense array (:func:`check_dense`).
+
+    Raises:
+        InvalidArgumentError: ``x`` is complex or bool, sparse, nested, quantized or on the meta device.
+    """
+    check_dense(x, name)
     if x.is_complex() or x.dtype == torch.bool:
         raise InvalidArgumentError(f"expected {name} as a float (or integer) tensor, got a tensor of {x.dtype}")
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.checks import check_batch, check_finite, check_real_tensor, check_unicode
+from kvsearch.checks import check_batch, check_dense, check_finite, check_real_tensor, check_unicode
 from kvsearch.encoders.base import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
@@ -43,6 +43,8 @@ __all__ = [
     "delete_items",
     "text_list",
     "text_items",
+    "array_tensor",
+    "NUMBER_KINDS",
     "id_tensor",
     "generation_args",
 ]
@@ -78,6 +80,30 @@ def text_items(items: object, name: str) -> object:
     if items.ndim != 1:
         raise InvalidArgumentError(f"expected {name} as a one-dimensional array of str, got shape {items.shape}")
     return [str(t) if isinstance(t, str) else t for t in items.tolist()]  # np.str_ -> str
+
+
+#: The numpy kinds read as numbers (float, signed and unsigned int) and those refused typed (bool, complex).
+NUMBER_KINDS = "fiubc"
+
+
+def array_tensor(array: np.ndarray, name: str) -> Tensor:
+    """A numeric numpy array as a float32 CPU tensor: any strides (transposed, sliced, reversed, broadcast with
+    stride 0, Fortran order) copied once into a contiguous array.
+
+    Args:
+        array: the array (any shape; the caller checks it).
+        name: what it is, for the message.
+
+    Returns:
+        The float32 tensor, sharing nothing with ``array``'s strides.
+
+    Raises:
+        InvalidArgumentError: an array of bool or complex numbers (as for tensors: an imaginary part would be
+            dropped), or of anything else that is not a float or an integer.
+    """
+    if array.dtype.kind not in "fiu":
+        raise InvalidArgumentError(f"expected {name} as a float (or integer) array, got an array of {array.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
 def normalize_key(text: str) -> str:
@@ -135,12 +161,13 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
         queries (batch, dim) float32, and True for a single (dim,) query.
 
     Raises:
-        InvalidArgumentError: not a tensor or array, a complex or bool tensor, an empty batch, too many queries.
+        InvalidArgumentError: not a tensor or array, a complex or bool tensor or array, a sparse, nested,
+            quantized or meta tensor (:func:`~kvsearch.checks.check_dense`), an empty batch, too many queries.
         DimensionMismatchError: the wrong shape.
         NonFiniteError: NaN or Inf.
     """
     if isinstance(queries, np.ndarray):
-        queries = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
+        queries = array_tensor(queries, "queries")
     if not isinstance(queries, Tensor):
         raise InvalidArgumentError(f"expected a query text, a list of texts or a tensor, got {type(queries).__name__}")
     check_real_tensor(queries, "queries")
@@ -172,10 +199,13 @@ def query_batch(queries: object, dim: int, targets: object = None) -> tuple[Tens
         The queries and the targets (int64, or None).
 
     Raises:
-        InvalidArgumentError: not a floating-point tensor, targets that are not an integer tensor, too many queries.
+        InvalidArgumentError: not a dense floating-point tensor, targets that are not a dense integer tensor
+            (:func:`~kvsearch.checks.check_dense`), too many queries.
         DimensionMismatchError: queries not (batch, dim), targets not (batch,).
         NonFiniteError: NaN or Inf in the queries.
     """
+    if isinstance(queries, Tensor):
+        check_dense(queries, "queries")
     if not isinstance(queries, Tensor) or not queries.is_floating_point():
         got = f"a {queries.dtype} tensor" if isinstance(queries, Tensor) else type(queries).__name__
         raise InvalidArgumentError(f"expected queries as a floating-point tensor (batch, {dim}), got {got}")
@@ -185,6 +215,8 @@ def query_batch(queries: object, dim: int, targets: object = None) -> tuple[Tens
     check_finite(queries, "queries")
     if targets is None:
         return queries, None
+    if isinstance(targets, Tensor):
+        check_dense(targets, "targets")
     if (
         not isinstance(targets, Tensor)
         or targets.dtype == torch.bool
@@ -225,8 +257,8 @@ def record_side(
     if isinstance(items, str):
         items = [items]
     items = text_items(items, name)
-    if isinstance(items, np.ndarray) and items.dtype.kind in "fiu":
-        items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
+    if isinstance(items, np.ndarray) and items.dtype.kind in NUMBER_KINDS:
+        items = array_tensor(items, name)
     if isinstance(items, Tensor):
         if embeddings is not None:
             raise InvalidArgumentError(
@@ -280,8 +312,8 @@ def _embeddings(items: Tensor | np.ndarray, name: str, dim: int) -> Tensor:
         DimensionMismatchError: not (n, dim) (or (n,) when dim is 1).
         NonFiniteError: NaN or Inf.
     """
-    if isinstance(items, np.ndarray) and items.dtype.kind in "fiu":
-        items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.float32))
+    if isinstance(items, np.ndarray) and items.dtype.kind in NUMBER_KINDS:
+        items = array_tensor(items, name)
     if not isinstance(items, Tensor):
         raise InvalidArgumentError(f"expected {name} as a tensor (n, {dim}), got {type(items).__name__}")
     check_real_tensor(items, name)
@@ -349,11 +381,12 @@ def delete_items(key_or_keys: object) -> list[str | int]:
             generator, bytes, None, a float).
     """
     key_or_keys = text_items(key_or_keys, "keys to delete")
-    if isinstance(key_or_keys, (Tensor, np.ndarray)):  # ids as an integer tensor or array
-        array = key_or_keys.detach().cpu().numpy() if isinstance(key_or_keys, Tensor) else key_or_keys
-        if array.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"expected integer ids, got an array of {array.dtype}")
-        return [int(i) for i in array.reshape(-1).tolist()]
+    if isinstance(key_or_keys, Tensor):  # ids as an integer tensor: dense, of an integer dtype
+        return id_tensor(key_or_keys).reshape(-1).tolist()
+    if isinstance(key_or_keys, np.ndarray):  # or array
+        if key_or_keys.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"expected integer ids, got an array of {key_or_keys.dtype}")
+        return [int(i) for i in key_or_keys.reshape(-1).tolist()]
     if isinstance(key_or_keys, (str, int, np.integer)):
         items: Sequence[object] = [key_or_keys]
     elif isinstance(key_or_keys, Sequence) and not isinstance(key_or_keys, (bytes, bytearray)):
@@ -403,9 +436,11 @@ def id_tensor(ids: object) -> Tensor:
     any id that is not stored.
 
     Raises:
-        InvalidArgumentError: floats, bools, complex numbers or anything else that is not an integer id.
+        InvalidArgumentError: floats, bools, complex numbers or anything else that is not an integer id; a sparse,
+            nested, quantized or meta tensor (:func:`~kvsearch.checks.check_dense`).
     """
     if isinstance(ids, Tensor):
+        check_dense(ids, "ids")
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
             raise InvalidArgumentError(f"expected integer ids, got a tensor of {ids.dtype}")
         return ids.detach().to("cpu", torch.long)
@@ -449,6 +484,8 @@ def generation_args(
         if not isinstance(values, (tuple, list)) or len(values) != 2:
             raise InvalidArgumentError(f"expected values as (ids, embeddings), got {type(values).__name__}")
         ids, embs = id_tensor(values[0]), values[1]
+        if isinstance(embs, Tensor):
+            check_dense(embs, "value embeddings")
         if not isinstance(embs, Tensor) or not embs.is_floating_point():
             got = f"a tensor of {embs.dtype}" if isinstance(embs, Tensor) else type(embs).__name__
             raise InvalidArgumentError(f"expected value embeddings as a float tensor, got {got}")

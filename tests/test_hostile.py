@@ -6,7 +6,9 @@ written, ids beyond 64 bits are "not found", ``delete`` of a non-key is typed, `
 batch answers an empty batch and on an empty database raises ``EmptyDatabaseError``, a score callable gets the
 documented shapes. Then the sweep: every public function and method called with hostile values in every
 argument (a table built programmatically, plus hypothesis), asserting that each call returns or raises a
-``KVSearchError`` subclass, and that a rejected write leaves the database as it was.
+``KVSearchError`` subclass, and that a rejected write leaves the database as it was. Every tensor argument given
+the same numbers in every layout (sparse, nested, quantized, complex, ``meta``, non-contiguous torch and numpy):
+``tests/test_tensor_layouts.py``, a layout x argument matrix of its own.
 """
 
 from __future__ import annotations
@@ -246,6 +248,10 @@ HOSTILE: dict[str, Callable[[], object]] = {
     "3-D tensor": lambda: torch.ones(2, 2, DIM),
     "nan tensor": lambda: torch.full((2, DIM), NAN),
     "inf tensor": lambda: torch.full((2, DIM), INF),
+    # the layouts every tensor argument refuses (the full layout x argument matrix: tests/test_tensor_layouts.py)
+    "sparse tensor": lambda: torch.ones(2, DIM).to_sparse(),
+    "meta tensor": lambda: torch.ones(2, DIM, device="meta"),
+    "nested tensor": lambda: torch.nested.nested_tensor([torch.ones(DIM), torch.ones(DIM - 1)], layout=torch.jagged),
 }
 
 

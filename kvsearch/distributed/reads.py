@@ -22,7 +22,7 @@ from torch import Tensor
 
 from kvsearch.distributed.layout import ID_SHIFT
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError
-from kvsearch.inputs import query_tensor
+from kvsearch.inputs import id_tensor, query_tensor
 from kvsearch.metadata import encode as encode_metadata
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ class ShardReads:
         """
         sdb, comm = self.sdb, self.sdb.comm
         dim, value_dim = sdb.dim, sdb.value_dim
-        ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        ids = id_tensor(ids)  # int64 on the CPU, any shape
         asked = comm.gather_objects(ids.reshape(-1))
 
         def local() -> list[tuple[Tensor, Tensor, Tensor]]:

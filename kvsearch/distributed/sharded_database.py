@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from kvsearch import errors
-from kvsearch.checks import check_device, check_finite, check_k, check_temperature
+from kvsearch.checks import check_dense, check_device, check_finite, check_k, check_temperature
 from kvsearch.database import Database
 from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm, collective
 from kvsearch.distributed.generations import ShardedDraft, ShardTeam, switch_every_shard
@@ -66,7 +66,7 @@ from kvsearch.errors import (
 )
 from kvsearch.filters import check_where
 from kvsearch.index.topk import merge_candidates
-from kvsearch.inputs import KeysIn, Queries, query_tensor, query_texts
+from kvsearch.inputs import KeysIn, Queries, id_tensor, query_batch, query_tensor, query_texts
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
@@ -391,10 +391,7 @@ class ShardedDatabase:
         self._check_open()
 
         def check() -> Tensor:
-            if not isinstance(queries, Tensor) or queries.dim() != 2 or queries.shape[1] != self.dim:
-                got = tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__
-                raise errors.DimensionMismatchError(f"expected queries (batch, {self.dim}), got {got}")
-            return queries
+            return query_batch(queries, self.dim)[0]  # a dense floating-point (batch, dim), finite
 
         return self._reads.exact_ids(None, self._agree(check))
 
@@ -411,7 +408,7 @@ class ShardedDatabase:
         ``encoded_only``: None also for key texts that came with their own embedding (see
         :meth:`kvsearch.Database.key_texts`).
         """
-        wanted = [int(i) for i in torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()]
+        wanted = id_tensor(ids).reshape(-1).tolist()
         keys, _, _ = self._reads.texts(wanted, encoded_only=encoded_only)
         return [keys.get(i) for i in wanted]
 
@@ -480,8 +477,7 @@ class ShardedDatabase:
             if k == "all":
                 raise NotSupportedError('k="all" (attention over every record) is not supported across shards yet')
             kk = check_k(k)
-            if queries.dim() != 2 or queries.shape[1] != self.dim:
-                raise errors.DimensionMismatchError(f"expected queries (batch, {self.dim}), got {tuple(queries.shape)}")
+            query_batch(queries, self.dim, targets)  # dense floating-point (batch, dim), integer targets (batch,)
             if where is not None:
                 check_where(where)
             return int(kk)
@@ -557,6 +553,8 @@ class ShardedDatabase:
         """This rank's queries as (batch, dim) — possibly (0, dim) —, their texts, and whether one came unbatched."""
         if isinstance(queries, (list, tuple)) and len(queries) == 0:
             return torch.zeros(0, self.dim), [], False
+        if isinstance(queries, Tensor):
+            check_dense(queries, "queries")  # before reading its shape
         if isinstance(queries, Tensor) and queries.dim() == 2 and queries.shape[0] == 0:
             return queries.float(), None, False
         texts = query_texts(queries)

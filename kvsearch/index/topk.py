@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import COSINE_EPS, check_dim, check_finite, check_real_tensor
+from kvsearch.checks import COSINE_EPS, check_dense, check_dim, check_finite, check_real_tensor
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 from kvsearch.nn.precision import autocast_off
 from kvsearch.nn.scores import compute_scores
@@ -102,9 +102,9 @@ def check_queries(queries: object, dim: int) -> Tensor:
     """
     if not isinstance(queries, Tensor):
         raise InvalidArgumentError(f"expected queries as a torch.Tensor (batch, {dim}), got {type(queries).__name__}")
+    check_real_tensor(queries, "queries")  # its layout first: a nested tensor has no shape to compare
     if queries.dim() != 2 or queries.shape[1] != dim:
         raise DimensionMismatchError(f"expected queries of shape (batch, {dim}), got {tuple(queries.shape)}")
-    check_real_tensor(queries, "queries")
     check_finite(queries, "queries")
     return queries
 
@@ -115,6 +115,8 @@ def check_ids(ids: object, name: str = "ids") -> Tensor:
     Raises:
         InvalidArgumentError: not an integer torch tensor.
     """
+    if isinstance(ids, Tensor):
+        check_dense(ids, name)
     if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         got = type(ids).__name__ if not isinstance(ids, Tensor) else f"a {ids.dtype} tensor"
         raise InvalidArgumentError(f"expected {name} as an integer torch.Tensor, got {got}")
@@ -137,12 +139,14 @@ def check_pairs(ids: object, keys: object, dim: int) -> tuple[Tensor, Tensor]:
     """``ids`` as (n,) int64 on the CPU and ``keys`` as (n, dim) float32 (detached, on their device).
 
     Raises:
-        InvalidArgumentError: not tensors (ids: not integers).
+        InvalidArgumentError: not tensors (ids: not integers, keys: complex or bool), or not dense
+            (:func:`~kvsearch.checks.check_dense`).
         DimensionMismatchError: keys are not (n, dim), or not one id per key.
     """
     ids = check_ids(ids)  # (n,)
     if not isinstance(keys, Tensor):
         raise InvalidArgumentError(f"expected keys as a torch.Tensor (n, {dim}), got {type(keys).__name__}")
+    check_real_tensor(keys, "keys")
     if keys.dim() != 2 or keys.shape[1] != dim:
         raise DimensionMismatchError(f"expected vectors of shape (n, {dim}), got {tuple(keys.shape)}")
     if len(ids) != len(keys):

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import all_finite, check_finite, check_temperature
+from kvsearch.checks import all_finite, check_dense, check_finite, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError
 from kvsearch.nn.pooling import POOLINGS, exact_matches, keep_mask, pool
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, eager_checks, full_precision, output_dtype
-from kvsearch.nn.scores import ScoreFn, check_float_tensor, check_option, check_score, compute_scores, describe
+from kvsearch.nn.scores import ScoreFn, check_float_tensor, check_option, check_score, checked_scores, describe
 
 __all__ = ["Candidates", "attend", "check_pairing", "check_dropout"]
 
@@ -77,6 +77,8 @@ def check_pairing(score: object, pooling: str) -> None:
 
 def _valid_lens_mask(valid_lens: object, shape: torch.Size, device: torch.device) -> Tensor:
     """Turn valid lengths into a keep-mask of ``shape``: positions >= valid_len are dropped."""
+    if isinstance(valid_lens, Tensor):
+        check_dense(valid_lens, "valid_lens")
     if (
         not isinstance(valid_lens, Tensor)
         or valid_lens.dtype == torch.bool
@@ -128,7 +130,7 @@ def _score_pool_blend(
 ) -> tuple[Tensor, Tensor]:
     """``attend``'s math on checked inputs of one dtype: queries (..., n, dim), keys (..., m, dim) -> output
     (..., n, value_dim) and weights (..., n, m)."""
-    scores = compute_scores(queries, keys, score)  # (..., n, m)
+    scores = checked_scores(queries, keys, score)  # (..., n, m): checked by attend, one dtype
     expected = torch.Size((*queries.shape[:-1], keys.shape[-2]))
     if not isinstance(scores, Tensor) or scores.shape != expected:
         got = tuple(scores.shape) if isinstance(scores, Tensor) else describe(scores)

@@ -16,7 +16,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from kvsearch.checks import all_finite, check_temperature
+from kvsearch.checks import all_finite, check_dense, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError
 from kvsearch.nn.precision import eager_checks
 from kvsearch.nn.scores import check_float_tensor, check_option, describe
@@ -35,7 +35,10 @@ _MATCH_CHUNK = 1 << 24  # elements of the (..., n, m, dim) comparison that exact
 
 def keep_mask(mask: object, shape: torch.Size, name: str, device: torch.device) -> Tensor:
     """Check a bool mask broadcastable to ``shape`` and return it expanded to ``shape`` on ``device``."""
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+    if not isinstance(mask, Tensor):
+        raise InvalidArgumentError(f"{name} must be a bool tensor, got {describe(mask)}")
+    check_dense(mask, name)
+    if mask.dtype != torch.bool:
         raise InvalidArgumentError(f"{name} must be a bool tensor, got {describe(mask)}")
     try:
         broadcast = torch.broadcast_shapes(mask.shape, shape)

@@ -17,9 +17,10 @@ from numbers import Integral, Real
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.checks import COSINE_EPS, all_finite, check_dim
+from kvsearch.checks import COSINE_EPS, all_finite, check_dense, check_dim
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
 from kvsearch.nn.precision import eager_checks
 
@@ -31,6 +32,7 @@ __all__ = [
     "check_score",
     "check_db_score",
     "compute_scores",
+    "checked_scores",
     "AdditiveScore",
     "GaussianKernel",
     "describe",
@@ -71,8 +73,12 @@ def check_option(value: object, valid: tuple[str, ...], what: str) -> str:
 
 
 def check_float_tensor(x: object, name: str) -> None:
-    """Raise InvalidArgumentError unless ``x`` is a floating-point tensor."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():
+    """Raise InvalidArgumentError unless ``x`` is a dense floating-point tensor (:func:`~kvsearch.checks.check_dense`:
+    not sparse, nested, quantized or on the meta device; non-contiguous is fine)."""
+    if not isinstance(x, Tensor):
+        raise InvalidArgumentError(f"{name} must be a floating-point tensor, got {describe(x)}")
+    check_dense(x, name)
+    if not x.is_floating_point():
         raise InvalidArgumentError(f"{name} must be a floating-point tensor, got {describe(x)}")
 
 
@@ -164,8 +170,9 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
     -||q - k||^2 / 2: the direct difference for a query with keys of its own (n = 1), else
     -(|q'|^2 - 2 q'.k' + |k'|^2) / 2 clamped to <= 0 on q' = q - r, k' = k - r with r the keys'
     mean — accurate however far the points are from the origin, with memory O(n m) plus one
-    centred copy of each side. A callable is called as is, with these very shapes (not flattened to 2-D): it must handle
-    leading dims, e.g. with ``keys.transpose(-2, -1)`` rather than ``keys.T``, and return (..., n, m).
+    centred copy of each side. A built-in score promotes queries and keys to a common dtype. A callable is called
+    as is, with these very shapes (not flattened to 2-D): it must handle leading dims, e.g. with
+    ``keys.transpose(-2, -1)`` rather than ``keys.T``, and return (..., n, m).
 
     Args:
         queries: (..., n, dim).
@@ -185,6 +192,22 @@ def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
         return score(queries, keys)  # (..., n, m)
     check_score(score)
     _check_pair(queries, keys)
+    if queries.dtype != keys.dtype:  # promoted as attend does: float32 queries with float64 keys -> float64
+        dtype = torch.promote_types(queries.dtype, keys.dtype)
+        queries, keys = queries.to(dtype), keys.to(dtype)
+    return checked_scores(queries, keys, score)  # (..., n, m)
+
+
+def checked_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tensor:
+    """:func:`compute_scores` of inputs already checked: dense floating-point tensors of one dtype, (..., n, dim)
+    and (..., m, dim), and a valid score. ``attend`` and ``streaming_attention`` check their inputs once and call
+    this, so their hot path pays each check once.
+
+    Returns:
+        Scores (..., n, m).
+    """
+    if callable(score):
+        return score(queries, keys)  # (..., n, m)
     if score == "gaussian":
         return _gaussian(queries, keys)  # (..., n, m)
     if score == "cosine":
@@ -250,8 +273,14 @@ class AdditiveScore(nn.Module):
                 raise DimensionMismatchError(
                     f"AdditiveScore expected {name} of shape (..., {rows}, {dim}), got {tuple(x.shape)}"
                 )
-        features = self.w_q(queries).unsqueeze(-2) + self.w_k(keys).unsqueeze(-3)  # (..., n, m, hidden)
-        return self.w_v(torch.tanh(features)).squeeze(-1)  # (..., n, m)
+        if queries.dtype == keys.dtype == self.w_v.weight.dtype:
+            features = self.w_q(queries).unsqueeze(-2) + self.w_k(keys).unsqueeze(-3)  # (..., n, m, hidden)
+            return self.w_v(torch.tanh(features)).squeeze(-1)  # (..., n, m)
+        # inputs of another dtype than the weights: all promoted to a common one, as attend promotes its inputs
+        dtype = torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), self.w_v.weight.dtype)
+        w_q, w_k, w_v = (layer.weight.to(dtype) for layer in (self.w_q, self.w_k, self.w_v))
+        features = F.linear(queries.to(dtype), w_q).unsqueeze(-2) + F.linear(keys.to(dtype), w_k).unsqueeze(-3)
+        return F.linear(torch.tanh(features), w_v).squeeze(-1)  # (..., n, m)
 
 
 class GaussianKernel(nn.Module):

@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_temperature
+from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_dense, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 from kvsearch.limits import check_fits
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, output_dtype
-from kvsearch.nn.scores import ScoreFn, compute_scores
+from kvsearch.nn.scores import ScoreFn, checked_scores
 
 __all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
 
@@ -204,6 +204,8 @@ def streaming_attention(
         raise UnknownOptionError(f"expected score among {STREAMING_SCORES} for streaming attention, got {score!r}")
     temperature = check_temperature(temperature)
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        if isinstance(x, Tensor):
+            check_dense(x, name)  # before its dtype and shape: a nested tensor has no shape
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() != 2:
             got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
             raise InvalidArgumentError(f"expected {name} as a 2-D floating-point tensor, got {got}")
@@ -275,7 +277,7 @@ def streaming_attend(
     with torch.no_grad(), full_precision(queries.device, autocast_dtype(queries.device)):
         for start in range(0, keys.shape[0], step):
             chunk = keys[start : start + step].to(queries.device, dtype)  # (c, dim)
-            scores = compute_scores(q, chunk, score) / temperature  # (batch, c)
+            scores = checked_scores(q, chunk, score) / temperature  # (batch, c): checked by streaming_attention
             weights[:, start : start + step] = torch.exp(scores - lse.unsqueeze(1))  # (batch, c)
     return output, weights
 
