@@ -424,14 +424,14 @@ def open_store(
     if path is not None and path.exists() and not path.is_dir():
         raise InvalidArgumentError(f"expected a folder for the database, got a file: {path}")
     exists = path is not None and folders.is_database(path)
-    if read_only and not exists and (path is None or folders.kind_of(path) not in ("sharded", "unfinished")):
-        where = "a database in memory" if path is None else f"{path} without {folders.STORE_FILE}"
-        raise InvalidArgumentError(f"expected an existing database folder to open with read_only=True, got {where}")
     if path is not None:
         with fileio.storage_errors(path, "opening the database folder", "nothing was written"):  # EMFILE: typed
-            folders.check_kind(path, "plain")
-            if not exists:  # never among someone else's files, nor beside what is left of a database
+            folders.check_kind(path, "plain")  # a sharded root: WrongKindError, whatever else was asked
+            if not exists and not read_only:  # never among someone else's files, nor beside what is left of one
                 folders.check_new_folder(path, inside_ok=inside_ok)
+    if read_only and not exists:
+        where = "a database in memory" if path is None else f"{path} without {folders.STORE_FILE}"
+        raise InvalidArgumentError(f"expected an existing database folder to open with read_only=True, got {where}")
     # what a failed creation leaves behind is removed again; a failed reopen touches nothing
     creation = None if exists else folders.Creation(path)
     if path is not None:
