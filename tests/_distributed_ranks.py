@@ -708,7 +708,13 @@ def mismatch_scenario(rank: int, world: int, root: Path, out: Results) -> None:
         "add-vs-delete": lambda: sdb.add(["Zed"], ["z"]) if first else sdb.delete(["Li"]),
         "k-differs": lambda: sdb.search(["Smith"], k=1 if first else 3),
         "exact-on-one-rank": lambda: sdb.query(q, k=2, pooling="exact" if first else "softmax"),
+        "draft-refresh-vs-candidates": lambda: in_draft(lambda d: d.refresh() if first else d.candidates(q, 2)),
     }
+
+    def in_draft(call: Callable[[Any], Any]) -> Any:  # a fine-tuning run's draft (collective methods of its own)
+        with sdb.begin_generation() as draft:
+            return call(draft)
+
     res: dict[str, Any] = {"threads": threads, "timeout": TIMEOUT}
 
     def outcome(call: Callable[[], Any]) -> tuple:  # DistributedError included

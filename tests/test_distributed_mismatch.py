@@ -48,6 +48,7 @@ def results(tmp_path_factory) -> list[dict[str, Any]]:
         ("add-vs-delete", ["rank 0 called add(keys=[1 text], values=[1 text])", "rank 1 called delete("]),
         ("k-differs", ["call search with the same k", "k=1", "k=3"]),
         ("exact-on-one-rank", ["call query with the same pooling", "pooling='exact'", "pooling='softmax'"]),
+        ("draft-refresh-vs-candidates", ["rank 0 called refresh()", "rank 1 called candidates(queries=(2, 64), k=2)"]),
     ],
 )
 def test_ranks_that_call_different_methods_raise_at_once_naming_both(results, case, named):

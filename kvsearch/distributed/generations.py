@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from torch import Tensor
 
 from kvsearch import errors
-from kvsearch.distributed.collectives import Comm
+from kvsearch.distributed.collectives import Comm, collective
 from kvsearch.distributed.layout import ShardLayout
 from kvsearch.errors import NotSupportedError
 
@@ -52,17 +52,25 @@ class ShardedDraft:
         """``"open"``, ``"committed"`` or ``"discarded"``."""
         return next(iter(self.drafts.values())).state
 
+    @property
+    def comm(self) -> Comm:
+        """The ranks' collectives (the sharded database's): a call's signature is checked on them."""
+        return self.sdb.comm
+
+    @collective()
     def refresh(self) -> None:
         """Re-encode every shard's keys with the training key encoder into its working index, then a barrier."""
         self.sdb.comm.agree(lambda: [draft.refresh() for draft in self.drafts.values()])
         self.sdb.comm.barrier()
 
+    @collective("k")
     def candidates(
         self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None = None, where: Any = None
     ) -> Candidates:
         """As :meth:`ShardedDatabase.candidates`, over the drafts' working keys once :meth:`refresh` ran."""
         return self.sdb.candidates_from(self.drafts, queries, k, targets=targets, where=where)
 
+    @collective()
     def commit(self, *, values: tuple[Tensor, Tensor] | None = None, summary: Mapping[str, Any] | None = None) -> int:
         """Record the encoders as they are now as every shard's new generation (:meth:`ShardedDatabase.
         switch_generation`).
