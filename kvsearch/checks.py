@@ -239,17 +239,21 @@ def check_real_tensor(x: Tensor, name: str) -> None:
         raise InvalidArgumentError(f"expected {name} as a float (or integer) tensor, got a tensor of {x.dtype}")
 
 
-def check_path(path: object) -> None:
-    """A database path: None, str or PathLike, non-empty, without NUL (which the OS would cut or refuse), that the
-    file system can encode, with no name longer than :data:`MAX_NAME_BYTES` (the OS would raise ENAMETOOLONG).
+def check_path(path: object, *, optional: bool = True) -> None:
+    """A database path: None (when ``optional``: a database in memory), str or PathLike, non-empty, without NUL
+    (which the OS would cut or refuse), that the file system can encode, with no name longer than
+    :data:`MAX_NAME_BYTES` (the OS would raise ENAMETOOLONG).
 
     Raises:
         InvalidArgumentError: anything else.
     """
-    if path is None:
+    if path is None and optional:
         return
+    if path is None:
+        raise InvalidArgumentError("expected a folder path (str or PathLike), got None")
     if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgumentError(f"expected a folder path (str or PathLike) or None, got {type(path).__name__}")
+        none = " or None" if optional else ""
+        raise InvalidArgumentError(f"expected a folder path (str or PathLike){none}, got {type(path).__name__}")
     text = os.fspath(path)
     if not isinstance(text, str) or "\x00" in text or not text.strip():
         raise InvalidArgumentError(f"expected a non-empty folder path without NUL characters, got {text!r}")

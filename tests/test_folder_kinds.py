@@ -147,6 +147,12 @@ def test_a_bad_shard_count_is_refused_before_anything_is_written(tmp_path, count
     assert not path.exists()
 
 
+@pytest.mark.parametrize("path", [None, "", "a\x00b", 5])
+def test_a_sharded_database_needs_a_folder_path(path):
+    with pytest.raises(InvalidArgumentError, match="folder path"):
+        ShardedDatabase(path, num_shards=2, dim=8, value_dim=8)
+
+
 def test_the_largest_shard_count_is_a_count_a_normal_machine_opens():
     """The cap is where one process serving every shard stays within common open-file limits (see its docstring)."""
     assert 64 <= MAX_SHARDS <= 4096

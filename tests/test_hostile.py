@@ -717,8 +717,19 @@ def component_slots() -> list[Slot]:
             "int tensor",
         ),
         slot("TorchIndex.search.k", lambda index, v: index.search(q2(), v), lambda: small_index(kvsearch.TorchIndex)),
+        slot("reshard.src", lambda _, v: kvsearch.reshard(v, "resharded", num_shards=2)),
+        slot("reshard.dst", lambda src, v: kvsearch.reshard(src, v, num_shards=2), reshard_source),
+        slot("reshard.num_shards", lambda src, v: kvsearch.reshard(src, "resharded", num_shards=v), reshard_source),
     ]
     return out
+
+
+def reshard_source() -> Path:
+    """A small plain database on disk, in the test's working folder, to reshard."""
+    path = Path("reshard-source").absolute()
+    if not path.exists():
+        make_db(path).close()
+    return path
 
 
 SLOTS = database_slots() + finetune_slots() + attention_slots() + component_slots()

@@ -115,8 +115,8 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
     started = time.perf_counter()
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= MAX_SHARDS:
         raise InvalidArgumentError(f"expected num_shards as an integer in [1, {MAX_SHARDS}], got {num_shards!r}")
-    check_path(src)
-    check_path(dst)
+    check_path(src, optional=False)
+    check_path(dst, optional=False)
     source, target = Path(src), Path(dst)
     folders = _source_folders(source)
     _check_target(source, target)

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from kvsearch import errors
-from kvsearch.checks import check_dense, check_device, check_finite, check_k, check_temperature
+from kvsearch.checks import check_dense, check_device, check_finite, check_k, check_path, check_temperature
 from kvsearch.database import Database
 from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm, collective
 from kvsearch.distributed.generations import ShardedDraft, ShardTeam, switch_every_shard
@@ -131,6 +131,7 @@ class ShardedDatabase:
     ) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise InvalidArgumentError(f"expected timeout as a number of seconds > 0, got {timeout!r}")
+        check_path(path, optional=False)
         self.path = Path(path)
         self.device = check_device(device)
         self._comm = Comm(group, float(timeout))
