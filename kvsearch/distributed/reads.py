@@ -58,7 +58,7 @@ def owner_shards(shards: Mapping[int, Database], ids: Tensor | Sequence[int], *,
         return owner
     for s, db in shards.items():
         if len(db) and bool((owner < 0).any()):
-            held = db.embeddings(ids)[2].cpu()  # (n,) the ids this shard stores
+            held = torch.isin(ids, db.ids())  # (n,) the ids this shard stores (its sorted ids, no embedding read)
             owner[held & (owner < 0)] = s
     return owner
 
