@@ -126,8 +126,14 @@ LAYOUTS: list[Layout] = [
     Layout("numpy broadcast (stride 0)", lambda x: np.broadcast_to(x.numpy()[:1], x.shape), "same", numpy=True),
     Layout("numpy complex", lambda x: x.numpy().astype(np.complex64), "refused", numpy=True, word="complex"),
     Layout("numpy bool", lambda x: x.numpy() > 0, "refused", ("float",), numpy=True, word="bool"),
-    Layout("numpy float16", lambda x: x.numpy().astype(np.float16), "either", numpy=True),
+    Layout("numpy float16", lambda x: half_numpy(x), "either", numpy=True),
 ]
+
+
+def half_numpy(x: torch.Tensor) -> np.ndarray:
+    """``x`` as a float16 numpy array (ids past 65,504 become inf, as float16 has them: no warning about it)."""
+    with np.errstate(over="ignore"):
+        return x.numpy().astype(np.float16)
 
 
 # ----------------------------------------------------------------------------- targets
