@@ -178,7 +178,7 @@ def check_open_files(databases: int, what: str) -> None:
     if need <= hard:
         import resource
 
-        try:
+        try:  # the hard limit as the system has it (RLIM_INFINITY stays so)
             resource.setrlimit(resource.RLIMIT_NOFILE, (need, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
             return
         except (ValueError, OSError):

@@ -55,7 +55,6 @@ from kvsearch.errors import (
     DatabaseLockedError,
     InconsistentDatabaseError,
     InvalidArgumentError,
-    KVSearchError,
     NonFiniteError,
     NotPicklableError,
     NotSupportedError,
@@ -480,8 +479,7 @@ def open_view(view: View, creation: folders.Creation | None, device: torch.devic
                 view.adopt(create(store, view.files, device, given))
                 view.switch("a new generation", generations.commit)  # generation 1: the encoders as given
     except BaseException as exc:
-        out_of_files = not isinstance(exc, KVSearchError) or isinstance(exc, CorruptDatabaseError)
-        out_of_files = out_of_files and isinstance(exc, Exception) and fileio.is_out_of_files(exc)  # before closing
+        out_of_files = isinstance(exc, Exception) and fileio.is_out_of_files(exc)  # asked before closing frees files
         store.close()
         if creation is not None:
             creation.rollback()

@@ -36,17 +36,18 @@ class Shard(Database):
     _shard = True
 
 
-def check_num_shards(num_shards: object) -> int | None:
-    """``num_shards`` as given to ``ShardedDatabase``: None (reopen) or an int in [1, :data:`MAX_SHARDS`].
+def check_num_shards(num_shards: object, *, optional: bool = True) -> int | None:
+    """A shard count: an int in [1, :data:`MAX_SHARDS`], or None when ``optional`` (``ShardedDatabase``: reopen).
 
     Raises:
         InvalidArgumentError: anything else (a bool, a float, 0, a count past the maximum).
     """
-    if num_shards is None:
+    if num_shards is None and optional:
         return None
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= MAX_SHARDS:
+        reopen = " (or None to reopen)" if optional else ""
         raise InvalidArgumentError(
-            f"expected num_shards as an integer in [1, {MAX_SHARDS:,}] (or None to reopen), got {num_shards!r}"
+            f"expected num_shards as an integer in [1, {MAX_SHARDS:,}]{reopen}, got {num_shards!r}"
         )
     return num_shards
 

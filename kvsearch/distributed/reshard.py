@@ -43,12 +43,12 @@ from kvsearch.checks import check_path
 from kvsearch.database import Database
 from kvsearch.distributed.layout import (
     ID_SHIFT,
-    MAX_SHARDS,
     ShardLayout,
     is_sharded,
     shard_dir,
     shard_of_key,
 )
+from kvsearch.distributed.opening import check_num_shards
 from kvsearch.errors import (
     DatabaseExistsError,
     ForeignFolderError,
@@ -113,8 +113,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
             written (nothing is kept).
     """
     started = time.perf_counter()
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= MAX_SHARDS:
-        raise InvalidArgumentError(f"expected num_shards as an integer in [1, {MAX_SHARDS}], got {num_shards!r}")
+    check_num_shards(num_shards, optional=False)
     check_path(src, optional=False)
     check_path(dst, optional=False)
     source, target = Path(src), Path(dst)
@@ -319,8 +318,9 @@ def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) ->
                 for store, mine in zip(stores, per_target):
                     for start in range(0, len(mine), BATCH):
                         carry.carry(store, [(db.store, mine[start : start + BATCH])])
+        tops = _per_band(marks | set(carried))  # band -> the highest id of it ever handed out
         for t, store in enumerate(stores):
-            carry.seal(store, _next_after(None if plain else t, marks, carried), _per_band(marks | set(carried)))
+            carry.seal(store, _next_after(None if plain else t, tops), sorted(tops.values()))
     finally:
         for store in stores:
             store.close()
@@ -350,20 +350,20 @@ def _one_generation(source: Path, layout: ShardLayout | None, generations: set[i
     return next(iter(generations))
 
 
-def _per_band(ids: set[int]) -> list[int]:
-    """The highest of ``ids`` in each band (what a store's id marks need)."""
+def _per_band(ids: set[int]) -> dict[int, int]:
+    """Band -> the highest of ``ids`` in it (what a store's id marks and its next id need)."""
     top: dict[int, int] = {}
     for i in ids:
         top[i >> ID_SHIFT] = max(top.get(i >> ID_SHIFT, 0), i)
-    return sorted(top.values())
+    return top
 
 
-def _next_after(shard: int | None, marks: set[int], carried: list[int]) -> int:
+def _next_after(shard: int | None, tops: dict[int, int]) -> int:
     """The id a new store's own ids start after: in shard ``shard``'s band, after every id of the band ever handed
-    out (marks, carried ids); for a plain result (None), after every id."""
+    out (``tops``: :func:`_per_band` of the marks and the carried ids); for a plain result (None), after every id."""
     if shard is None:
-        return max([0, *marks, *carried])
-    return max([shard << ID_SHIFT, *(i for i in (*marks, *carried) if i >> ID_SHIFT == shard)])
+        return max(tops.values(), default=0)
+    return max(shard << ID_SHIFT, tops.get(shard, 0))
 
 
 def _verify(staging: Path, num_shards: int) -> None:

@@ -15,7 +15,6 @@ search.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from kvsearch.storage.folder import ENCODER_PREFIXES, MODEL_DIR, STORE_FILE
 from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE
 from kvsearch.storage.store import Store
 
-__all__ = ["ID_MARKS_META", "start", "carry", "last_id", "id_marks", "seal"]
+__all__ = ["ID_MARKS_META", "start", "carry", "id_marks", "seal"]
 
 #: The store meta entry listing the highest ids of the databases a reshard carried records from (JSON list of ints).
 ID_MARKS_META = "id_marks"
@@ -118,16 +117,10 @@ def carry(target: Store, parts: Sequence[tuple[Store, Sequence[int]]]) -> None:
     )
 
 
-def last_id(store: Store) -> int:
-    """The last id the store's AUTOINCREMENT sequence handed out (0: none yet)."""
-    row = store.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
-    return 0 if row is None else int(row[0])
-
-
 def id_marks(store: Store) -> list[int]:
     """The highest ids the store, and the databases a reshard carried its records from, ever handed out."""
     marks = store.get_meta(ID_MARKS_META)
-    return sorted({last_id(store), *(int(m) for m in (marks if isinstance(marks, list) else []))} - {0})
+    return sorted({store.last_id(), *(int(m) for m in (marks if isinstance(marks, list) else []))} - {0})
 
 
 def seal(store: Store, next_after: int, marks: Sequence[int]) -> None:
@@ -137,9 +130,5 @@ def seal(store: Store, next_after: int, marks: Sequence[int]) -> None:
     The caller chooses ``next_after`` above every id ever handed out in the range the store's new ids come from.
     """
     with store.lock, store.transaction():
-        store.conn.execute("DELETE FROM sqlite_sequence WHERE name = 'records'")
-        store.conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)", (int(next_after),))
-        store.conn.execute(
-            "INSERT INTO meta (name, value) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = excluded.value",
-            (ID_MARKS_META, json.dumps(sorted({int(m) for m in marks}))),
-        )
+        store.start_ids_after(next_after, exactly=True)  # (nested: savepoints of this one transaction)
+        store.set_meta(ID_MARKS_META, sorted({int(m) for m in marks}))

@@ -36,6 +36,7 @@ from kvsearch.errors import (
     ReadOnlyDatabaseError,
     StorageError,
 )
+from kvsearch.limits import file_limits
 
 __all__ = [
     "sqlite_code",
@@ -135,13 +136,8 @@ def storage_error(exc: BaseException, path: object, doing: str, then: str = "") 
 
 def file_limit_error(exc: BaseException, path: object, doing: str, then: str = "") -> FileLimitError:
     """The typed error of an open that failed for the open-file limit: what it is, never corruption."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        limit = f"ulimit -n: {soft:,}, hard {hard:,}" if hard != resource.RLIM_INFINITY else f"ulimit -n: {soft:,}"
-    except (ImportError, OSError, ValueError):  # pragma: no cover - not on Unix
-        limit = "ulimit -n"
+    limits = file_limits()
+    limit = "ulimit -n" if limits is None else f"ulimit -n: {limits[0]:,}, hard {limits[1]:,}"
     detail = " ".join(str(exc).split()) or type(exc).__name__
     tail = f"; {then}" if then else ""
     return FileLimitError(

@@ -486,17 +486,21 @@ class Store:
             self._tidy_files()
             self.mirror.clear()
 
-    def start_ids_after(self, floor: int) -> None:
+    def last_id(self) -> int:
+        """The last id SQLite's AUTOINCREMENT sequence handed out (0: none yet); deleted ids included."""
+        row = self.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
+        return 0 if row is None else int(row[0])
+
+    def start_ids_after(self, floor: int, *, exactly: bool = False) -> None:
         """Make the next new id ``floor + 1`` or more: seeds SQLite's AUTOINCREMENT sequence (a shard's id range).
 
-        Ids are never lowered: a store whose sequence is past ``floor`` is left as it is.
+        Ids are never lowered unless ``exactly`` (a reshard's new store, whose carried ids of other bands lie above
+        ``floor``): a store whose sequence is past ``floor`` is left as it is.
         """
         with self.lock, self.transaction():
-            row = self.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
-            if row is None:
+            if exactly or self.last_id() < floor:
+                self.conn.execute("DELETE FROM sqlite_sequence WHERE name = 'records'")
                 self.conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)", (int(floor),))
-            elif row[0] < floor:
-                self.conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'records'", (int(floor),))
 
     def stored_ids_of_keys(self, keys: Sequence[str | None], *, allow: bool) -> list[int | None]:
         """The stored id of each key text, None for a new key or no text (:meth:`Mirror.stored_ids_of_keys`)."""
