@@ -3,7 +3,8 @@
     python benchmarks/bench_shards_open.py                       # 16, 128 and 1,024 shards (MAX_SHARDS)
     python benchmarks/bench_shards_open.py --shards 64 256 --no-append
 
-Each count runs in a fresh process (so its memory is its own): a ``ShardedDatabase`` of that many shards is created
+Each count runs in a fresh process (so its memory is its own), after the peer (one plain ``Database``, the same
+records, in its own fresh process): a ``ShardedDatabase`` of that many shards is created
 empty (8-d keys and values, no encoder), 64 records added, searched once, closed, then reopened. Reported: the
 seconds to create and to reopen, the descriptors the process holds with the database open (``/proc/self/fd``) and
 per shard, the growth of the resident set per shard, and the descriptors held after ``close()`` (0 expected). This is
@@ -26,17 +27,24 @@ import common  # noqa: E402
 
 
 def open_shards(num_shards: int) -> dict[str, Any]:
-    """Create, fill, search, close and reopen a sharded database of ``num_shards`` shards in this process."""
+    """Create, fill, search, close and reopen a sharded database of ``num_shards`` shards in this process; with
+    ``num_shards=0``, one plain ``Database`` (the peer: what one shard costs when it is a database of its own)."""
     import torch
 
+    from kvsearch import Database
     from kvsearch.distributed import ShardedDatabase
     from kvsearch.limits import open_files
+
+    def make(path: Path) -> Any:
+        if num_shards == 0:
+            return Database(path, dim=8, value_dim=8)
+        return ShardedDatabase(path, num_shards=num_shards, dim=8, value_dim=8)
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         base_fds, base_kib = open_files(), common.status_kib("VmRSS")
         start = time.perf_counter()
-        db = ShardedDatabase(Path(tmp) / "s", num_shards=num_shards, dim=8, value_dim=8)
+        db = make(Path(tmp) / "s")
         create_s = time.perf_counter() - start
         db.add(keys=torch.randn(64, 8), values=torch.randn(64, 8))
         db.search(torch.randn(8), k=3)
@@ -45,7 +53,7 @@ def open_shards(num_shards: int) -> dict[str, Any]:
         db.close()
         closed_fds = open_files() - base_fds
         start = time.perf_counter()
-        again = ShardedDatabase(Path(tmp) / "s")
+        again = Database(Path(tmp) / "s") if num_shards == 0 else ShardedDatabase(Path(tmp) / "s")
         reopen_s = time.perf_counter() - start
         again.close()
     return {"create_s": create_s, "reopen_s": reopen_s, "fds": fds, "rss_mib": rss_mib, "closed_fds": closed_fds}
@@ -58,14 +66,16 @@ def main() -> None:
     args = parser.parse_args()
     info = common.machine()
     rows = []
-    for n in args.shards:
+    for n in [0, *args.shards]:  # 0: the peer, one plain Database, in the same run
         got = common.run_fresh(__file__, "open_shards", {"num_shards": n})
+        label = "1 plain Database (peer)" if n == 0 else n
+        n = max(n, 1)
         if "error" in got:
-            rows.append([n, got["error"], "", "", "", "", "", ""])
+            rows.append([label, got["error"], "", "", "", "", "", ""])
             continue
         rows.append(
             [
-                n,
+                label,
                 got["create_s"],
                 got["create_s"] / n * 1000,
                 got["reopen_s"],
