@@ -132,7 +132,7 @@ def _headline(args: argparse.Namespace) -> None:
         "held-out queries (the first 2,000 names of a seeded shuffle, none named by a user pair) and the user's "
         f"pairs are typos of a model of the benchmark's own (`--typos {args.typos}`: `finetune_study.{args.typos}_typo`"
         "; keyboard: a neighbouring key, a doubled, dropped or swapped letter, once or twice; random: any letter "
-        "replaced or inserted, a letter dropped or doubled, once or twice), not `kvsearch.noise`'s. "
+        "replaced or inserted, a letter dropped or doubled, once or twice), not `kvsearch.text.noise`'s. "
         "The eval pairs are keep-best's "
         "monitor, so their keys are never drawn for generated pairs.",
         f"- both runs side by side (one thread each), {(time.perf_counter() - started) / 60:.0f} min; load average at "
@@ -154,7 +154,7 @@ def _study(args: argparse.Namespace) -> None:
         f"{args.eval} held-out queries per task on held-out names; the user's pairs are noisy queries of train "
         "names. A cell is held-out recall@1 x 100 after the run (the kept epoch; the start when none beat it) and "
         "its gain over the start. Empty cells were not run (a row with one option changed runs at 2,000 pairs).",
-        "- the generated pairs (`kvsearch.noise`, default models typos + phonetic, 2 per stored key and epoch, at "
+        "- the generated pairs (`kvsearch.text.noise`, default models typos + phonetic, 2 per stored key and epoch, at "
         "most 50,000) never draw the eval pairs' target keys. The typo task's noise (uniform random single edits) "
         "differs from the generator's keyboard slips; the phonetic task shares the generator's respelling rules; "
         "the Cyrillic task is not generated at all (only the user's pairs teach it).",

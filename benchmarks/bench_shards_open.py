@@ -8,7 +8,7 @@ records, in its own fresh process): a ``ShardedDatabase`` of that many shards is
 empty (8-d keys and values, no encoder), 64 records added, searched once, closed, then reopened. Reported: the
 seconds to create and to reopen, the descriptors the process holds with the database open (``/proc/self/fd``) and
 per shard, the growth of the resident set per shard, and the descriptors held after ``close()`` (0 expected). This is
-what ``MAX_SHARDS`` (``kvsearch/distributed/layout.py``) and ``FILES_PER_DATABASE`` (``kvsearch/limits.py``) are
+what ``MAX_SHARDS`` (``kvsearch/distributed/layout.py``) and ``FILES_PER_DATABASE`` (``kvsearch/checks.py``) are
 chosen from. Appends its table to RESULTS.md unless ``--no-append``.
 """
 
@@ -32,8 +32,8 @@ def open_shards(num_shards: int) -> dict[str, Any]:
     import torch
 
     from kvsearch import Database
+    from kvsearch.checks import open_files
     from kvsearch.distributed import ShardedDatabase
-    from kvsearch.limits import open_files
 
     def make(path: Path) -> Any:
         if num_shards == 0:

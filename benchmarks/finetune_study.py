@@ -4,7 +4,7 @@ A database of the N most frequent surnames (default 10,000; the default ``NgramE
 split 80 / 20 into train and held-out names. Three tasks, each a noise kind of :mod:`kvsearch.datasets`:
 
 - ``typo``: one uniformly random edit (substitute, insert, delete, transpose), the ``edit`` kind — not the
-  keyboard-weighted slips of ``kvsearch.noise`` that the generated pairs use;
+  keyboard-weighted slips of ``kvsearch.text.noise`` that the generated pairs use;
 - ``phonetic``: one or two respelling rules (the same rule set as the generated pairs' ``phonetic`` model);
 - ``cyrillic``: a fixed Latin -> Cyrillic letter map (the generated pairs hold no Cyrillic by default).
 

@@ -32,12 +32,12 @@ from kvsearch.inputs import KeysIn, Queries, generation_args
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.scores import DB_SCORES, ScoreFn
 from kvsearch.reads import MISSING, Reads
-from kvsearch.rerank import Rerank
 from kvsearch.results import Answer, Hit, LazyKeys
 from kvsearch.retrieval import Retriever
 from kvsearch.selection import Selection
 from kvsearch.storage.locking import DEFAULT_LOCK_TIMEOUT
 from kvsearch.storage.store import Record, Store
+from kvsearch.text.rerank import Rerank
 from kvsearch.view import Given, View, check_options, open_store, open_view, reduce_database, same_object
 from kvsearch.writes import Writes, check_capacity
 
@@ -466,11 +466,13 @@ class Database:
         Args:
             queries: a text, a list of texts, a query embedding (dim,) or a batch (batch, dim).
             k: how many; fewer come back when the database holds fewer.
-            where: a metadata filter (operators ``$eq $ne $gt $gte $lt $lte $in $nin``, :mod:`kvsearch.filters`) such
+            where: a metadata filter (operators ``$eq $ne $gt $gte $lt $lte $in $nin``,
+                :mod:`kvsearch.metadata.filters`) such
                 as ``{"lang": "en", "year": {"$gte": 2000}}``: k matching records come back when k exist.
             rerank: (text queries) re-order the top ``max(k, 32)`` by the similarity of key and query text: ``"osa"``,
                 ``"levenshtein"``, ``"jaro_winkler"``, ``"indel"`` (rapidfuzz) or ``(query_text, key_text) -> float``;
-                ``Hit.score`` stays the database's. Not differentiable (``query()`` unaffected): :mod:`kvsearch.rerank`.
+                ``Hit.score`` stays the database's. Not differentiable (``query()`` unaffected):
+                :mod:`kvsearch.text.rerank`.
 
         Returns:
             A list of :class:`Hit` for one query, a list of lists for a batch; empty lists when the database is
@@ -577,7 +579,7 @@ class Database:
         :class:`~kvsearch.selection.Selection`. Each call runs the filter again on what is committed then.
 
         Args:
-            filter: a filter (:mod:`kvsearch.filters`); None selects every record.
+            filter: a filter (:mod:`kvsearch.metadata.filters`); None selects every record.
             ids: only these ids as well (None: no such limit).
 
         Raises:

@@ -3,7 +3,8 @@
 The US census surname list shipped in the PyPI package ``names`` (MIT licence; ``names/dist.all.last``,
 88,799 surnames, most frequent first) becomes a directory surname -> first name (first names from
 ``dist.male.first`` and ``dist.female.first``; the assignment is a seeded draw, so it is the same on every
-machine). Queries are surnames written wrong, in three kinds (the first two are noise models of :mod:`kvsearch.noise`):
+machine). Queries are surnames written wrong, in three kinds (the first two are noise models of
+:mod:`kvsearch.text.noise`):
 
 1. ``"edit"``: one random single edit (substitute, delete, insert, or transpose two adjacent letters);
 2. ``"phonetic"``: one or two respelling rules (ph<->f, c<->k, y<->i, ie<->ei, s<->z, doubled <-> single
@@ -32,7 +33,7 @@ from importlib import resources
 from typing import Literal, get_args
 
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.noise import phonetic_respelling, single_edit
+from kvsearch.text.noise import phonetic_respelling, single_edit
 
 __all__ = [
     "NoiseKind",

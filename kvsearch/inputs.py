@@ -28,7 +28,7 @@ from kvsearch.errors import (
     InvalidArgumentError,
     MissingEncoderError,
 )
-from kvsearch.metadata import check as check_stored_metadata
+from kvsearch.metadata.codec import check as check_stored_metadata
 
 __all__ = [
     "Queries",

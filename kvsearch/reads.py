@@ -31,15 +31,15 @@ from kvsearch.errors import (
     MissingEncoderError,
     UnknownOptionError,
 )
-from kvsearch.filters import check_where
 from kvsearch.inputs import Queries, id_tensor, query_batch, query_tensor, query_texts, text_list
-from kvsearch.metadata import decode as decode_metadata
+from kvsearch.metadata.codec import decode as decode_metadata
+from kvsearch.metadata.filters import check_where
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
 from kvsearch.nn.streaming import attend_candidates
-from kvsearch.rerank import Rerank, check_rerank, require_texts, rerank_depth, rerank_hits
 from kvsearch.results import Answer, Hit, make_answer, make_hits
+from kvsearch.text.rerank import Rerank, check_rerank, require_texts, rerank_depth, rerank_hits
 
 if TYPE_CHECKING:  # annotations only
     from kvsearch.encoders.encoder_set import EncoderSet
@@ -84,7 +84,7 @@ class Reads:
         self, queries: Queries, k: int, where: Mapping[str, Any] | None, rerank: Rerank | None = None
     ) -> list[Hit] | list[list[Hit]]:
         """``Database.search``: the k nearest records to each query, best first (re-ranked: see
-        :mod:`kvsearch.rerank`)."""
+        :mod:`kvsearch.text.rerank`)."""
         similarity = None if rerank is None else check_rerank(rerank)
         k = check_k(k)
         if where is not None:

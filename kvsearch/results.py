@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.metadata import decode as decode_metadata
+from kvsearch.metadata.codec import decode as decode_metadata
 
 __all__ = ["Hit", "Answer", "LazyKeys", "LazyMetadata", "make_hits", "make_answer"]
 

@@ -24,11 +24,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from kvsearch.checks import CHUNK_ELEMENTS, check_k
+from kvsearch.checks import CHUNK_ELEMENTS, check_fits, check_k
 from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError
 from kvsearch.index.base import CandidateIndex
 from kvsearch.index.factory import load_index, make_index
-from kvsearch.limits import check_fits
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.precision import autocast_dtype, autocast_off
 from kvsearch.nn.scores import check_db_score
@@ -184,7 +183,7 @@ class Retriever:
             k: candidates per query, or ``"all"``.
             targets: (batch,) ids that must be among the candidates (-1 for none); the worst candidate makes
                 room. ``match`` is then ``ids == targets``.
-            where: a metadata filter (see :mod:`kvsearch.filters`): only matching records are candidates.
+            where: a metadata filter (see :mod:`kvsearch.metadata.filters`): only matching records are candidates.
 
         Returns:
             :class:`~kvsearch.nn.attend.Candidates` with ids (batch, t), keys (batch, t, dim), values

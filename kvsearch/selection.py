@@ -7,7 +7,8 @@
     db.where().distinct("lang")                             # [("en", 812), ("fr", 95), ...]
 
 A :class:`Selection` is a filter held for later, not a snapshot: each call runs it again, in SQL
-(:mod:`kvsearch.filters`, :mod:`kvsearch.storage.queries`), on what is committed then. Reads run in one store snapshot;
+(:mod:`kvsearch.metadata.filters`, :mod:`kvsearch.storage.queries`), on what is committed then. Reads run in one
+store snapshot;
 writes take the write lock and run in one transaction, as every write does.
 """
 
@@ -19,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from kvsearch.checks import check_int
-from kvsearch.filters import check_where
 from kvsearch.inputs import id_tensor
+from kvsearch.metadata.filters import check_where
 from kvsearch.storage import queries
 
 if TYPE_CHECKING:  # annotations only
@@ -37,7 +38,7 @@ class Selection:
     Args:
         view: the database's view (store, locks, snapshots).
         writes: the database's write path (for :meth:`delete` and :meth:`update`).
-        where: a filter (:mod:`kvsearch.filters`); None selects every record.
+        where: a filter (:mod:`kvsearch.metadata.filters`); None selects every record.
         ids: only these ids as well (any iterable of ints, a tensor or an array); None: no such limit.
 
     Raises:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.checks import check_batch
+from kvsearch.checks import check_batch, check_fits, index_bytes
 from kvsearch.encoders.base import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
@@ -38,9 +38,8 @@ from kvsearch.errors import (
     NotSupportedError,
     UnknownOptionError,
 )
-from kvsearch.filters import check_where
 from kvsearch.inputs import KeysIn, check_metadata, delete_items, encode_side, record_side
-from kvsearch.limits import check_fits, index_bytes
+from kvsearch.metadata.filters import check_where
 from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE
 
 if TYPE_CHECKING:  # annotations only

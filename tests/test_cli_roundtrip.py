@@ -25,7 +25,7 @@ import pytest
 import kvsearch
 from kvsearch.cli.demo import AUTHORS
 from kvsearch.cli.program import main
-from kvsearch.filters import matches
+from kvsearch.metadata.filters import matches
 
 SCRIPT = Path(sys.executable).with_name("kvsearch")  # the console script pip installs next to python
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvsearch.cli"]

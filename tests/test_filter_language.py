@@ -1,7 +1,8 @@
 """The filter language (issue 24): every operator and rule against the plain-Python reference, on generated filters
 and records, through the SQL (``db.where``), through filtered searches on Flat / HNSW / IVF indexes, after reopen.
 
-The reference is :func:`kvsearch.filters.matches` over each record as it reads back (``db.where().records()``); the
+The reference is :func:`kvsearch.metadata.filters.matches` over each record as it reads back
+(``db.where().records()``); the
 explicit tests below pin the rules the reference itself must follow (MongoDB's missing fields, datetimes as instants,
 what cannot be stored cannot be filtered on).
 """
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 import kvsearch
 from kvsearch.errors import InvalidArgumentError, NonFiniteError, UnknownOptionError
-from kvsearch.filters import matches
+from kvsearch.metadata.filters import matches
 
 DIM = 8
 

@@ -1,7 +1,7 @@
 """Requirement 6, metadata filters: ``where=`` on search / query, against a brute-force reference.
 
 The SQL the filter becomes (bound parameters only) must select exactly the records the plain-Python rule
-:func:`kvsearch.filters.matches` selects; a filtered search must return the brute-force top-k among the
+:func:`kvsearch.metadata.filters.matches` selects; a filtered search must return the brute-force top-k among the
 matching records (exact indexes) and k of them whenever k match (every index type, selective filters too).
 """
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvsearch
-from kvsearch.filters import matches, where_sql
+from kvsearch.metadata.filters import matches, where_sql
 
 DIM = 8
 SCALARS = st.one_of(

@@ -13,7 +13,7 @@ import torch
 from kvsearch import Database, FinetuneConfig, NgramEncoder, finetune
 from kvsearch.cli import main
 from kvsearch.errors import InvalidArgumentError, NotSupportedError, UnknownOptionError
-from kvsearch.noise import generate_pairs
+from kvsearch.text.noise import generate_pairs
 from kvsearch.training.defaults import (
     AUTO_GENERATED,
     AUTO_PER_KEY,

@@ -156,7 +156,7 @@ def test_a_sharded_database_needs_a_folder_path(path):
 def test_the_largest_shard_count_is_a_count_a_normal_machine_opens():
     """The cap is where one process serving every shard stays within common open-file limits (see its docstring)."""
     assert 64 <= MAX_SHARDS <= 4096
-    assert kvsearch.limits.FILES_PER_DATABASE * MAX_SHARDS <= 65536
+    assert kvsearch.checks.FILES_PER_DATABASE * MAX_SHARDS <= 65536
 
 
 # ----------------------------------------------------------------------------- someone else's folder

@@ -25,12 +25,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvsearch"
 # __init__ (the public names), above everything.
 RANKS: list[tuple[str, ...]] = [
     ("errors",),
-    ("noise",),
-    ("checks", "limits", "datasets", "plot"),
+    ("checks", "plot"),
     ("metadata",),
-    ("results", "filters"),
+    ("results",),
+    ("text",),
+    ("datasets",),
     ("nn", "encoders"),
-    ("inputs", "rerank"),
+    ("inputs",),
     ("storage",),
     ("index",),
     ("retrieval",),
@@ -39,6 +40,7 @@ RANKS: list[tuple[str, ...]] = [
     ("reads", "writes"),
     ("selection",),
     ("database",),
+    ("contract",),  # the protocol both facades meet; what training, the CLI and integrations are written against
     ("distributed",),
     ("training",),
     ("cli", "integrations"),

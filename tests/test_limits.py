@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import kvsearch
+from kvsearch.checks import available_memory, check_fits, index_bytes, memory_budget
 from kvsearch.errors import MemoryLimitError
-from kvsearch.limits import available_memory, check_fits, index_bytes, memory_budget
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

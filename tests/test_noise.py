@@ -1,4 +1,4 @@
-"""The noise models and the pairs generated from stored keys (:mod:`kvsearch.noise`): seeded, reproducible, and
+"""The noise models and the pairs generated from stored keys (:mod:`kvsearch.text.noise`): seeded, reproducible, and
 each model does what it says, checked against brute-force references (an edit distance, a folding of case,
 accents and spaces, the scripts' alphabets)."""
 
@@ -10,7 +10,7 @@ import unicodedata
 import pytest
 
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.noise import (
+from kvsearch.text.noise import (
     NOISE_MODELS,
     case_and_spacing,
     check_noise,

@@ -1,6 +1,6 @@
 """Open files (reliability round 3, issue 25): bounded, checked up front, and ``EMFILE`` reported as what it is.
 
-- An open database holds at most :data:`kvsearch.limits.FILES_PER_DATABASE` file descriptors, whatever its index,
+- An open database holds at most :data:`kvsearch.checks.FILES_PER_DATABASE` file descriptors, whatever its index,
   through adds, deletes, searches, saves and reopens; a closed one holds none (counted in ``/proc/self/fd``).
 - Opening more shards than the process's open-file limit allows is refused up front with
   :class:`kvsearch.FileLimitError` naming the limit and the shard count (nothing is created); under a low soft limit
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import kvsearch
+from kvsearch.checks import FILES_PER_DATABASE, open_files
 from kvsearch.distributed import ShardedDatabase
-from kvsearch.limits import FILES_PER_DATABASE, open_files
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd")

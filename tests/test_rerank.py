@@ -18,7 +18,7 @@ from rapidfuzz.distance import OSA, Indel, JaroWinkler, Levenshtein
 import kvsearch
 from kvsearch import Database, NgramEncoder
 from kvsearch.distributed import ShardedDatabase
-from kvsearch.rerank import RERANK_DEPTH, RERANKERS, check_rerank
+from kvsearch.text.rerank import RERANK_DEPTH, RERANKERS, check_rerank
 
 SYLLABLES = ["li", "pa", "ton", "mo", "ra", "ski", "ber", "ne", "zha", "ng", "wer", "ss", "ko", "vi", "ch", "an"]
 FUNCTIONS = {

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 import kvsearch
 from kvsearch.errors import InvalidArgumentError, ReadOnlyDatabaseError
-from kvsearch.filters import matches
-from kvsearch.metadata import epoch_us
+from kvsearch.metadata.codec import epoch_us
+from kvsearch.metadata.filters import matches
 
 DIM = 4
 REPO = str(Path(__file__).resolve().parent.parent)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from kvsearch.cli.parser import PROG, CommandError
 from kvsearch.cli.printing import answer_table, counted, history_table, info_text, records_table
 from kvsearch.distributed import layout as sharding
-from kvsearch.metadata import to_json
+from kvsearch.metadata.codec import to_json
 from kvsearch.storage import folder as folders
 
 if TYPE_CHECKING:

@@ -65,9 +65,9 @@ def _query_text(text: str) -> str:
 
 
 def _where(text: str) -> dict[str, Any]:
-    """``--where``: a JSON object checked as a metadata filter (:func:`kvsearch.filters.check_where`)."""
+    """``--where``: a JSON object checked as a metadata filter (:func:`kvsearch.metadata.filters.check_where`)."""
     from kvsearch.errors import KVSearchError
-    from kvsearch.filters import check_where
+    from kvsearch.metadata.filters import check_where
 
     try:
         where = json.loads(text)
@@ -105,7 +105,7 @@ def _version() -> str:
 def _add_finetune(sub: Any) -> None:
     """The ``finetune`` command. Its defaults are :class:`~kvsearch.FinetuneConfig`'s: a training option not given is
     absent from the parsed namespace (``argparse.SUPPRESS``) and not passed on, so Python and the CLI train alike."""
-    from kvsearch.noise import NOISE_MODELS
+    from kvsearch.text.noise import NOISE_MODELS
     from kvsearch.training.config import KEEPS, TRAIN_MODES, FinetuneConfig
     from kvsearch.training.defaults import auto_batch_size
     from kvsearch.training.losses import ANSWER_LOSSES, LOSSES
@@ -200,7 +200,7 @@ def _add_finetune(sub: Any) -> None:
 
 def _noise(text: str) -> tuple[str, ...] | None:
     """``--noise``: comma-separated noise model names, or ``none`` (None: generate nothing)."""
-    from kvsearch.noise import NOISE_MODELS
+    from kvsearch.text.noise import NOISE_MODELS
 
     if text.strip().lower() == "none":
         return None

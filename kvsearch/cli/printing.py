@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from kvsearch.metadata import to_json
+from kvsearch.metadata.codec import to_json
 
 if TYPE_CHECKING:
     from kvsearch.training.config import History

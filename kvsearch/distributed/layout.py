@@ -49,8 +49,8 @@ ID_SHIFT = 40
 HASH = "blake2b-64-le"
 #: Most shards a new sharded database may have: a count that works on a normal machine. One process that serves
 #: them all (the CLI, a ShardedDatabase without torch.distributed) holds up to
-#: :data:`~kvsearch.limits.FILES_PER_DATABASE` open files per shard (10,240 at this count: within the hard limits
-#: machines ship with, and the soft limit is raised to fit, see :func:`~kvsearch.limits.check_open_files`), about
+#: :data:`~kvsearch.checks.FILES_PER_DATABASE` open files per shard (10,240 at this count: within the hard limits
+#: machines ship with, and the soft limit is raised to fit, see :func:`~kvsearch.checks.check_open_files`), about
 #: 0.4 MiB of memory and ~13 ms to create each (13 s for 1,024: ``benchmarks/bench_shards_open.py``). Ids would
 #: allow 2^22 shards; at 300 shards and beyond, a process under the common ``ulimit -n 1024`` failed halfway. More
 #: ranks each open ``num_shards / world_size``.

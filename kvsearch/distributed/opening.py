@@ -3,8 +3,8 @@
 A root holds one kind of database (:func:`kvsearch.storage.folder.check_kind`): ``ShardedDatabase`` on a plain
 database's folder is refused, and a new sharded database is made only in an absent or empty folder outside any
 other database (:func:`kvsearch.storage.folder.check_new_folder`). Each shard holds up to
-:data:`kvsearch.limits.FILES_PER_DATABASE` file descriptors: the shards a process opens must fit in its open-file
-limit, checked up front (:func:`kvsearch.limits.check_open_files`).
+:data:`kvsearch.checks.FILES_PER_DATABASE` file descriptors: the shards a process opens must fit in its open-file
+limit, checked up front (:func:`kvsearch.checks.check_open_files`).
 
 This module knows nothing of search, writes or collectives: it runs inside the facade's agreement, on every rank.
 """
@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvsearch import limits
+from kvsearch.checks import check_open_files
 from kvsearch.database import Database
 from kvsearch.distributed.generations import check_generations
 from kvsearch.distributed.layout import MAX_SHARDS, ShardLayout, first_id, is_sharded, shard_dir, shards_of_rank
@@ -93,7 +93,7 @@ def open_shards(
         else:
             folders.check_new_folder(path)
     mine = shards_of_rank(num_shards, rank, world_size)
-    limits.check_open_files(len(mine), f"opening {len(mine):,} shards of {path}")
+    check_open_files(len(mine), f"opening {len(mine):,} shards of {path}")
     if exists:
         missing = [shard_dir(path, s).name for s in mine if not folders.is_database(shard_dir(path, s))]
         if missing:

@@ -23,7 +23,7 @@ from torch import Tensor
 from kvsearch.distributed.layout import ID_SHIFT
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError
 from kvsearch.inputs import id_tensor, query_tensor
-from kvsearch.metadata import encode as encode_metadata
+from kvsearch.metadata.codec import encode as encode_metadata
 
 if TYPE_CHECKING:
     from kvsearch.database import Database

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsearch.checks import check_path
+from kvsearch.checks import check_open_files, check_path
 from kvsearch.database import Database
 from kvsearch.distributed.layout import (
     ID_SHIFT,
@@ -55,7 +55,6 @@ from kvsearch.errors import (
     InconsistentDatabaseError,
     InvalidArgumentError,
 )
-from kvsearch.limits import check_open_files
 from kvsearch.storage import carry
 from kvsearch.storage import folder as folder_checks
 from kvsearch.storage.fileio import storage_errors

@@ -64,14 +64,14 @@ from kvsearch.errors import (
     NotSupportedError,
     UnknownOptionError,
 )
-from kvsearch.filters import check_where
 from kvsearch.index.topk import merge_candidates
 from kvsearch.inputs import KeysIn, Queries, id_tensor, query_batch, query_tensor, query_texts
+from kvsearch.metadata.filters import check_where
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
-from kvsearch.rerank import Rerank, Similarity, check_rerank, require_texts, rerank_depth, rerank_hits
 from kvsearch.results import Answer, Hit, make_answer, make_hits
+from kvsearch.text.rerank import Rerank, Similarity, check_rerank, require_texts, rerank_depth, rerank_hits
 from kvsearch.view import same_object
 
 if TYPE_CHECKING:
@@ -580,7 +580,7 @@ class ShardedDatabase:
 
         Collective; a rank with no queries passes an empty list (or a (0, dim) tensor). An empty database gives
         empty lists. ``rerank`` re-orders each query's global top ``max(k, 32)`` on its rank by the similarity of
-        key and query text, as :meth:`Database.search` does (:mod:`kvsearch.rerank`; outside the differentiable
+        key and query text, as :meth:`Database.search` does (:mod:`kvsearch.text.rerank`; outside the differentiable
         path: :meth:`query` is unaffected); a tensor query with it raises InvalidArgumentError on every rank.
         """
         self._check_open()

@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.checks import check_device, check_dim
+from kvsearch.checks import check_device, check_dim, check_fits
 from kvsearch.encoders.base import NORM_EPS, Encoder, check_positive_int, check_texts
 from kvsearch.errors import InvalidArgumentError
-from kvsearch.limits import check_fits
 
 __all__ = ["NgramEncoder"]
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import COSINE_EPS, check_k
+from kvsearch.checks import COSINE_EPS, check_fits, check_k, index_bytes
 from kvsearch.errors import (
     CorruptDatabaseError,
     InvalidArgumentError,
@@ -64,7 +64,6 @@ from kvsearch.index.topk import (
     check_queries,
     exact_search,
 )
-from kvsearch.limits import check_fits, index_bytes
 from kvsearch.storage.fileio import write_atomic
 
 __all__ = ["Index"]

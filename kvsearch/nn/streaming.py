@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_dense, check_temperature
+from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_dense, check_fits, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
-from kvsearch.limits import check_fits
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, output_dtype
 from kvsearch.nn.scores import ScoreFn, checked_scores

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from kvsearch.checks import file_limits
 from kvsearch.errors import (
     CorruptDatabaseError,
     DiskFullError,
@@ -36,7 +37,6 @@ from kvsearch.errors import (
     ReadOnlyDatabaseError,
     StorageError,
 )
-from kvsearch.limits import file_limits
 
 __all__ = [
     "sqlite_code",

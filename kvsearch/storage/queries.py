@@ -2,7 +2,8 @@
 metadata updates.
 
 Each function runs a few statements on the caller's connection (inside the caller's snapshot or transaction) and
-the filter is :func:`kvsearch.filters.where_sql`'s bound SQL: no Python pass over the rows that do not match. It
+the filter is :func:`kvsearch.metadata.filters.where_sql`'s bound SQL: no Python pass over the rows that do not
+match. It
 knows nothing of embeddings, versions or the index: a metadata update changes no vector (nothing to catch up on).
 """
 
@@ -13,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvsearch.errors import InvalidArgumentError
-from kvsearch.filters import Field, parse_field, where_sql
-from kvsearch.metadata import EPOCH_US, check, decode, encode, from_json
+from kvsearch.metadata.codec import EPOCH_US, check, decode, encode, from_json
+from kvsearch.metadata.filters import Field, parse_field, where_sql
 from kvsearch.storage.schema import select_in
 
 __all__ = ["count", "ids", "distinct", "min_max", "fields", "set_metadata"]
@@ -87,7 +88,7 @@ def distinct(conn: sqlite3.Connection, name: str, where: Mapping[str, Any]) -> l
         ``[(value, count), ...]``, most frequent first (ties in kind, then value order).
 
     Raises:
-        InvalidArgumentError: a bad field name. As :func:`kvsearch.filters.check_where` for the filter.
+        InvalidArgumentError: a bad field name. As :func:`kvsearch.metadata.filters.check_where` for the filter.
     """
     field = parse_field(name, "field")
     sql, params = _values(field, where, unwind=True)
@@ -106,7 +107,7 @@ def min_max(conn: sqlite3.Connection, name: str, where: Mapping[str, Any]) -> tu
         ``(min, max)``, or None when no matching record holds such a value.
 
     Raises:
-        InvalidArgumentError: a bad field name. As :func:`kvsearch.filters.check_where` for the filter.
+        InvalidArgumentError: a bad field name. As :func:`kvsearch.metadata.filters.check_where` for the filter.
     """
     field = parse_field(name, "field")
     sql, params = _values(field, where, unwind=False)
@@ -144,7 +145,8 @@ def set_metadata(conn: sqlite3.Connection, ids: Sequence[int], metadata: Mapping
     top-level keys replaced or added) or replacing it.
 
     Raises:
-        InvalidArgumentError, NonFiniteError: metadata that cannot be stored (see :func:`kvsearch.metadata.check`),
+        InvalidArgumentError, NonFiniteError: metadata that cannot be stored (see
+            :func:`kvsearch.metadata.codec.check`),
             before anything is written.
     """
     if not isinstance(metadata, Mapping):

@@ -48,9 +48,9 @@ from kvsearch.errors import (
     ReadOnlyDatabaseError,
     StoreChangedError,
 )
-from kvsearch.filters import where_sql
-from kvsearch.metadata import decode as decode_metadata
-from kvsearch.metadata import encode as encode_metadata
+from kvsearch.metadata.codec import decode as decode_metadata
+from kvsearch.metadata.codec import encode as encode_metadata
+from kvsearch.metadata.filters import where_sql
 from kvsearch.storage import changelog, fileio, legacy, queries, schema
 from kvsearch.storage.embeddings import Embeddings
 from kvsearch.storage.locking import LOCK_FILE, WriteLock
@@ -636,7 +636,7 @@ class Store:
         return torch.tensor([t in found for t in texts], dtype=torch.bool)
 
     def ids_where(self, where: dict[str, Any]) -> Tensor:
-        """The ids of the records whose metadata satisfies a filter (see :mod:`kvsearch.filters`).
+        """The ids of the records whose metadata satisfies a filter (see :mod:`kvsearch.metadata.filters`).
 
         Args:
             where: a filter such as ``{"lang": "en", "year": {"$gte": 2000}}``.

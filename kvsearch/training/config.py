@@ -24,7 +24,7 @@ from kvsearch.checks import check_int, check_k, check_temperature
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.nn.pooling import POOLINGS, PoolingName
 from kvsearch.nn.scores import ScoreFn, check_score
-from kvsearch.noise import DEFAULT_NOISE, Noise, check_noise
+from kvsearch.text.noise import DEFAULT_NOISE, Noise, check_noise
 from kvsearch.training.losses import ANSWER_LOSSES, LossFn, LossName, get_loss
 from kvsearch.training.metrics import METRICS, TARGET_KINDS, MetricName, TargetKind, higher_is_better
 from kvsearch.training.precision import PRECISIONS, PrecisionName
@@ -118,7 +118,7 @@ class FinetuneConfig:
             gradient scaler, CUDA only). The loss is computed in float32, the weights stay float32 (autocast does
             not change them), evaluations run in float32 (as the database answers after the commit), and what is
             committed is float32 as before (see :mod:`kvsearch.training.precision`).
-        noise: the noise models of the pairs generated from the stored keys (see :mod:`kvsearch.noise`): a name
+        noise: the noise models of the pairs generated from the stored keys (see :mod:`kvsearch.text.noise`): a name
             among ``"typos"``, ``"phonetic"``, ``"case"``, ``"cyrillic"``, ``"greek"``, a callable
             ``(key, rng) -> str | None``, a sequence of them, or None (generate nothing).
         generated: how many ``(noisy key, key)`` pairs generated from the stored keys each epoch mixes into the

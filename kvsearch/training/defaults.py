@@ -4,7 +4,7 @@
 on typo, phonetic and transliteration queries with 0, 500, 2,000 and 10,000 user pairs, changing one option at a time
 around these defaults; its table is in ``benchmarks/RESULTS.md``. What it found for the n-gram encoder:
 
-- pairs generated from the stored keys (:mod:`kvsearch.noise`) are what makes a run pay with little data: with
+- pairs generated from the stored keys (:mod:`kvsearch.text.noise`) are what makes a run pay with little data: with
   2,000 user pairs alone the best options gained a few points, with generated pairs mixed in many more;
 - the shared encoder must learn (``train="query+keys"``): a query-side copy alone drifts away from the keys;
 - with generated pairs, batches of 256 at a learning rate of 3e-3 (Adam) learn as much as batches of 64 in a

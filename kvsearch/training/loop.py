@@ -36,7 +36,7 @@ databases without text (kernel regression, see :class:`~kvsearch.nn.scores.Gauss
 that match nothing (no stored key, no stored value text) are refused before any step; the message says when
 the other ``targets=`` would match them.
 
-Pairs. The stored keys written wrong (:mod:`kvsearch.noise`) are mixed into the user's pairs, fresh ones each
+Pairs. The stored keys written wrong (:mod:`kvsearch.text.noise`) are mixed into the user's pairs, fresh ones each
 epoch, or trained on alone; the monitor's keys are never trained on (:mod:`kvsearch.training.pairs`).
 
 Precision. ``precision="bf16"`` runs each step's forward (the encoders, the attention) under ``torch.autocast``

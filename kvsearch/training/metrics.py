@@ -35,7 +35,7 @@ from kvsearch.errors import (
 from kvsearch.inputs import normalize_key
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.scores import ScoreFn, compute_scores
-from kvsearch.rerank import Rerank, Similarity, check_rerank, rerank_depth, rerank_order
+from kvsearch.text.rerank import Rerank, Similarity, check_rerank, rerank_depth, rerank_order
 from kvsearch.training.team import Team, batches, team_of
 
 if TYPE_CHECKING:
@@ -340,7 +340,7 @@ def evaluate(
     A query counts as answered at rank r when the r-th best candidate (by ``score``, among the ``k`` the index
     picks) is the target record (``targets="key"``) or holds the target value text (``targets="value"``). With
     ``rerank``, the candidates are the top ``max(k, 32)`` re-ordered by the re-ranker, the first ``k`` kept, as
-    ``db.search(query, k, rerank=rerank)`` returns them (:mod:`kvsearch.rerank`; not differentiable: a measure,
+    ``db.search(query, k, rerank=rerank)`` returns them (:mod:`kvsearch.text.rerank`; not differentiable: a measure,
     not a training signal).
 
     Args:
@@ -353,7 +353,7 @@ def evaluate(
         batch_size: queries per index search.
         retriever: what picks the candidates (anything with ``candidates(queries, k)``, such as the draft
             generation of a fine-tuning run); default the database.
-        rerank: a re-ranker name of :data:`~kvsearch.rerank.RERANKERS` or a callable ``(query_text, key_text) ->
+        rerank: a re-ranker name of :data:`~kvsearch.text.rerank.RERANKERS` or a callable ``(query_text, key_text) ->
             float``; default none (the order of ``score``).
 
     Returns:

@@ -1,10 +1,10 @@
 """What a fine-tuning run trains and monitors on: the user's pairs, pairs generated from the stored keys, the split.
 
     plan = plan_pairs(db, train_pairs, eval_pairs, noise=("typos", "phonetic"), generated=20_000, seed=0)
-    plan.train     # the user's pairs + (noisy key, key) pairs generated from the stored keys (kvsearch.noise)
+    plan.train     # the user's pairs + (noisy key, key) pairs generated from the stored keys (kvsearch.text.noise)
     plan.eval      # the user's eval pairs, or generated pairs of held-out keys (the keep-best monitor)
 
-The stored keys are training data: a key written wrong (by a noise model of :mod:`kvsearch.noise`) paired with the
+The stored keys are training data: a key written wrong (by a noise model of :mod:`kvsearch.text.noise`) paired with the
 key. Keys that the monitor measures are never trained on, so keep-best compares epochs on keys the run has not seen:
 the user's eval pairs' target keys or, without eval pairs, keys split off by a seeded draw — a share
 (:data:`MONITOR_SHARE`, at most :data:`MONITOR_KEYS`) of the keys the user's pairs name, whose pairs move from
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from kvsearch.errors import InvalidArgumentError, NotSupportedError
-from kvsearch.noise import Noise, check_noise, generate_pairs
+from kvsearch.text.noise import Noise, check_noise, generate_pairs
 from kvsearch.training.config import FinetuneConfig
 from kvsearch.training.defaults import auto_generated
 from kvsearch.training.metrics import Pairs, check_pairs, check_targets, is_tensor_pairs
@@ -97,7 +97,7 @@ def plan_pairs(
         train_pairs: the user's training pairs, or None (generated pairs only).
         eval_pairs: the user's eval pairs, or None (then, when pairs are generated, generated pairs of held-out
             keys monitor the run).
-        noise: the noise models (see :func:`kvsearch.noise.check_noise`).
+        noise: the noise models (see :func:`kvsearch.text.noise.check_noise`).
         generated: how many generated pairs each epoch mixes in (0: none).
         epochs: the run's epochs (each gets fresh spellings: ``generated * epochs`` are drawn).
         seed: the seed of the generation and of the held-out draw.

@@ -16,7 +16,7 @@ None for a value given as an embedding).
 **Conditions.** A plain value (equality), or a dict of operators that must all hold: ``$eq $ne $gt $gte $lt $lte
 $in $nin $exists $contains``, and ``$not`` with a dict of operators. Comparison is typed: a number matches numbers
 (``1`` equals ``1.0``), a string strings, a bool bools, a datetime or date datetimes and dates (as instants, see
-:mod:`kvsearch.metadata`: naive is UTC). Order operators take a number, a string or a datetime / date and never
+:mod:`kvsearch.metadata.codec`: naive is UTC). Order operators take a number, a string or a datetime / date and never
 match a value of another type. ``$contains`` holds for a string field that contains the operand string, and for a
 list field with a member equal to the operand (a str, number, bool or None).
 
@@ -43,7 +43,7 @@ from typing import Any
 
 from kvsearch.checks import check_unicode
 from kvsearch.errors import InvalidArgumentError, NonFiniteError, UnknownOptionError
-from kvsearch.metadata import EPOCH_US, INT64, epoch_us
+from kvsearch.metadata.codec import EPOCH_US, INT64, epoch_us
 
 __all__ = ["OPERATORS", "LOGICAL", "RECORD_FIELDS", "check_where", "where_sql", "matches", "Field", "parse_field"]
 
