@@ -33,6 +33,28 @@ def _short(x: object) -> str:
     return _short_repr.repr(x)
 
 
+class _StoredMetadata:
+    """A field descriptor: metadata given as a dict, or as its stored JSON text (or None) decoded at first access.
+
+    A search reads the hits' metadata texts in its snapshot; decoding them is left to the reader who looks.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, hit: Hit | None, owner: type | None = None) -> Any:
+        if hit is None:
+            return None  # the dataclass's default: no metadata
+        value = hit.__dict__[self.slot]
+        if value is None or isinstance(value, str):
+            value = decode_metadata(value)  # {} for None
+            hit.__dict__[self.slot] = value
+        return value
+
+    def __set__(self, hit: Hit, value: dict[str, Any] | str | None) -> None:
+        hit.__dict__[self.slot] = None if value is self else value  # the field's default is this descriptor
+
+
 @dataclass(frozen=True, repr=False)
 class Hit:
     """One search result.
@@ -41,15 +63,17 @@ class Hit:
         id: the record's global id.
         key: the key text (None for a key given as an embedding).
         value: the value text, or the value embedding (CPU tensor) for a value given as an embedding.
-        score: the score function of the database, recomputed in torch on the stored key.
-        metadata: the record's metadata dict ({} when it has none), read in the same snapshot as the search.
+        score: the database's score of the stored key for the query: the index's own score where the index holds
+            the stored vectors themselves (the same number up to float rounding), else recomputed in torch.
+        metadata: the record's metadata dict ({} when it has none), read in the same snapshot as the search
+            (decoded from its stored form when first read).
     """
 
     id: int
     key: str | None
     value: str | Tensor | None
     score: float
-    metadata: dict[str, Any] = field(default_factory=dict, hash=False)  # compared, not hashed (a dict)
+    metadata: dict[str, Any] = field(default=_StoredMetadata(), hash=False)  # compared, not hashed (a dict)
 
     def __repr__(self) -> str:
         meta = f", metadata={_short(self.metadata)}" if self.metadata else ""
@@ -243,16 +267,12 @@ def make_hits(
     scores = scores.tolist() if isinstance(scores, Tensor) else scores
     return [
         [
-            Hit(id=i, key=key_of_id.get(i), value=values.get(i), score=s, metadata=_parse(metadata.get(i)))
+            Hit(id=i, key=key_of_id.get(i), value=values.get(i), score=s, metadata=metadata.get(i))  # decoded lazily
             for i, s in zip(row, row_s)
             if i >= 0
         ]
         for row, row_s in zip(ids, scores)
     ]
-
-
-def _parse(text: str | None) -> dict[str, Any]:
-    return decode_metadata(text)
 
 
 def make_answer(
