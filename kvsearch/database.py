@@ -466,13 +466,11 @@ class Database:
         Args:
             queries: a text, a list of texts, a query embedding (dim,) or a batch (batch, dim).
             k: how many; fewer come back when the database holds fewer.
-            where: a metadata filter (operators ``$eq $ne $gt $gte $lt $lte $in $nin``,
-                :mod:`kvsearch.metadata.filters`) such
-                as ``{"lang": "en", "year": {"$gte": 2000}}``: k matching records come back when k exist.
+            where: a metadata filter (:mod:`kvsearch.metadata.filters`) such as ``{"lang": "en", "year":
+                {"$gte": 2000}}``: k matching records come back when k exist.
             rerank: (text queries) re-order the top ``max(k, 32)`` by the similarity of key and query text: ``"osa"``,
                 ``"levenshtein"``, ``"jaro_winkler"``, ``"indel"`` (rapidfuzz) or ``(query_text, key_text) -> float``;
-                ``Hit.score`` stays the database's. Not differentiable (``query()`` unaffected):
-                :mod:`kvsearch.text.rerank`.
+                ``Hit.score`` stays the database's. Not differentiable: :mod:`kvsearch.text.rerank`.
 
         Returns:
             A list of :class:`Hit` for one query, a list of lists for a batch; empty lists when the database is
