@@ -5,7 +5,8 @@
 It owns :class:`Candidates` (the gathered tensors a database hands over), the layouts ``attend`` accepts (shared
 keys, gathered candidates, batched), valid lengths, dropout, the score / pooling pairing check, the overflow
 checks of scores and output (in eager mode) and the precision rule under autocast (float32 math inside, see
-:mod:`kvsearch.nn.precision`). Scores come from :mod:`kvsearch.nn.scores`, weights from :mod:`kvsearch.nn.pooling`.
+:mod:`kvsearch.nn.precision`). Scores come from the registry :data:`~kvsearch.nn.scores.SCORE_KINDS` (which also
+says which scores are never positive, for the pairing check), weights from :mod:`kvsearch.nn.pooling`.
 
 It knows nothing of FAISS, SQLite or text: it takes already-gathered tensors and gives back tensors that gradients
 flow through.
@@ -24,7 +25,7 @@ from kvsearch.checks import all_finite, check_dense, check_finite, check_tempera
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError
 from kvsearch.nn.pooling import POOLINGS, exact_matches, keep_mask, pool
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, eager_checks, full_precision, output_dtype
-from kvsearch.nn.scores import ScoreFn, check_float_tensor, check_option, check_score, checked_scores, describe
+from kvsearch.nn.scores import SCORE_KINDS, ScoreFn, check_float_tensor, check_option, check_score, describe
 
 __all__ = ["Candidates", "attend", "check_pairing", "check_dropout"]
 
@@ -61,17 +62,19 @@ def check_dropout(dropout: object) -> float:
 def check_pairing(score: object, pooling: str) -> None:
     """Refuse a score whose values the pooling would turn into all-zero weights.
 
-    The gaussian score ``-|q - k|^2 / 2`` is never positive, and ``normalize`` / ``nonnegative`` keep only the
-    positive part of the scores: every weight would be 0 and every answer "nothing found".
+    A score registered as never positive (:attr:`~kvsearch.nn.scores.ScoreKind.never_positive`: the gaussian
+    ``-|q - k|^2 / 2``), and ``normalize`` / ``nonnegative`` keep only the positive part of the scores: every
+    weight would be 0 and every answer "nothing found".
 
     Raises:
-        InvalidArgumentError: ``score="gaussian"`` with ``pooling`` ``normalize`` or ``nonnegative``.
+        InvalidArgumentError: such a score (``"gaussian"``) with ``pooling`` ``normalize`` or ``nonnegative``.
     """
-    if isinstance(score, str) and score == "gaussian" and pooling in ("normalize", "nonnegative"):
+    kind = SCORE_KINDS.get(score) if isinstance(score, str) else None
+    if kind is not None and kind.never_positive and pooling in ("normalize", "nonnegative"):
         raise InvalidArgumentError(
-            f"pooling {pooling!r} keeps the non-negative part of the scores, but the gaussian score "
-            "-|q - k|^2 / 2 is never positive, so every weight would be 0; expected softmax (Nadaraya-Watson), "
-            "hard, exact or average pooling with the gaussian score, or a score that can be positive"
+            f"pooling {pooling!r} keeps the non-negative part of the scores, but the {score} score "
+            f"{kind.formula} is never positive, so every weight would be 0; expected softmax (Nadaraya-Watson), "
+            f"hard, exact or average pooling with the {score} score, or a score that can be positive"
         )
 
 
@@ -99,6 +102,38 @@ def _valid_lens_mask(valid_lens: object, shape: torch.Size, device: torch.device
     lens = valid_lens.to(device).reshape(*valid_lens.shape, *trailing)  # (batch, 1, 1) | (..., n, 1)
     positions = torch.arange(shape[-1], device=device)  # (m,)
     return (positions < lens).expand(shape)  # shape
+
+
+def _check_layout(queries: Tensor, keys: Tensor, values: Tensor, score: str | ScoreFn) -> bool:
+    """Check that the shapes fit one of ``attend``'s layouts; True for gathered candidates.
+
+    Raises:
+        DimensionMismatchError: the shapes fit no layout, or batch, m or dim (for a built-in score) disagree.
+    """
+    gathered = queries.dim() == 2 and keys.dim() == 3
+    if not ((queries.dim() == 2 and keys.dim() == 2) or gathered or (queries.dim() == 3 and keys.dim() == 3)):
+        raise DimensionMismatchError(
+            "expected queries (n, dim) with keys (m, dim), queries (batch, dim) with keys "
+            "(batch, k, dim), or queries (batch, n, dim) with keys (batch, m, dim); "
+            f"got queries {tuple(queries.shape)} and keys {tuple(keys.shape)}"
+        )
+    if keys.dim() == 3 and keys.shape[0] != queries.shape[0]:
+        raise DimensionMismatchError(
+            f"keys must have the queries' batch size: expected {queries.shape[0]}, got {keys.shape[0]}"
+        )
+    if values.shape[:-1] != keys.shape[:-1] or values.dim() != keys.dim():
+        expected = (*keys.shape[:-1], "value_dim")
+        raise DimensionMismatchError(
+            f"values must line up with the keys: expected shape {expected}, got {tuple(values.shape)}"
+        )
+    if isinstance(score, str):
+        if queries.shape[-1] != keys.shape[-1]:
+            raise DimensionMismatchError(
+                f"keys must have the queries' dim: expected {queries.shape[-1]}, got {keys.shape[-1]}"
+            )
+        if queries.shape[-1] == 0:
+            raise DimensionMismatchError("embeddings must have dim >= 1, got 0")
+    return gathered
 
 
 def _peak(x: Tensor) -> float:
@@ -130,7 +165,8 @@ def _score_pool_blend(
 ) -> tuple[Tensor, Tensor]:
     """``attend``'s math on checked inputs of one dtype: queries (..., n, dim), keys (..., m, dim) -> output
     (..., n, value_dim) and weights (..., n, m)."""
-    scores = checked_scores(queries, keys, score)  # (..., n, m): checked by attend, one dtype
+    score_fn = score if callable(score) else SCORE_KINDS[score].fn  # checked_scores' dispatch, without its frame
+    scores = score_fn(queries, keys)  # (..., n, m): checked by attend, one dtype
     expected = torch.Size((*queries.shape[:-1], keys.shape[-2]))
     if not isinstance(scores, Tensor) or scores.shape != expected:
         got = tuple(scores.shape) if isinstance(scores, Tensor) else describe(scores)
@@ -231,30 +267,7 @@ def attend(
     check_float_tensor(queries, "queries")
     check_float_tensor(keys, "keys")
     check_float_tensor(values, "values")
-
-    gathered = queries.dim() == 2 and keys.dim() == 3
-    if not ((queries.dim() == 2 and keys.dim() == 2) or gathered or (queries.dim() == 3 and keys.dim() == 3)):
-        raise DimensionMismatchError(
-            "expected queries (n, dim) with keys (m, dim), queries (batch, dim) with keys "
-            "(batch, k, dim), or queries (batch, n, dim) with keys (batch, m, dim); "
-            f"got queries {tuple(queries.shape)} and keys {tuple(keys.shape)}"
-        )
-    if keys.dim() == 3 and keys.shape[0] != queries.shape[0]:
-        raise DimensionMismatchError(
-            f"keys must have the queries' batch size: expected {queries.shape[0]}, got {keys.shape[0]}"
-        )
-    if values.shape[:-1] != keys.shape[:-1] or values.dim() != keys.dim():
-        expected = (*keys.shape[:-1], "value_dim")
-        raise DimensionMismatchError(
-            f"values must line up with the keys: expected shape {expected}, got {tuple(values.shape)}"
-        )
-    if isinstance(score, str):
-        if queries.shape[-1] != keys.shape[-1]:
-            raise DimensionMismatchError(
-                f"keys must have the queries' dim: expected {queries.shape[-1]}, got {keys.shape[-1]}"
-            )
-        if queries.shape[-1] == 0:
-            raise DimensionMismatchError("embeddings must have dim >= 1, got 0")
+    gathered = _check_layout(queries, keys, values, score)
     check_pairing(score, pooling)
     if eager_checks():
         check_finite(queries)

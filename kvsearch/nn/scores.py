@@ -1,20 +1,31 @@
 """Score functions: how strongly each query attends to each candidate key, before any pooling.
 
+It owns the one registry of built-in scores, :data:`SCORE_KINDS`: a name maps to a :class:`ScoreKind` holding
+everything any reader needs of that score — its torch function (``compute_scores`` dispatches through it), the
+index metric a database with it as default needs and whether the index stores unit keys (``retrieval.metric_of``),
+its streaming form (:class:`StreamForm`, what ``nn.streaming`` computes chunk by chunk), its relevance in [0, 1]
+(the LangChain store) and whether it is never positive (the pooling check of ``attend``). The name lists derive
+from it: ``SCORES`` (every name, ``ScoreName``), ``DB_SCORES`` (those a database can search by: they decide its
+index metric); the CLI's ``--score`` choices and ``nn.streaming.STREAMING_SCORES`` read it too. **Adding a
+built-in score is one entry in** :data:`SCORE_KINDS`.
+
 ``compute_scores(queries, keys, score)`` gives (..., n, m) scores for a built-in name (``dot``, ``scaled_dot``,
 ``cosine``, ``gaussian``) or calls a score callable; :class:`AdditiveScore` (Bahdanau) and :class:`GaussianKernel`
-(Nadaraya-Watson with a learnable bandwidth) are learned score callables. ``DB_SCORES`` are the scores a database
-can search by (they decide its index metric). It also owns the small argument checks the rest of the nn wing
-shares (``describe``, ``check_option``, ``check_float_tensor``).
+(Nadaraya-Watson with a learnable bandwidth) are learned score callables (``additive`` is registered by name only
+to say so). It also owns the small argument checks the rest of the nn wing shares (``describe``, ``check_option``,
+``check_float_tensor``).
 
-It knows nothing of pooling, masks, candidates, FAISS, SQLite or text.
+It knows nothing of pooling, masks, candidates, FAISS, SQLite or text: the metric and relevance it records are
+plain values the index and integration layers read.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +38,9 @@ from kvsearch.nn.precision import eager_checks
 __all__ = [
     "ScoreName",
     "ScoreFn",
+    "ScoreKind",
+    "StreamForm",
+    "SCORE_KINDS",
     "SCORES",
     "DB_SCORES",
     "check_score",
@@ -40,20 +54,7 @@ __all__ = [
     "check_float_tensor",
 ]
 
-ScoreName = Literal["dot", "scaled_dot", "cosine", "gaussian", "additive"]
 ScoreFn = Callable[[Tensor, Tensor], Tensor]
-
-SCORES: tuple[str, ...] = get_args(ScoreName)
-
-#: Score functions a database can use as its default (they decide the index metric).
-DB_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
-
-_ADDITIVE_HINT = (
-    "the additive score has learned weights, so it cannot be named by a string here: "
-    "expected a callable such as AdditiveScore(query_dim, key_dim, hidden), got 'additive' "
-    "(KVAttention(score='additive') creates the module for you)"
-)
-
 
 # ----------------------------------------------------------------------------- checks
 
@@ -90,9 +91,11 @@ def check_score(score: object) -> None:
         raise InvalidArgumentError(
             f"score must be one of {', '.join(SCORES)} or a callable (queries, keys) -> scores, got {describe(score)}"
         )
-    if score == "additive":
-        raise InvalidArgumentError(_ADDITIVE_HINT)
-    check_option(score, SCORES, "score")
+    kind = SCORE_KINDS.get(score)
+    if kind is None:
+        check_option(score, SCORES, "score")  # raises: an unknown name
+    elif kind.fn is None:
+        raise InvalidArgumentError(kind.hint)
 
 
 def check_db_score(score: object) -> str:
@@ -162,6 +165,138 @@ def _gaussian(queries: Tensor, keys: Tensor) -> Tensor:
     return -0.5 * (query_sq - 2 * dots + key_sq).clamp(min=0)  # (..., n, m)
 
 
+def _dot(queries: Tensor, keys: Tensor) -> Tensor:
+    """q.k for queries (..., n, dim) and keys (..., m, dim): (..., n, m)."""
+    return queries @ keys.transpose(-2, -1)  # (..., n, m)
+
+
+def _scaled_dot(queries: Tensor, keys: Tensor) -> Tensor:
+    """q.k / sqrt(dim) for queries (..., n, dim) and keys (..., m, dim): (..., n, m)."""
+    dots = queries @ keys.transpose(-2, -1)  # (..., n, m)
+    return dots / math.sqrt(queries.shape[-1])  # (..., n, m)
+
+
+def _cosine(queries: Tensor, keys: Tensor) -> Tensor:
+    """The dot of the unit rows (:func:`_unit_rows`) of queries (..., n, dim) and keys (..., m, dim): (..., n, m)."""
+    queries = _unit_rows(queries)  # (..., n, dim)
+    keys = _unit_rows(keys)  # (..., m, dim)
+    return queries @ keys.transpose(-2, -1)  # (..., n, m)
+
+
+def _sigmoid(score: float) -> float:
+    """An unbounded similarity as a relevance in (0, 1)."""
+    return 1.0 / (1.0 + math.exp(-score))
+
+
+def _cosine_relevance(score: float) -> float:
+    """A cosine in [-1, 1] as a relevance in [0, 1] (float32 rounding may pass 1 by an ulp: clamped)."""
+    return min(1.0, max(0.0, (1.0 + score) / 2.0))
+
+
+def _gaussian_relevance(score: float) -> float:
+    """A gaussian score -|q - k|^2 / 2 <= 0 as a relevance in (0, 1]."""
+    return math.exp(score)
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class StreamForm:
+    """How :func:`~kvsearch.nn.streaming.streaming_attention` computes a score a chunk of keys at a time.
+
+    Its kernel scores ``scale * q.k`` (``scale`` = 1 / temperature) and knows three building blocks, which a score
+    switches on here; its backward differentiates each.
+
+    Attributes:
+        sqrt_dim: divide the scale by sqrt(dim) (``scaled_dot``).
+        unit: scale the queries and each chunk of keys to unit rows, norms clamped to ``COSINE_EPS`` (``cosine``).
+        distance: ``-|q - k|^2 / 2`` instead of ``q.k``, computed as ``q'.k' - |k'|^2 / 2 - |q'|^2 / 2`` on
+            points centred on a common reference (the query itself for one query, else the keys' mean) so that
+            it stays accurate far from the origin (``gaussian``).
+    """
+
+    sqrt_dim: bool = False
+    unit: bool = False
+    distance: bool = False
+
+
+@dataclass(frozen=True)
+class ScoreKind:
+    """One built-in score: everything the package needs to know of it, in one place.
+
+    Attributes:
+        fn: the torch function (queries (..., n, dim), keys (..., m, dim)) -> (..., n, m) on checked inputs of one
+            dtype; None for a learned score, which cannot be named by a string (``hint`` says why).
+        metric: the index metric a database with this default score builds (``"ip"`` inner product, ``"l2"``
+            squared L2); None: it cannot be a database's default.
+        unit_keys: the index stores the keys scaled to unit norm (cosine).
+        stream: its :class:`StreamForm` for streaming softmax over every record; None: attention over every
+            record is dense for it.
+        relevance: the score of one hit as a relevance in [0, 1] (higher is more relevant), for a database score.
+        never_positive: its values are never positive (pooling that keeps the positive part would give all-zero
+            weights); ``formula`` is then shown in the refusal.
+        formula: the score as a formula, for messages.
+        hint: why the name alone is refused (``fn`` None).
+    """
+
+    fn: ScoreFn | None
+    metric: Literal["ip", "l2"] | None = None
+    unit_keys: bool = False
+    stream: StreamForm | None = None
+    relevance: Callable[[float], float] | None = None
+    never_positive: bool = False
+    formula: str = ""
+    hint: str = ""
+
+    @property
+    def db_default(self) -> bool:
+        """Whether a database can use this score as its default (it decides the index metric)."""
+        return self.metric is not None
+
+
+#: Every built-in score by name. A new built-in score is one entry here: the name lists below, ``compute_scores``,
+#: the index metric, streaming attention, the CLI's choices and LangChain's relevance all read it.
+SCORE_KINDS: dict[str, ScoreKind] = {
+    "dot": ScoreKind(_dot, metric="ip", stream=StreamForm(), relevance=_sigmoid, formula="q.k"),
+    "scaled_dot": ScoreKind(
+        _scaled_dot, metric="ip", stream=StreamForm(sqrt_dim=True), relevance=_sigmoid, formula="q.k / sqrt(dim)"
+    ),
+    "cosine": ScoreKind(
+        _cosine,
+        metric="ip",
+        unit_keys=True,
+        stream=StreamForm(unit=True),
+        relevance=_cosine_relevance,
+        formula="q.k / (|q| |k|)",
+    ),
+    "gaussian": ScoreKind(
+        _gaussian,
+        metric="l2",
+        stream=StreamForm(distance=True),
+        relevance=_gaussian_relevance,
+        never_positive=True,
+        formula="-|q - k|^2 / 2",
+    ),
+    "additive": ScoreKind(
+        None,
+        formula="w_v^T tanh(W_q q + W_k k)",
+        hint=(
+            "the additive score has learned weights, so it cannot be named by a string here: "
+            "expected a callable such as AdditiveScore(query_dim, key_dim, hidden), got 'additive' "
+            "(KVAttention(score='additive') creates the module for you)"
+        ),
+    ),
+}
+
+#: Every built-in score name (``additive`` included: it names a learned module).
+SCORES: tuple[str, ...] = tuple(SCORE_KINDS)
+ScoreName = Literal[SCORES]  # the names of SCORE_KINDS, as a type
+
+#: Score functions a database can use as its default (they decide the index metric).
+DB_SCORES: tuple[str, ...] = tuple(name for name, kind in SCORE_KINDS.items() if kind.db_default)
+
+
 def compute_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tensor:
     """Score every query against every key.
 
@@ -208,15 +343,7 @@ def checked_scores(queries: Tensor, keys: Tensor, score: str | ScoreFn) -> Tenso
     """
     if callable(score):
         return score(queries, keys)  # (..., n, m)
-    if score == "gaussian":
-        return _gaussian(queries, keys)  # (..., n, m)
-    if score == "cosine":
-        queries = _unit_rows(queries)  # (..., n, dim)
-        keys = _unit_rows(keys)  # (..., m, dim)
-    dots = queries @ keys.transpose(-2, -1)  # (..., n, m)
-    if score == "scaled_dot":
-        return dots / math.sqrt(queries.shape[-1])  # (..., n, m)
-    return dots  # (..., n, m): dot, cosine
+    return SCORE_KINDS[score].fn(queries, keys)  # (..., n, m)
 
 
 # ----------------------------------------------------------------------------- learned scores

@@ -6,10 +6,13 @@ arrives, as FlashAttention does. A custom :class:`torch.autograd.Function` saves
 and the per-query log-sum-exp (batch,); its backward recomputes each chunk's probabilities from them, so
 neither pass ever holds a (batch, m) tensor.
 
-Scores supported (the database's): ``dot``, ``scaled_dot`` (/ sqrt(dim)), ``cosine`` (unit query and keys) and
-``gaussian`` (-||q - k||^2 / 2, computed as ``q'.k' - |k'|^2 / 2 - |q'|^2 / 2`` on points centred on a common
-reference, the query itself for one query, else the keys' mean — each chunk of keys is centred as it is read —
-so that it stays accurate far from the origin). Gradients flow to queries, keys and values.
+Scores supported: those with a streaming form in the registry :data:`~kvsearch.nn.scores.SCORE_KINDS`
+(``STREAMING_SCORES``: ``dot``, ``scaled_dot``, ``cosine``, ``gaussian``). The kernel scores ``scale * q.k`` and
+knows three building blocks a :class:`~kvsearch.nn.scores.StreamForm` switches on: a scale divided by sqrt(dim)
+(``scaled_dot``), unit query and keys (``cosine``) and the distance ``-||q - k||^2 / 2``, computed as
+``q'.k' - |k'|^2 / 2 - |q'|^2 / 2`` on points centred on a common reference, the query itself for one query, else
+the keys' mean — each chunk of keys is centred as it is read — so that it stays accurate far from the origin
+(``gaussian``). It knows no score by name. Gradients flow to queries, keys and values.
 
 Under ``torch.autocast`` both passes run in float32 with autocast off, and the output comes out in the autocast
 dtype (see :func:`streaming_attention`), as fused ``scaled_dot_product_attention`` does.
@@ -28,12 +31,12 @@ from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_dense,
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, output_dtype
-from kvsearch.nn.scores import ScoreFn, checked_scores
+from kvsearch.nn.scores import SCORE_KINDS, ScoreFn, checked_scores
 
 __all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
 
-#: Score functions streaming attention computes.
-STREAMING_SCORES = ("dot", "scaled_dot", "cosine", "gaussian")
+#: Score functions streaming attention computes: those with a streaming form in the registry.
+STREAMING_SCORES: tuple[str, ...] = tuple(name for name, kind in SCORE_KINDS.items() if kind.stream is not None)
 
 
 def default_chunk(batch: int) -> int:
@@ -42,10 +45,10 @@ def default_chunk(batch: int) -> int:
 
 
 def _chunk_keys(keys: Tensor, normalize: bool, center: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One chunk of keys: as scored (unit rows for cosine), raw (minus ``center`` for gaussian), and the norms
+    """One chunk of keys: as scored (unit rows for a unit form), raw (minus ``center`` for a distance), and the norms
     (clamped as F.normalize does) or None."""
     if center is not None:
-        keys = keys - center  # (c, dim): the gaussian score on centred points
+        keys = keys - center  # (c, dim): a distance score on centred points
     if not normalize:
         return keys, keys, None
     norms = keys.norm(dim=-1, keepdim=True).clamp(min=COSINE_EPS)  # (c, 1)
@@ -53,24 +56,24 @@ def _chunk_keys(keys: Tensor, normalize: bool, center: Tensor | None) -> tuple[T
 
 
 def _chunk_scores(
-    q: Tensor, unit: Tensor, raw: Tensor, scale: float, gaussian: bool, shift: Tensor | None = None
+    q: Tensor, unit: Tensor, raw: Tensor, scale: float, distance: bool, shift: Tensor | None = None
 ) -> Tensor:
     """Scores (batch, c) of queries (batch, dim) against one chunk of keys (c, dim), minus ``shift`` (batch, 1).
 
-    For gaussian, ``shift`` already holds the queries' ``scale * |q|^2 / 2``.
+    For a distance, ``shift`` already holds the queries' ``scale * |q|^2 / 2``.
     """
     if shift is None:
         scores = torch.mm(q, unit.T).mul_(scale)  # (batch, c)
     else:
         scores = torch.addmm(shift, q, unit.T, beta=-1.0, alpha=scale)  # (batch, c): one pass, no temporaries
-    if gaussian:
+    if distance:
         scores -= (0.5 * scale) * raw.pow(2).sum(-1)  # (batch, c): - |k|^2 / 2, scaled
     return scores
 
 
-def _query_shift(queries: Tensor, scale: float, gaussian: bool) -> Tensor | None:
-    """The queries' part of the gaussian score, ``scale * |q|^2 / 2`` (batch, 1), or None for the other scores."""
-    return (0.5 * scale) * queries.pow(2).sum(-1, keepdim=True) if gaussian else None  # (batch, 1)
+def _query_shift(queries: Tensor, scale: float, distance: bool) -> Tensor | None:
+    """The queries' part of a distance score, ``scale * |q|^2 / 2`` (batch, 1), or None for the other scores."""
+    return (0.5 * scale) * queries.pow(2).sum(-1, keepdim=True) if distance else None  # (batch, 1)
 
 
 class _StreamingSoftmaxAttention(torch.autograd.Function):
@@ -84,7 +87,7 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
         values: Tensor,
         scale: float,
         normalize: bool,
-        gaussian: bool,
+        distance: bool,
         chunk: int,
         center: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -95,10 +98,10 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
         acc = torch.zeros(batch, values.shape[1], dtype=dtype, device=queries.device)  # (batch, value_dim)
         best_score = torch.full((batch,), -math.inf, dtype=dtype, device=queries.device)  # (batch,)
         best_row = torch.zeros(batch, dtype=torch.long, device=queries.device)  # (batch,)
-        query_shift = _query_shift(queries, scale, gaussian)  # (batch, 1) | None
+        query_shift = _query_shift(queries, scale, distance)  # (batch, 1) | None
         for start in range(0, m, chunk):
             unit, raw, _ = _chunk_keys(keys[start : start + chunk], normalize, center)  # (c, dim), (c, dim)
-            scores = _chunk_scores(queries, unit, raw, scale, gaussian, shift=query_shift)  # (batch, c)
+            scores = _chunk_scores(queries, unit, raw, scale, distance, shift=query_shift)  # (batch, c)
             chunk_max, chunk_arg = scores.max(dim=1)  # (batch,), (batch,)
             better = chunk_max > best_score  # (batch,) first maximum wins ties, as argmax does
             best_row = torch.where(better, chunk_arg + start, best_row)  # (batch,)
@@ -112,7 +115,7 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
         output = acc / total  # (batch, value_dim)
         lse = (running_max + total.log()).squeeze(1)  # (batch,)
         ctx.save_for_backward(queries, keys, values, output, lse, center)
-        ctx.scale, ctx.normalize, ctx.gaussian, ctx.chunk = scale, normalize, gaussian, chunk
+        ctx.scale, ctx.normalize, ctx.distance, ctx.chunk = scale, normalize, distance, chunk
         ctx.mark_non_differentiable(lse, best_row)
         return output, lse, best_row
 
@@ -125,19 +128,19 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, grad_output: Tensor) -> tuple:
         queries, keys, values, output, lse, center = ctx.saved_tensors
-        scale, normalize, gaussian, chunk = ctx.scale, ctx.normalize, ctx.gaussian, ctx.chunk
+        scale, normalize, distance, chunk = ctx.scale, ctx.normalize, ctx.distance, ctx.chunk
         want_q, want_k, want_v = ctx.needs_input_grad[:3]
         grad_q = torch.zeros_like(queries) if want_q else None  # (batch, dim)
         grad_k = torch.empty_like(keys) if want_k else None  # (m, dim)
         grad_v = torch.empty_like(values) if want_v else None  # (m, value_dim)
         delta = (grad_output * output).sum(dim=1, keepdim=True)  # (batch, 1): sum_j p_j (dO . v_j)
         lse = lse.unsqueeze(1)  # (batch, 1)
-        if gaussian:
-            lse = lse + _query_shift(queries, scale, gaussian)  # (batch, 1): the scores' query part, as forward
+        if distance:
+            lse = lse + _query_shift(queries, scale, distance)  # (batch, 1): the scores' query part, as forward
         for start in range(0, keys.shape[0], chunk):
             stop = start + chunk
             unit, raw, norms = _chunk_keys(keys[start:stop], normalize, center)  # (c, dim), (c, dim), (c, 1) | None
-            probs = _chunk_scores(queries, unit, raw, scale, gaussian, shift=lse).exp_()  # (batch, c)
+            probs = _chunk_scores(queries, unit, raw, scale, distance, shift=lse).exp_()  # (batch, c)
             if want_v:
                 grad_v[start:stop] = probs.T @ grad_output  # (c, value_dim)
             if not (want_q or want_k):
@@ -153,10 +156,10 @@ class _StreamingSoftmaxAttention(torch.autograd.Function):
                     radial = (grad_unit * unit).sum(-1, keepdim=True)  # (c, 1)
                     tiny = raw.norm(dim=-1, keepdim=True) < COSINE_EPS  # (c, 1)
                     grad_unit = torch.where(tiny, grad_unit, grad_unit - unit * radial) / norms  # (c, dim)
-                if gaussian:
+                if distance:
                     grad_unit = grad_unit - scale * grad_scores.sum(0).unsqueeze(1) * raw  # (c, dim)
                 grad_k[start:stop] = grad_unit
-        # The gaussian's query part -scale |q|^2 / 2 adds -scale q sum_j grad_scores to grad_q: 0, as a softmax's
+        # A distance's query part -scale |q|^2 / 2 adds -scale q sum_j grad_scores to grad_q: 0, as a softmax's
         # gradient sums to 0 over each row (it is the same for every key of a query).
         return grad_q, grad_k, grad_v, None, None, None, None, None
 
@@ -199,7 +202,8 @@ def streaming_attention(
         DimensionMismatchError: shapes that do not line up.
         NonFiniteError: the scores overflowed (finite inputs too large for the dtype).
     """
-    if score not in STREAMING_SCORES:
+    form = SCORE_KINDS[score].stream if isinstance(score, str) and score in SCORE_KINDS else None
+    if form is None:
         raise UnknownOptionError(f"expected score among {STREAMING_SCORES} for streaming attention, got {score!r}")
     temperature = check_temperature(temperature)
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
@@ -226,17 +230,17 @@ def streaming_attention(
     keys = keys.to(device, dtype)  # (m, dim)
     values = values.to(device, dtype)  # (m, value_dim)
     scale = 1.0 / float(temperature)
-    if score == "scaled_dot":
+    if form.sqrt_dim:
         scale /= math.sqrt(queries.shape[1])
     with full_precision(device, amp):  # autocast off: every chunk's scores, softmax and blend in ``dtype``
-        if score == "cosine":
+        if form.unit:
             queries = F.normalize(queries, dim=-1, eps=COSINE_EPS)  # (batch, dim), differentiable
         center = None
-        if score == "gaussian":  # a common reference, subtracted from the queries here and from each chunk of keys
+        if form.distance:  # a common reference, subtracted from the queries here and from each chunk of keys
             center = queries.detach()[0] if queries.shape[0] == 1 else keys.detach().mean(0)  # (dim,)
             queries = queries - center  # (batch, dim), differentiable
         output, lse, best_row = _StreamingSoftmaxAttention.apply(
-            queries, keys, values, scale, score == "cosine", score == "gaussian", int(chunk), center
+            queries, keys, values, scale, form.unit, form.distance, int(chunk), center
         )  # (batch, value_dim), (batch,), (batch,)
     output = output.to(output_dtype(dtype, amp))  # (batch, value_dim): the autocast dtype under autocast
     if not all_finite(output):
