@@ -30,7 +30,7 @@ from kvsearch.index.base import CandidateIndex
 from kvsearch.index.factory import load_index, make_index
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.precision import autocast_dtype, autocast_off
-from kvsearch.nn.scores import check_db_score
+from kvsearch.nn.scores import SCORE_KINDS, check_db_score
 from kvsearch.storage import folder as folders
 from kvsearch.storage.store import Store
 
@@ -38,8 +38,13 @@ __all__ = ["Retriever", "metric_of"]
 
 
 def metric_of(score: str) -> Literal["ip", "l2"]:
-    """The index metric of a database score: squared L2 for ``gaussian``, inner product otherwise."""
-    return "l2" if score == "gaussian" else "ip"
+    """The index metric a database score needs, as the score registry :data:`~kvsearch.nn.scores.SCORE_KINDS`
+    records it: squared L2 for ``gaussian``, inner product for the others.
+
+    Raises:
+        UnknownOptionError: ``score`` is not a database score (:data:`~kvsearch.nn.scores.DB_SCORES`).
+    """
+    return SCORE_KINDS[check_db_score(score)].metric
 
 
 class Retriever:
