@@ -8,22 +8,40 @@
 It knows which encoders a configuration records (``"encoder"``, ``"value_encoder"``: None / ``"key"`` /
 ``"own"``, ``"query_encoder"``), checks encoders a user passes on reopen against the stored ones, and notices
 changes without hashing weights; new generations are written by :mod:`kvsearch.generations`. It knows nothing
-of the store's records, search or attention.
+of the store's records, search or attention, nor of the files' formats: it is handed the folder's encoder files
+(:class:`EncoderFolder`, what it reads of :class:`kvsearch.storage.encoder_files.EncoderFiles`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from kvsearch.encoders.base import Encoder
 from kvsearch.errors import ConfigMismatchError, DimensionMismatchError, InvalidArgumentError
 
-if TYPE_CHECKING:  # handed in by the facade: the encoders wing knows nothing of the folder's files
-    from kvsearch.storage.encoder_files import EncoderFiles
+__all__ = ["EncoderSet", "EncoderFolder", "value_encoder_kind"]
 
-__all__ = ["EncoderSet", "value_encoder_kind"]
+
+class EncoderFolder(Protocol):
+    """What the encoders read of a database folder's encoder files: handed in by the view, which opens
+    :class:`kvsearch.storage.encoder_files.EncoderFiles` (the encoders wing knows nothing of the files themselves)."""
+
+    folder: Path | None  # the database folder, None in memory
+
+    def has(self, prefix: str) -> bool:
+        """Whether the current generation has the encoder ``prefix``'s files."""
+        ...
+
+    def load(self, prefix: str, device: str | torch.device | None = None) -> Encoder:
+        """The encoder ``prefix`` of the current generation, checked against its recorded digests."""
+        ...
+
+    def restore_config(self, prefix: str, encoder: Encoder) -> None:
+        """Rewrite the current generation's missing ``{prefix}.json`` from ``encoder``, if it is the recorded one."""
+        ...
 
 
 def value_encoder_kind(value: Encoder | None, key: Encoder | None) -> str | None:
@@ -44,7 +62,7 @@ class EncoderSet:
         query: a query-side encoder of its own (fine-tuned with ``train="query"``), or None.
     """
 
-    def __init__(self, files: EncoderFiles, device: torch.device) -> None:
+    def __init__(self, files: EncoderFolder, device: torch.device) -> None:
         self.files = files
         self.device = device
         self.key: Encoder | None = None
@@ -54,7 +72,7 @@ class EncoderSet:
 
     @classmethod
     def create(
-        cls, files: EncoderFiles, device: torch.device, *, key: Encoder | None, value: Encoder | None
+        cls, files: EncoderFolder, device: torch.device, *, key: Encoder | None, value: Encoder | None
     ) -> EncoderSet:
         """The encoders of a new database (moved to ``device``; the value encoder may be the key encoder)."""
         encoders = cls(files, device)
@@ -65,7 +83,7 @@ class EncoderSet:
     @classmethod
     def reopen(
         cls,
-        files: EncoderFiles,
+        files: EncoderFolder,
         device: torch.device,
         config: dict[str, Any],
         *,
