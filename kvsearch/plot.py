@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -23,9 +23,23 @@ from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, Missin
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from kvsearch.results import Answer
+__all__ = ["heatmap", "plot_answer", "plot_history", "AnswerLike"]
 
-__all__ = ["heatmap", "plot_answer", "plot_history"]
+
+class AnswerLike(Protocol):
+    """What :func:`plot_answer` reads of an answer: a :class:`kvsearch.results.Answer`, or anything like it."""
+
+    @property
+    def weights(self) -> Any: ...  # (k,) or (batch, k)
+    @property
+    def ids(self) -> Any: ...  # (k,) or (batch, k), -1 where missing
+    @property
+    def keys(self) -> Any: ...  # the candidates' key texts (a list, or one per query)
+    @property
+    def value(self) -> Any: ...  # the answer's value (or one per query)
+    @property
+    def found(self) -> Any: ...  # bool (or one per query)
+
 
 _INSTALL_HINT = 'plotting needs matplotlib: pip install "kvsearch[plot]" (or pip install matplotlib)'
 
@@ -194,7 +208,7 @@ def _panel_titles(titles: object, rows: int, cols: int) -> list[list[str]] | Non
     return [[str(t) for t in row] for row in titles]
 
 
-def plot_answer(answer: Answer, *, top: int | None = None, figsize: tuple[float, float] | None = None) -> Figure:
+def plot_answer(answer: AnswerLike, *, top: int | None = None, figsize: tuple[float, float] | None = None) -> Figure:
     """One query's candidates and their attention weights, as horizontal bars (best on top).
 
     The highest-weight candidate is drawn in a darker colour and named in the title with the answer's
