@@ -18,6 +18,8 @@ import torch
 import kvsearch.training.loop
 import kvsearch.training.losses
 import kvsearch.training.metrics
+import kvsearch.training.run
+import kvsearch.training.trainables
 from kvsearch import Database, FinetuneConfig, GaussianKernel, NgramEncoder, evaluate, finetune
 from kvsearch.checks import MAX_K
 from kvsearch.errors import (
@@ -491,6 +493,8 @@ def test_finetune_with_a_config_equals_finetune_with_the_same_options(directory,
 
 TRAINING_MODULES = (
     "kvsearch.training.loop",
+    "kvsearch.training.run",
+    "kvsearch.training.trainables",
     "kvsearch.training.losses",
     "kvsearch.training.metrics",
     "kvsearch.training.pairs",
@@ -549,7 +553,16 @@ def test_training_never_touches_the_store(directory, loss):
     db.close()
 
 
-@pytest.mark.parametrize("module", [kvsearch.training.loop, kvsearch.training.losses, kvsearch.training.metrics])
+@pytest.mark.parametrize(
+    "module",
+    [
+        kvsearch.training.loop,
+        kvsearch.training.run,
+        kvsearch.training.trainables,
+        kvsearch.training.losses,
+        kvsearch.training.metrics,
+    ],
+)
 def test_training_modules_use_public_names_only(module):
     """No private name of another module is imported, and no ``.store`` or private attribute is read."""
     tree = ast.parse(inspect.getsource(module))
