@@ -15,7 +15,9 @@ database built by kvsearch itself are served as they are. Embeddings come from t
 tensors) or, when ``embedding`` is None, from the database's own encoders (a fine-tuned one included). Adding a
 document whose id is stored replaces the whole document, metadata included (as LangChain's ``InMemoryVectorStore``);
 deleting ids that are not stored is not an error. Scores are the database's similarities (higher is closer), not
-distances; maximal marginal relevance picks among the filtered ``fetch_k`` nearest by their stored key embeddings.
+distances; LangChain's relevance in [0, 1] is the one the score registry (:data:`~kvsearch.nn.scores.SCORE_KINDS`)
+records for the database's score; maximal marginal relevance picks among the filtered ``fetch_k`` nearest by their
+stored key embeddings.
 
 It owns the mapping between documents and records, and nothing else: search, storage and encoders are the
 :class:`~kvsearch.Database`'s. It needs the ``langchain`` extra (``pip install 'kvsearch[langchain]'``); without
@@ -24,7 +26,6 @@ it, importing this module raises :class:`~kvsearch.MissingDependencyError` (an I
 
 from __future__ import annotations
 
-import math
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,10 +35,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvsearch.contract import DatabaseProtocol
 from kvsearch.database import Database
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError, MissingDependencyError, MissingEncoderError
 from kvsearch.inputs import normalize_key
 from kvsearch.integrations.doc_ids import id_of_key, key_of_id
+from kvsearch.nn.scores import SCORE_KINDS
 from kvsearch.results import Hit
 from kvsearch.storage.folder import is_database
 
@@ -52,14 +55,6 @@ except ImportError as exc:  # the optional extra is missing
     ) from exc
 
 __all__ = ["KVSearchVectorStore"]
-
-#: How a database's score becomes a LangChain relevance in [0, 1] (higher is more relevant).
-_RELEVANCE: dict[str, Callable[[float], float]] = {
-    "cosine": lambda s: min(1.0, max(0.0, (1.0 + s) / 2.0)),  # float32 rounding may pass 1 by an ulp
-    "dot": lambda s: 1.0 / (1.0 + math.exp(-s)),
-    "scaled_dot": lambda s: 1.0 / (1.0 + math.exp(-s)),
-    "gaussian": lambda s: math.exp(s),  # s = -1/2 |q - k|^2 <= 0
-}
 
 
 class KVSearchVectorStore(VectorStore):
@@ -92,7 +87,7 @@ class KVSearchVectorStore(VectorStore):
             raise InvalidArgumentError(f"expected a LangChain Embeddings or None, got {type(embedding).__name__}")
         if database is not None and (path is not None or database_options):
             raise InvalidArgumentError("expected either database= or path= and database options, got both")
-        if database is not None and not isinstance(database, Database):
+        if database is not None and not isinstance(database, DatabaseProtocol):
             raise InvalidArgumentError(f"expected a kvsearch Database as database=, got {type(database).__name__}")
         self._embedding = embedding
         self._path = path
@@ -344,7 +339,10 @@ class KVSearchVectorStore(VectorStore):
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
         """The database's score mapped to a relevance in [0, 1] (see ``similarity_search_with_relevance_scores``)."""
         score = self._db.score if self._db is not None else self._options.get("score", "cosine")
-        return _RELEVANCE[score]
+        relevance = SCORE_KINDS[score].relevance  # the score registry's: a database score has one
+        if relevance is None:
+            raise KeyError(score)  # a score no database has
+        return relevance
 
     # ------------------------------------------------------------------ construction
 
