@@ -105,16 +105,9 @@ def _version() -> str:
 def _add_finetune(sub: Any) -> None:
     """The ``finetune`` command. Its defaults are :class:`~kvsearch.FinetuneConfig`'s: a training option not given is
     absent from the parsed namespace (``argparse.SUPPRESS``) and not passed on, so Python and the CLI train alike."""
-    from kvsearch.text.noise import NOISE_MODELS
-    from kvsearch.training.config import KEEPS, TRAIN_MODES, FinetuneConfig
-    from kvsearch.training.defaults import auto_batch_size
-    from kvsearch.training.losses import ANSWER_LOSSES, LOSSES
-    from kvsearch.training.metrics import TARGET_KINDS, TEXT_METRICS
-    from kvsearch.training.precision import PRECISIONS
+    from kvsearch.training.config import FinetuneConfig
 
     d = FinetuneConfig()  # the one source of the defaults: the help says them, the parser passes none of them
-    noise = ",".join(d.noise or ())
-    answer_targets = FinetuneConfig(loss=ANSWER_LOSSES[0]).target_kind
     p = sub.add_parser(
         "finetune",
         help="fine-tune the retriever on (query, target key) pairs, or on misspellings of the stored keys",
@@ -128,6 +121,25 @@ def _add_finetune(sub: Any) -> None:
         argument_default=argparse.SUPPRESS,  # the training options not given stay out of the namespace
     )
     p.add_argument("db", metavar="DB", help="the database folder")
+    _add_finetune_pairs(p, d)
+    _add_finetune_training(p, d)
+    p.add_argument("--quiet", action="store_true", default=False, help="no progress bars")
+
+
+def _add_finetune_pairs(p: argparse.ArgumentParser, d: Any) -> None:
+    """``finetune``'s options of what it trains on: the pairs file, its columns and the generated pairs.
+
+    Args:
+        p: the ``finetune`` parser.
+        d: the default :class:`~kvsearch.FinetuneConfig`, whose values the help says.
+    """
+    from kvsearch.text.noise import NOISE_MODELS
+    from kvsearch.training.config import FinetuneConfig
+    from kvsearch.training.losses import ANSWER_LOSSES
+    from kvsearch.training.metrics import TARGET_KINDS
+
+    noise = ",".join(d.noise or ())
+    answer_targets = FinetuneConfig(loss=ANSWER_LOSSES[0]).target_kind
     p.add_argument(
         "--pairs", default=None, metavar="FILE", help="a .csv, .tsv or .jsonl file of training pairs (optional)"
     )
@@ -161,6 +173,21 @@ def _add_finetune(sub: Any) -> None:
         metavar="N|auto",
         help=f"how many generated pairs to mix in (default {d.generated}: see kvsearch.training.pairs)",
     )
+
+
+def _add_finetune_training(p: argparse.ArgumentParser, d: Any) -> None:
+    """``finetune``'s options of how it trains: loss, mode, epochs, step sizes, what it keeps, precision.
+
+    Args:
+        p: the ``finetune`` parser.
+        d: the default :class:`~kvsearch.FinetuneConfig`, whose values the help says.
+    """
+    from kvsearch.training.config import KEEPS, TRAIN_MODES
+    from kvsearch.training.defaults import auto_batch_size
+    from kvsearch.training.losses import LOSSES
+    from kvsearch.training.metrics import TEXT_METRICS
+    from kvsearch.training.precision import PRECISIONS
+
     p.add_argument("--loss", choices=LOSSES, help=f"default {d.loss}")
     p.add_argument(
         "--train",
@@ -195,7 +222,6 @@ def _add_finetune(sub: Any) -> None:
         help="train in float32 (fp32), or under autocast with bfloat16 (CPU or CUDA) or float16 (CUDA only); "
         f"the weights written stay float32 (default {d.precision})",
     )
-    p.add_argument("--quiet", action="store_true", default=False, help="no progress bars")
 
 
 def _noise(text: str) -> tuple[str, ...] | None:
@@ -216,20 +242,11 @@ def _generated(text: str) -> int | str:
     return text if text == "auto" else _integer(text, 0, "a count >= 0 or auto")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``kvsearch`` command (build, query, info, delete, list, count, finetune, rollback,
-    reshard, demo)."""
-    parser = OneLineParser(
-        prog=PROG,
-        description="A differentiable key-value search engine: FAISS candidates, attention pooling in torch.",
-        epilog=f"Run '{PROG} COMMAND --help' for a command's options.",
-    )
-    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    sub.required = True
+def _add_build(sub: Any) -> None:
+    """The ``build`` command: create a database, or add to one, from a file."""
+    from kvsearch.index.factory import describe_specs
+    from kvsearch.nn.scores import DB_SCORES
 
-    scores = ("dot", "scaled_dot", "cosine", "gaussian")
     p = sub.add_parser(
         "build",
         help="create a database (or add to one) from a CSV, TSV or JSONL file",
@@ -260,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="key and value encoder for a new database: ngram (character n-grams, the default), minilm "
         "(all-MiniLM-L6-v2, offline) or a sentence-transformers model folder",
     )
-    p.add_argument("--index", metavar="SPEC", help='a FAISS index_factory string for a new database (default "Flat")')
-    p.add_argument("--score", choices=scores, help="the default score of a new database (default cosine)")
+    p.add_argument("--index", metavar="SPEC", help=f"the index of a new database: {describe_specs()}")
+    p.add_argument("--score", choices=DB_SCORES, help="the default score of a new database (default cosine)")
     p.add_argument("--batch-size", type=_positive_int, default=1024, metavar="N", help="records per batch")
     p.add_argument(
         "--shards",
@@ -271,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
         "of the world size); an existing sharded database is added to without it",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_query(sub: Any) -> None:
+    """The ``query`` command: answer queries with their candidates and weights."""
+    from kvsearch.nn.pooling import POOLINGS
+    from kvsearch.nn.scores import DB_SCORES
 
     p = sub.add_parser(
         "query",
@@ -284,12 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=_k, default=5, metavar="N", help='candidates per query, or "all" (default 5)')
     p.add_argument(
         "--pooling",
-        choices=("softmax", "normalize", "nonnegative", "hard", "exact", "average"),
+        choices=POOLINGS,
         default="softmax",
         help="how scores become weights (default softmax)",
     )
     p.add_argument("--temperature", type=_positive_float, default=1.0, metavar="T", help="softmax temperature")
-    p.add_argument("--score", choices=scores, help="rescore the candidates with this score (default: the DB's)")
+    p.add_argument("--score", choices=DB_SCORES, help="rescore the candidates with this score (default: the DB's)")
     p.add_argument(
         "--where",
         type=_where,
@@ -300,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(quiet=True)
 
+
+def _add_info(sub: Any) -> None:
+    """The ``info`` command: what a database holds."""
     p = sub.add_parser(
         "info",
         help="what a database holds: counts, dims, encoders, generation, last fine-tuning, index, size",
@@ -313,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(quiet=True)
 
+
+def _add_delete(sub: Any) -> None:
+    """The ``delete`` command: delete records by key."""
     p = sub.add_parser(
         "delete",
         help="delete records by key",
@@ -322,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("keys", nargs="+", metavar="KEY", help="the keys to delete")
     p.set_defaults(quiet=True)
 
+
+def _add_list(sub: Any) -> None:
+    """The ``list`` command: the records that match a filter."""
     p = sub.add_parser(
         "list",
         help="print the records that match a filter, in id order",
@@ -335,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
     p.set_defaults(quiet=True)
 
+
+def _add_count(sub: Any) -> None:
+    """The ``count`` command: how many records match a filter."""
     p = sub.add_parser(
         "count",
         help="how many records match a filter",
@@ -344,8 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--where", type=_where, default=None, help='a JSON filter, e.g. \'{"year": {"$gte": 2000}}\'')
     p.set_defaults(quiet=True)
 
-    _add_finetune(sub)
 
+def _add_rollback(sub: Any) -> None:
+    """The ``rollback`` command: the encoders before the last fine-tuning."""
     p = sub.add_parser(
         "rollback",
         help="return to the encoders before the last fine-tuning (once)",
@@ -356,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("db", metavar="DB", help="the database folder")
     p.set_defaults(quiet=True)
 
+
+def _add_reshard(sub: Any) -> None:
+    """The ``reshard`` command: a copy with another shard count."""
     p = sub.add_parser(
         "reshard",
         help="copy a database into a new folder with another shard count (ids, encoders, generation kept)",
@@ -375,10 +414,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(quiet=True)
 
+
+def _add_demo(sub: Any) -> None:
+    """The ``demo`` command: the quickstart."""
     p = sub.add_parser(
         "demo",
         help="the quickstart: build indexes/names and answer the example queries",
         description="Build the authors database in PATH (default indexes/names) and answer the example queries.",
     )
     p.add_argument("--path", default="indexes/names", help="database folder (default: indexes/names)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``kvsearch`` command (build, query, info, delete, list, count, finetune, rollback,
+    reshard, demo)."""
+    parser = OneLineParser(
+        prog=PROG,
+        description="A differentiable key-value search engine: FAISS candidates, attention pooling in torch.",
+        epilog=f"Run '{PROG} COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    sub.required = True
+    _add_build(sub)
+    _add_query(sub)
+    _add_info(sub)
+    _add_delete(sub)
+    _add_list(sub)
+    _add_count(sub)
+    _add_finetune(sub)
+    _add_rollback(sub)
+    _add_reshard(sub)
+    _add_demo(sub)
     return parser
