@@ -124,18 +124,8 @@ def heatmap(
         InvalidArgumentError: weights are empty or not numbers, or hold NaN.
         MissingDependencyError: matplotlib is not installed.
     """
-    arr = _as_numpy(weights)
-    if arr.ndim not in (2, 3, 4):
-        raise DimensionMismatchError(
-            f"expected weights of shape (queries, keys), (cols, queries, keys) or (rows, cols, queries, keys), "
-            f"got shape {arr.shape}"
-        )
-    grid = arr.reshape((1,) * (4 - arr.ndim) + arr.shape)  # (rows, cols, queries, keys)
+    grid = _weight_grid(weights)  # (rows, cols, queries, keys)
     rows, cols, n_q, n_k = grid.shape
-    if grid.size == 0:
-        raise InvalidArgumentError(f"expected at least one weight, got shape {arr.shape}")
-    if np.isnan(grid).any():
-        raise InvalidArgumentError("expected weights without NaN, got NaN")
     q_labels = _labels(queries, n_q, "query")
     k_labels = _labels(keys, n_k, "key")
     panel_titles = _panel_titles(titles, rows, cols)
@@ -144,11 +134,7 @@ def heatmap(
 
     plt = _pyplot()
     if figsize is None:
-        cell = 0.55 if annotate else 0.35
-        side = min(cell * max(n_q, n_k), 5.0) / max(n_q, n_k)  # inches per cell: a panel is at most 5 in
-        width = max(2.5, side * n_k + (1.2 if k_labels else 0.6)) * cols + 1.2
-        height = max(2.0, side * n_q + (1.0 if k_labels else 0.6)) * rows + (0.4 if suptitle else 0.0)
-        figsize = (width, height)
+        figsize = _default_figsize(grid.shape, annotate=annotate, key_labels=bool(k_labels), suptitle=bool(suptitle))
     fig, axes = plt.subplots(rows, cols, figsize=figsize, sharex=True, sharey=True, squeeze=False)
     lo = float(np.nanmin(grid)) if vmin is None else vmin
     hi = float(np.nanmax(grid)) if vmax is None else vmax
@@ -161,19 +147,7 @@ def heatmap(
             matrix = grid[r, c]  # (queries, keys)
             image = ax.imshow(matrix, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
             if annotate:
-                mid = lo + (hi - lo) / 2
-                for i in range(n_q):
-                    for j in range(n_k):
-                        value = matrix[i, j]
-                        ax.text(
-                            j,
-                            i,
-                            f"{value:.2f}",
-                            ha="center",
-                            va="center",
-                            fontsize=7,
-                            color="white" if value > mid else "black",
-                        )
+                _write_cells(ax, matrix, lo, hi)
             if k_labels is not None:  # without labels, matplotlib's own integer ticks
                 ax.set_xticks(range(n_k))
                 ax.set_xticklabels(k_labels, rotation=45, ha="right")
@@ -192,6 +166,57 @@ def heatmap(
     cax = fig.add_axes((0.91 if cols > 1 else 0.89, 0.15, 0.015 if cols > 1 else 0.025, 0.7))
     fig.colorbar(image, cax=cax, label="attention weight")
     return fig
+
+
+def _weight_grid(weights: object) -> np.ndarray:
+    """Weights of shape (queries, keys), (cols, queries, keys) or (rows, cols, queries, keys) as a 4-D float64 grid.
+
+    Raises:
+        DimensionMismatchError: weights are not 2-, 3- or 4-dimensional.
+        InvalidArgumentError: weights are empty or not numbers, or hold NaN.
+    """
+    arr = _as_numpy(weights)
+    if arr.ndim not in (2, 3, 4):
+        raise DimensionMismatchError(
+            f"expected weights of shape (queries, keys), (cols, queries, keys) or (rows, cols, queries, keys), "
+            f"got shape {arr.shape}"
+        )
+    grid = arr.reshape((1,) * (4 - arr.ndim) + arr.shape)  # (rows, cols, queries, keys)
+    if grid.size == 0:
+        raise InvalidArgumentError(f"expected at least one weight, got shape {arr.shape}")
+    if np.isnan(grid).any():
+        raise InvalidArgumentError("expected weights without NaN, got NaN")
+    return grid
+
+
+def _default_figsize(
+    shape: tuple[int, ...], *, annotate: bool, key_labels: bool, suptitle: bool
+) -> tuple[float, float]:
+    """The figure size in inches of a (rows, cols, queries, keys) grid: grown with the grid and the matrix size."""
+    rows, cols, n_q, n_k = shape
+    cell = 0.55 if annotate else 0.35
+    side = min(cell * max(n_q, n_k), 5.0) / max(n_q, n_k)  # inches per cell: a panel is at most 5 in
+    width = max(2.5, side * n_k + (1.2 if key_labels else 0.6)) * cols + 1.2
+    height = max(2.0, side * n_q + (1.0 if key_labels else 0.6)) * rows + (0.4 if suptitle else 0.0)
+    return (width, height)
+
+
+def _write_cells(ax: Any, matrix: np.ndarray, lo: float, hi: float) -> None:
+    """Write each weight of a (queries, keys) matrix in its cell, white on the darker half of the scale."""
+    mid = lo + (hi - lo) / 2
+    n_q, n_k = matrix.shape
+    for i in range(n_q):
+        for j in range(n_k):
+            value = matrix[i, j]
+            ax.text(
+                j,
+                i,
+                f"{value:.2f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if value > mid else "black",
+            )
 
 
 def _panel_titles(titles: object, rows: int, cols: int) -> list[list[str]] | None:
