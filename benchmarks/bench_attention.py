@@ -57,7 +57,7 @@ def w_topk(m: int, nq: int, mode: str, index: str) -> dict:
     keys, values, queries = _data(m, nq)
     db = Database(None, dim=common.DIM, value_dim=common.DIM, score="dot", index=index)
     store = db.store
-    store.ids, store.keys, store.values = torch.arange(1, m + 1), keys, values
+    store.table.ids, store.table.keys, store.table.values = torch.arange(1, m + 1), keys, values
     db.index.rebuild()  # from the store's tensors set above
     db.index.search(queries[:1], K)  # norms / first-touch outside the measurement
     if mode == "search":
@@ -138,7 +138,7 @@ def w_ann(m: int, nq: int, index: str, params: dict | None) -> dict:
         return _measure(sdpa)
     db = Database(None, dim=common.DIM, value_dim=common.DIM, score="dot", index=index)
     store = db.store
-    store.ids, store.keys, store.values = torch.arange(1, m + 1), keys, values
+    store.table.ids, store.table.keys, store.table.values = torch.arange(1, m + 1), keys, values
     start = time.perf_counter()
     db.index.rebuild()  # from the store's tensors set above (trains IVF, builds the HNSW graph)
     build = time.perf_counter() - start

@@ -49,7 +49,7 @@ def reader(folder: str) -> None:
     for i in range(21):
         db.search(queries[i], k=10)
     db.search(queries, k=10)
-    print(json.dumps({**memory(), "keys_shared": db.store.keys_shared}), flush=True)
+    print(json.dumps({**memory(), "keys_shared": db.store.table.keys_shared}), flush=True)
     sys.stdin.readline()
 
 

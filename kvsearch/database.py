@@ -138,7 +138,7 @@ class Database:
 
     def __len__(self) -> int:
         with self._view.reading():
-            return len(self._view.store)
+            return len(self._view.store.table)
 
     def __contains__(self, key: object) -> bool:
         return self._reads.contains(key)

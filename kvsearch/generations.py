@@ -42,7 +42,7 @@ from kvsearch.errors import InvalidArgumentError, NonFiniteError, NothingToRollB
 from kvsearch.nn.attend import Candidates
 from kvsearch.retrieval import Retriever
 from kvsearch.storage import encoder_files
-from kvsearch.storage.mirror import find_rows, gather_rows
+from kvsearch.storage.table import VectorTable
 from kvsearch.storage.store import Store
 
 if TYPE_CHECKING:
@@ -116,11 +116,11 @@ def encode_keys(store: Store, encoder: Encoder | None) -> Tensor:
     Raises:
         NonFiniteError: the encoder produced NaN or Inf.
     """
-    keys = store.keys.clone()  # (m, dim)
-    ids = store.ids.tolist()
-    rows = [row for row, id_ in enumerate(ids) if id_ in store.key_of_id and id_ not in store.given_keys]
+    keys = store.table.keys.clone()  # (m, dim)
+    ids = store.table.ids.tolist()
+    rows = [row for row, id_ in enumerate(ids) if id_ in store.texts.key_of_id and id_ not in store.texts.given_keys]
     if rows and encoder is not None:
-        fresh = _encode(encoder, [store.key_of_id[ids[row]] for row in rows])  # (r, dim)
+        fresh = _encode(encoder, [store.texts.key_of_id[ids[row]] for row in rows])  # (r, dim)
         check_finite(fresh, "key embeddings from the key encoder")
         keys[torch.tensor(rows, dtype=torch.long, device=keys.device)] = fresh.to(keys.device)
     return keys
@@ -132,10 +132,10 @@ def encode_values(store: Store, encoder: Encoder | None) -> Tensor:
     Raises:
         NonFiniteError: the encoder produced NaN or Inf.
     """
-    values = store.values.clone()  # (m, value_dim)
-    ids = store.ids.tolist()
+    values = store.table.values.clone()  # (m, value_dim)
+    ids = store.table.ids.tolist()
     texts = store.value_texts(ids) if encoder is not None else {}
-    rows = [row for row, id_ in enumerate(ids) if texts.get(id_) is not None and id_ not in store.given_values]
+    rows = [row for row, id_ in enumerate(ids) if texts.get(id_) is not None and id_ not in store.texts.given_values]
     if rows:
         fresh = _encode(encoder, [texts[ids[row]] for row in rows])  # (r, value_dim)
         check_finite(fresh, "value embeddings from the value encoder")
@@ -149,20 +149,20 @@ def key_mismatch(store: Store, encoder: Encoder | None, sample: int = 64) -> flo
     Checks up to ``sample`` keys encoded from their text (not those given with their embeddings), evenly spread
     over the ids. 0.0 when there is nothing to check.
     """
-    encoded = store.key_of_id  # the keys with text, less those that came with their embedding
-    if store.given_keys:
-        encoded = {id_: key for id_, key in encoded.items() if id_ not in store.given_keys}
+    encoded = store.texts.key_of_id  # the keys with text, less those that came with their embedding
+    if store.texts.given_keys:
+        encoded = {id_: key for id_, key in encoded.items() if id_ not in store.texts.given_keys}
     if encoder is None or not encoded:
         return 0.0
-    m = len(store.ids)
+    m = len(store.table.ids)
     spread = torch.linspace(0, m - 1, min(4 * sample, m)).round().long().unique().tolist()  # rows, evenly spread
-    with_text = [row for row in spread if int(store.ids[row]) in encoded]
+    with_text = [row for row in spread if int(store.table.ids[row]) in encoded]
     if not with_text:  # the spread hit only keys stored as embeddings: look at every row once
-        with_text = [row for row, id_ in enumerate(store.ids.tolist()) if id_ in encoded]
+        with_text = [row for row, id_ in enumerate(store.table.ids.tolist()) if id_ in encoded]
     picked = with_text[:: max(1, len(with_text) // sample)][:sample]
-    ids = store.ids
-    fresh = _encode(encoder, [store.key_of_id[int(ids[row])] for row in picked])  # (s, dim)
-    stored = store.keys[torch.tensor(picked, dtype=torch.long, device=store.keys.device)]  # (s, dim)
+    ids = store.table.ids
+    fresh = _encode(encoder, [store.texts.key_of_id[int(ids[row])] for row in picked])  # (s, dim)
+    stored = store.table.keys[torch.tensor(picked, dtype=torch.long, device=store.table.keys.device)]  # (s, dim)
     if not all_finite(fresh):
         return float("inf")
     return float((fresh.to(stored.device) - stored).abs().max())
@@ -222,8 +222,8 @@ def commit(
     if values is not None:
         ids, embs = values
         check_finite(embs, "trained value embeddings")
-        new_values = store.values.clone() if new_values is None else new_values  # (m, value_dim)
-        rows = store.rows_of(torch.as_tensor(ids, dtype=torch.long)).to(new_values.device)  # (n,)
+        new_values = store.table.values.clone() if new_values is None else new_values  # (m, value_dim)
+        rows = store.table.rows_of(torch.as_tensor(ids, dtype=torch.long)).to(new_values.device)  # (n,)
         keep = rows >= 0
         new_values[rows[keep]] = embs.detach().to(new_values.device, torch.float32)[keep]
     record = files.record()
@@ -235,8 +235,8 @@ def commit(
         remove_old(files.folder, {old, *_previous(record)})  # leftovers of a writer that stopped
         before = (
             None
-            if new_values is None or not len(store)
-            else {PREVIOUS_VALUES: {"ids": store.ids, "values": store.values}}
+            if new_values is None or not len(store.table)
+            else {PREVIOUS_VALUES: {"ids": store.table.ids, "values": store.table.values}}
         )
         present = {p: e for p, e in encoders.by_prefix().items() if e is not None}
         digests = write_files(files.folder, new, present, tensors=before)
@@ -343,8 +343,8 @@ def _previous_values(path: Path, store: Store) -> Tensor | None:
     from safetensors.torch import load_file
 
     saved = load_file(str(path))
-    values = store.values.clone()  # (m, value_dim)
-    rows = store.rows_of(saved["ids"]).to(values.device)  # (n,)
+    values = store.table.values.clone()  # (m, value_dim)
+    rows = store.table.rows_of(saved["ids"]).to(values.device)  # (n,)
     keep = rows >= 0
     values[rows[keep]] = saved["values"].to(values.device, torch.float32)[keep]
     return values
@@ -366,35 +366,15 @@ class FrozenRecords:
 
     def __init__(self, store: Store, keys: Tensor) -> None:
         self.live = store
-        self.ids = store.ids.clone()  # (m,)
-        self.keys = keys  # (m, dim)
-        self.values = store.values.clone()  # (m, value_dim)
+        live = store.table
+        #: the frozen ids (m,), the draft's keys (m, dim) and the values (m, value_dim), copied; an index's key source
+        self.table = VectorTable.of(live.ids.clone(), keys, live.values.clone(), live.version)
         self.device = store.device
-        self.loaded_version = store.loaded_version
-
-    @property
-    def version(self) -> int:
-        return self.loaded_version
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def rows_of(self, ids: Tensor) -> Tensor:
-        """Row of each id (any shape), -1 where absent. On the CPU."""
-        return find_rows(self.ids, ids)
-
-    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """keys (*shape, dim), values (*shape, value_dim) and the mask (*shape), zeros where ids are missing."""
-        return gather_rows(self.keys, self.values, self.rows_of(ids))
-
-    def gather_rows(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`gather` by row positions in :attr:`keys` (any shape, -1 where none), as an exact index found them."""
-        return gather_rows(self.keys, self.values, rows)
 
     def ids_where(self, where: dict[str, Any]) -> Tensor:
         """The ids matching a metadata filter (read from the live store), among these records. (m,) sorted."""
         ids = self.live.ids_where(where)  # (m,)
-        return ids[torch.isin(ids, self.ids)]
+        return ids[torch.isin(ids, self.table.ids)]
 
 
 class Draft:

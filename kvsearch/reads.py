@@ -93,7 +93,7 @@ class Reads:
         if similarity is not None:
             texts = require_texts(texts, q.shape[0])  # InvalidArgumentError for query embeddings
         with self.view.reading():
-            if len(self.store) == 0:
+            if len(self.store.table) == 0:
                 return [] if single else [[] for _ in range(q.shape[0])]
             depth = k if similarity is None else rerank_depth(k)
             cand = self.retriever.candidates(q, depth, where=where)
@@ -101,7 +101,7 @@ class Reads:
             found = [i for row in ids for i in row if i >= 0]
             values = self.answer_values(found, gathered=cand)
             metadata = self.store.metadata_texts(found)
-            hits = make_hits(ids, scores, self.store.key_of_id, values, metadata)
+            hits = make_hits(ids, scores, self.store.texts.key_of_id, values, metadata)
         if similarity is not None:
             hits = rerank_hits(similarity, texts, hits, k)  # outside the snapshot: the user's callable may be slow
         return hits[0] if single else hits
@@ -135,7 +135,7 @@ class Reads:
                 if texts is None:
                     targets = self.retriever.exact_targets(q)  # (b,)
                 else:
-                    targets = torch.tensor([self.store.id_of(t) for t in texts], dtype=torch.long)
+                    targets = torch.tensor([self.store.texts.id_of(t) for t in texts], dtype=torch.long)
             cand = self.retriever.candidates(q, k, targets=targets, where=where)
             output, weights = attend_candidates(
                 q,
@@ -150,7 +150,7 @@ class Reads:
                 weights,
                 cand.ids,
                 k=None if k == "all" else k,
-                key_of_id=self.store.key_of_id,
+                key_of_id=self.store.texts.key_of_id,
                 values_of=self.answer_values if k == "all" else lambda ids: self.answer_values(ids, gathered=cand),
                 device=out_device,
                 metadata_of=None if k == "all" else self.store.metadata_texts,  # in this snapshot
@@ -190,7 +190,7 @@ class Reads:
         count = 0
         with self.view.reading():
             if q is None:
-                id_ = self.store.id_of(key)
+                id_ = self.store.texts.id_of(key)
             else:
                 first, counts = self.retriever.key_matches(q)  # (1,), (1,)
                 id_, count = (int(first[0]) if int(counts[0]) == 1 else -1), int(counts[0])
@@ -211,7 +211,7 @@ class Reads:
         q = query_tensor(key, self.dim)[0] if isinstance(key, (Tensor, np.ndarray)) else None
         with self.view.reading():
             if isinstance(key, str):
-                return self.store.id_of(key) >= 0
+                return self.store.texts.id_of(key) >= 0
             return q is not None and bool((self.retriever.exact_targets(q) >= 0).all())
 
     def exact_targets(self, queries: Tensor) -> Tensor:
@@ -225,13 +225,13 @@ class Reads:
     def ids(self) -> Tensor:
         """``Database.ids``: every stored id, sorted: (m,) int64 on the CPU."""
         with self.view.reading():
-            return self.store.ids.clone()
+            return self.store.table.ids.clone()
 
     def ids_of_keys(self, texts: Sequence[str]) -> Tensor:
         """``Database.ids_of_keys``: the id of each key text, -1 where it is not stored: (n,) int64 on the CPU."""
         texts = text_list(texts, "key texts")
         with self.view.reading():
-            return torch.tensor([self.store.id_of(t) for t in texts], dtype=torch.long)
+            return torch.tensor([self.store.texts.id_of(t) for t in texts], dtype=torch.long)
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
         """``Database.values_present``: whether some stored record has each value text: (n,) bool on the CPU."""
@@ -244,7 +244,7 @@ class Reads:
         with its embedding when ``encoded_only``)."""
         flat = id_tensor(ids).reshape(-1).tolist()
         with self.view.reading():
-            key_of, given = self.store.key_of_id, self.store.given_keys if encoded_only else ()
+            key_of, given = self.store.texts.key_of_id, self.store.texts.given_keys if encoded_only else ()
             return [None if i in given else key_of.get(i) for i in flat]
 
     def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]:
@@ -257,7 +257,7 @@ class Reads:
         """``Database.embeddings``: keys (*ids.shape, dim), values (*ids.shape, value_dim), mask (*ids.shape)."""
         ids = id_tensor(ids)
         with self.view.reading():
-            return self.store.gather(ids)
+            return self.store.table.gather(ids)
 
     def values_of(self, ids: Sequence[int]) -> dict[int, str | Tensor | None]:
         """``Database.values_of``: id -> the value as answers show it (see :meth:`answer_values`)."""
@@ -270,11 +270,11 @@ class Reads:
         wanted = [i for i in id_tensor(ids).reshape(-1).tolist() if i >= 0]
         with self.view.reading():
             texts = self.store.metadata_texts(wanted)
-            return {i: decode_metadata(texts.get(i)) for i in wanted if self.store.contains_id(i)}
+            return {i: decode_metadata(texts.get(i)) for i in wanted if self.store.table.contains_id(i)}
 
     def check_not_empty(self) -> None:
         """EmptyDatabaseError when the database holds no records (callers hold a snapshot)."""
-        if len(self.store) == 0:
+        if len(self.store.table) == 0:
             raise EmptyDatabaseError("expected a database with records to search, got an empty one")
 
     def answer_values(
@@ -288,7 +288,7 @@ class Reads:
                 each value is its embedding, taken from them instead of being looked up by id again.
         """
         # without a value encoder, only values given with their embeddings have text
-        texts = self.encoders.value is not None or bool(self.store.given_values)
+        texts = self.encoders.value is not None or bool(self.store.texts.given_values)
         if texts or gathered is None:
             return self.store.answer_values(ids, texts=texts)
         out: dict[int, str | Tensor | None] = dict.fromkeys(ids)

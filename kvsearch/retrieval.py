@@ -86,7 +86,8 @@ class Retriever:
 
     def _options(self) -> dict[str, Any]:
         """How this store's index is made or loaded: its metric, cosine normalisation, key source, parameters."""
-        return {"metric": self.metric, "normalize": self.score == "cosine", "source": self.store, "params": self.params}
+        source = self.store.table  # the key source: the store's in-memory ids and keys
+        return {"metric": self.metric, "normalize": self.score == "cosine", "source": source, "params": self.params}
 
     def _new_index(self) -> CandidateIndex:
         return make_index(self.spec, self.dim, **self._options())
@@ -102,12 +103,12 @@ class Retriever:
         """
         if self.folder is not None:
             path = folders.saved_index_path(
-                self.folder, version=self.store.loaded_version, spec=self.spec, ntotal=len(self.store)
+                self.folder, version=self.store.table.version, spec=self.spec, ntotal=len(self.store.table)
             )
             if path is not None:
                 try:
                     index = load_index(path, self.spec, self.dim, **self._options())
-                    if index.ntotal == len(self.store) and torch.equal(index.ids(), self.store.ids):
+                    if index.ntotal == len(self.store.table) and torch.equal(index.ids(), self.store.table.ids):
                         self.index, self.dirty = index, False
                         return
                 except (CorruptDatabaseError, ValueError, OSError, KeyError, AttributeError, TypeError):
@@ -168,7 +169,7 @@ class Retriever:
         index would be tagged with a version it does not reflect).
         """
         if self.needs_save:
-            folders.write_index(self.folder, self.index, version=self.store.loaded_version)
+            folders.write_index(self.folder, self.index, version=self.store.table.version)
             self.dirty = False
 
     # ------------------------------------------------------------------ reading
@@ -209,28 +210,30 @@ class Retriever:
             targets = torch.where(torch.isin(targets.cpu(), allowed), targets.cpu(), -1)  # (b,)
         if k == "all":
             if allowed is None:
-                ids, keys, values = store.ids.to(device), store.keys, store.values  # (m,), (m, dim), (m, value_dim)
+                table = store.table
+                ids, keys, values = table.ids.to(device), table.keys, table.values  # (m,), (m, dim), (m, value_dim)
             else:
-                rows = store.rows_of(allowed).to(device)  # (m,)
-                ids, keys, values = allowed.to(device), store.keys[rows], store.values[rows]
+                rows = store.table.rows_of(allowed).to(device)  # (m,)
+                ids, keys, values = allowed.to(device), store.table.keys[rows], store.table.values[rows]
             match = None if targets is None else ids.unsqueeze(0) == targets.to(device).unsqueeze(1)  # (b, m)
             return Candidates(ids=ids, keys=keys, values=values, mask=None, match=match)
         # never gather more candidates than there are records (k may be far larger than the database)
-        take = max(1, min(int(k), len(store) if allowed is None else len(allowed)))
-        per_candidate = (self.dim + store.values.shape[-1]) * 4 * 3 + 24  # gathered, scored, their gradients; ids
+        take = max(1, min(int(k), len(store.table) if allowed is None else len(allowed)))
+        value_dim = store.table.values.shape[-1]
+        per_candidate = (self.dim + value_dim) * 4 * 3 + 24  # gathered, scored, their gradients; ids
         check_fits(queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates")
         with _autocast_off(queries.device, device):  # the index scores in its own dtype, never autocast's
             ids = self.index.search(queries.detach(), take, allowed=allowed).ids.cpu()  # (b, take)
-        rows = self.index.last_rows if self.index.source is store else None  # (b, take) or None
+        rows = self.index.last_rows if self.index.source is store.table else None  # (b, take) or None
         if targets is not None:
             targets = targets.cpu()
             missing = (targets >= 0) & ~(ids == targets.unsqueeze(1)).any(1)  # (b,)
             ids[missing, -1] = targets[missing]
             rows = None if bool(missing.any()) else rows
         if rows is not None:  # an exact index over the store's own tensors: its rows, no lookup by id
-            keys, values, mask = store.gather_rows(rows)  # (b, take, dim), (b, take, value_dim), (b, take)
+            keys, values, mask = store.table.gather_rows(rows)  # (b, take, dim), (b, take, value_dim), (b, take)
         else:
-            keys, values, mask = store.gather(ids)  # (b, take, dim), (b, take, value_dim), (b, take)
+            keys, values, mask = store.table.gather(ids)  # (b, take, dim), (b, take, value_dim), (b, take)
         ids = ids.to(device)  # (b, take)
         match = None if targets is None else (ids == targets.to(device).unsqueeze(1)) & (ids >= 0)  # (b, take)
         return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
@@ -247,7 +250,7 @@ class Retriever:
         Returns:
             The first matching id (batch,) (-1 where none) and how many records match (batch,): int64 CPU.
         """
-        keys = self.store.keys  # (m, dim)
+        keys = self.store.table.keys  # (m, dim)
         q = queries.detach().to(self.store.device, torch.float32)  # (b, dim)
         first = torch.full((q.shape[0],), -1, dtype=torch.long)  # (b,)
         count = torch.zeros(q.shape[0], dtype=torch.long)  # (b,)
@@ -266,7 +269,7 @@ class Retriever:
                 same = rows[(chunk[rows] == q[i]).all(-1)].sort().values  # (s,) rows of equal keys, by id
                 if len(same):
                     if first[i] < 0:
-                        first[i] = self.store.ids[start + int(same[0])]
+                        first[i] = self.store.table.ids[start + int(same[0])]
                     count[i] += len(same)
         return first, count
 

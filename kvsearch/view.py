@@ -277,7 +277,7 @@ class View:
     def summary(self, device: torch.device) -> str:
         """``repr(db)``: where the database lives, its records (or closed) and its options."""
         where = "memory" if self.path is None else str(self.path)
-        state = "closed" if self.closed else f"{len(self.store)} records"
+        state = "closed" if self.closed else f"{len(self.store.table)} records"
         return (
             f"Database({where!r}, {state}, dim={self.dim}, value_dim={self.value_dim}, "
             f"index={self.index_spec!r}, score={self.score!r}, device={device})"

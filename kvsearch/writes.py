@@ -139,14 +139,14 @@ class Writes:
         # which texts came with their own embedding: kept as given, never re-encoded from the text
         given = (GIVEN_KEY if key_embeddings is not None else 0) | (GIVEN_VALUE if value_embeddings is not None else 0)
         with self.view.writing():
-            existing = self.store.stored_ids_of_keys(key_texts, allow=upsert)  # raises DuplicateKeyError
+            existing = self.store.texts.stored_ids_of_keys(key_texts, allow=upsert)  # raises DuplicateKeyError
             if upsert and n and key_texts[0] is None:  # keys as embeddings: the same key is an equal embedding
                 existing = self.equal_keys(key_embs)  # raises DuplicateKeyError
             if n == 0:
                 return []
             key_embs = encode_side(key_texts, key_embs, self.encoder, self.dim, "keys")  # (n, dim)
             value_embs = encode_side(value_texts, value_embs, self.value_encoder, self.value_dim, "values")
-            over = self.capacity is not None and len(self.store) + existing.count(None) > self.capacity
+            over = self.capacity is not None and len(self.store.table) + existing.count(None) > self.capacity
             with self.view.atomic() if over else contextlib.nullcontext():  # the write and the drop: all or nothing
                 ids = self.store.write(key_texts, value_texts, metadata, key_embs, value_embs, existing, [given] * n)
                 dropped = set(self.drop_oldest()) if over else set()
@@ -162,10 +162,10 @@ class Writes:
 
     def drop_oldest(self) -> list[int]:
         """Delete the oldest records (the smallest ids) beyond the capacity: their ids (the caller holds the lock)."""
-        excess = len(self.store) - self.capacity
+        excess = len(self.store.table) - self.capacity
         if excess <= 0:
             return []
-        oldest = self.store.ids[:excess].tolist()  # the mirror is sorted by id
+        oldest = self.store.table.ids[:excess].tolist()  # the mirror is sorted by id
         self.store.delete(oldest)
         return oldest
 
@@ -182,7 +182,8 @@ class Writes:
     def check_memory(self, n: int) -> None:
         """Refuse (MemoryLimitError) a write of ``n`` records whose grown mirror (copied once when its buffer is
         full) and index additions cannot fit."""
-        need = (len(self.store) + 2 * n) * (self.dim + self.value_dim) * 4 + index_bytes(self.index_spec, n, self.dim)
+        held = len(self.store.table)
+        need = (held + 2 * n) * (self.dim + self.value_dim) * 4 + index_bytes(self.index_spec, n, self.dim)
         check_fits(need, f"adding {n:,} records")
 
     def equal_keys(self, key_embs: Tensor) -> list[int | None]:
@@ -206,7 +207,7 @@ class Writes:
                     f"expected one stored record per key embedding, got {c} records equal to the key at position "
                     f"{i}; {how}"
                 )
-            text = self.store.key_of_id.get(id_) if c else None
+            text = self.store.texts.key_of_id.get(id_) if c else None
             if text is not None:
                 raise DuplicateKeyError(
                     f"expected a key embedding without text, got one equal to the key {text!r} of record {id_} "
@@ -229,8 +230,9 @@ class Writes:
         with self.view.writing():
             store = self.store
             if missing == "ignore":
-                items = [i for i in items if (i in store.id_of_key if isinstance(i, str) else store.contains_id(i))]
-            ids = store.resolve(items, "nothing was deleted")  # raises KeyNotFoundError
+                texts, table = store.texts, store.table
+                items = [i for i in items if (i in texts.id_of_key if isinstance(i, str) else table.contains_id(i))]
+            ids = store.texts.resolve(items, "nothing was deleted", store.table.contains_id)  # KeyNotFoundError
             if ids:
                 store.delete(ids)
                 self.retriever.apply(removed=ids, added=[], keys=None)

@@ -213,7 +213,7 @@ class Hooks:
                 encoder = arg["encoder"]
         encoder = self.db.encoder if encoder is None else encoder
         store = self.db.store
-        texts = [store.key_of_id[i] for i in store.ids.tolist()]
+        texts = [store.texts.key_of_id[i] for i in store.table.ids.tolist()]
         store.replace_embeddings(keys=encoder.encode(texts))  # (n, dim), a transaction of its own
 
 

@@ -43,7 +43,7 @@ def db(tmp_path):
 
 def snapshot(db: kvsearch.Database) -> tuple:
     """Everything a bad call must leave alone: len, records, search results and the files' bytes."""
-    records = db.store.fetch(db.store.ids.tolist())
+    records = db.store.fetch(db.store.table.ids.tolist())
     rows = [
         (r.id, r.key, r.value, sorted(r.metadata.items()), r.key_embedding.numpy().tobytes()) for r in records.values()
     ]
@@ -231,7 +231,7 @@ def test_reopened_database_is_the_same_after_all_bad_calls(db):
 
 def test_k_larger_than_database_returns_everything_not_an_error(db):
     hits = db.search("Li", k=100)
-    assert sorted(h.id for h in hits) == sorted(db.store.ids.tolist())
+    assert sorted(h.id for h in hits) == sorted(db.store.table.ids.tolist())
     answer = db.query("Li", k=100)
     assert int((answer.ids >= 0).sum()) == len(db)
 
@@ -334,6 +334,6 @@ def test_a_query_that_cannot_fit_is_refused_up_front(db, monkeypatch):
 
 
 def test_ids_to_delete_may_come_as_an_integer_tensor(db):
-    ids = db.store.ids[:2].clone()
+    ids = db.store.table.ids[:2].clone()
     assert db.delete(ids) == ids.tolist() and len(db) == 4
-    assert db.delete(np.array([int(db.store.ids[0])], dtype=np.int32)) and len(db) == 3
+    assert db.delete(np.array([int(db.store.table.ids[0])], dtype=np.int32)) and len(db) == 3

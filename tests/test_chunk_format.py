@@ -66,7 +66,7 @@ def test_a_chunk_store_is_moved_to_a_file_set_with_every_record_kept(tmp_path, n
     db.close()
     again = kvsearch.Database(path)
     check_records(again, expected(name))
-    assert again.store.keys_shared  # moved in id order: one run, shared
+    assert again.store.table.keys_shared  # moved in id order: one run, shared
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -160,12 +160,12 @@ def test_a_reserved_mirror_grows_without_a_copy(monkeypatch, reserved):
     db = kvsearch.Database(None, dim=DIM, value_dim=VALUE_DIM, score="dot")
     keys, values = torch.randn(3_000, DIM, generator=gen), torch.randn(3_000, VALUE_DIM, generator=gen)
     db.add(keys[:1_000], values[:1_000])
-    where = (db.store.keys.data_ptr(), db.store.values.data_ptr())
+    where = (db.store.table.keys.data_ptr(), db.store.table.values.data_ptr())
     for lo in (1_000, 2_000):
         db.add(keys[lo : lo + 1_000], values[lo : lo + 1_000])
-    now = (db.store.keys.data_ptr(), db.store.values.data_ptr())
+    now = (db.store.table.keys.data_ptr(), db.store.table.values.data_ptr())
     assert now == where if reserved == "keys and values" else now[0] == where[0]
-    assert torch.equal(db.store.keys, keys) and torch.equal(db.store.values, values)
+    assert torch.equal(db.store.table.keys, keys) and torch.equal(db.store.table.values, values)
 
 
 def test_a_record_committed_after_the_tensors_were_loaded_is_fetched_from_the_store(tmp_path):

@@ -71,7 +71,7 @@ def test_readers_never_see_a_torn_batch(tmp_path, index):
     for b in range(1, n_batches):
         db.add(*batch(b, rng))
         if b % 10 == 0:
-            db.delete(db.store.ids[:BATCH].tolist())  # delete the whole oldest batch (ids are in batch order)
+            db.delete(db.store.table.ids[:BATCH].tolist())  # delete the whole oldest batch (ids are in batch order)
     done.set()
     for t in threads:
         t.join(timeout=60)
@@ -123,7 +123,7 @@ def test_second_writer_gets_locked_error_and_readers_keep_working(tmp_path):
         waited = time.monotonic() - start
         assert 0.3 <= waited < 5  # a bounded wait, not a hang
         with pytest.raises(DatabaseLockedError):
-            db.delete(db.store.ids[:1].tolist())
+            db.delete(db.store.table.ids[:1].tolist())
         assert [[h.id for h in row] for row in db.search(q, k=5)] == before  # readers are never blocked
         assert len(db) == BATCH
     finally:
@@ -163,11 +163,11 @@ def test_two_writer_processes_lose_nothing(tmp_path):
     for who in (1, 2):
         for b in range(15):
             assert len(db.store.ids_where({"w": who, "b": b})) == 5
-    ids = db.store.ids.numpy()
+    ids = db.store.table.ids.numpy()
     assert np.array_equal(db.index.ids(), ids)
     db.close()
     again = kvsearch.Database(path)
-    keys = again.store.keys.numpy()
+    keys = again.store.table.keys.numpy()
     q = np.random.default_rng(3).standard_normal((10, DIM)).astype(np.float32)
     for qv, row in zip(q, again.search(torch.from_numpy(q), k=10)):
         truth = set(ids[np.argsort(-(keys @ qv))[:10]].tolist())
@@ -310,9 +310,9 @@ def test_a_reader_sees_another_process_writes_consistently(tmp_path):
     assert [(h.key, h.value) for h in a.search("Li", k=3)][0] == ("Lipton", "Zachary")
     assert a.query("Li", k=3, pooling="exact").found is False
     fresh = a.encoder.encode(["Smola"])[0]
-    row = a.store.ids.tolist().index(a.store.id_of_key["Smola"])
-    torch.testing.assert_close(a.store.values[row], a.encoder.encode(["CHANGED"])[0])  # the new value embedding
-    torch.testing.assert_close(a.store.keys[row], fresh)
+    row = a.store.table.ids.tolist().index(a.store.texts.id_of_key["Smola"])
+    torch.testing.assert_close(a.store.table.values[row], a.encoder.encode(["CHANGED"])[0])  # the new value embedding
+    torch.testing.assert_close(a.store.table.keys[row], fresh)
     a.close()
 
 
@@ -338,7 +338,7 @@ def test_a_stale_process_never_overwrites_another_process_fine_tuned_encoder(tmp
     assert a.search("Li", k=1)[0].key == "Li"  # A reloaded B's encoder and keys before answering
     a.close()  # A changed nothing: it writes nothing
     c = kvsearch.Database(path)
-    stored = c.store.keys[c.store.ids.tolist().index(c.store.id_of_key["Li"])]
+    stored = c.store.table.keys[c.store.table.ids.tolist().index(c.store.texts.id_of_key["Li"])]
     torch.testing.assert_close(c.encoder.encode(["Li"])[0], stored)  # the trained encoder, not A's old one
     c.close()
 

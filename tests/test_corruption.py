@@ -83,7 +83,7 @@ def build(folder: Path, index: str) -> tuple[np.ndarray, np.ndarray, bytes]:
     db.save()
     older = (folder / "index.npz").read_bytes() if index != "Flat" else b""
     db.add([f"late{i}" for i in range(100)], [f"w{i}" for i in range(100)])
-    ids, keys = db.store.ids.numpy().copy(), db.store.keys.numpy().copy()
+    ids, keys = db.store.table.ids.numpy().copy(), db.store.table.keys.numpy().copy()
     db.close()
     return ids, keys, older
 

@@ -105,10 +105,10 @@ def index_is_current(path: Path) -> bool:
 def search_matches_brute_force(db: Database, rng: np.random.Generator, queries: int = 8) -> bool:
     """Whether the index's top-k ids equal a brute-force top-k (dot score) over the store's key embeddings."""
     store = db.store
-    ids = store.ids.numpy()
+    ids = store.table.ids.numpy()
     if not len(ids):
         return True
-    keys = store.keys.numpy()  # (n, dim), in the order of ids
+    keys = store.table.keys.numpy()  # (n, dim), in the order of ids
     q = rng.standard_normal((queries, keys.shape[1])).astype(np.float32)
     k = min(10, len(ids))
     hits = db.search(torch.from_numpy(q), k=k)
@@ -123,7 +123,7 @@ def check_database(path: Path, acks_path: Path, rng: np.random.Generator) -> dic
     acks = read_acks(acks_path)
     with open_db(str(path)) as db:
         store = db.store
-        records = store.fetch(store.ids.tolist())
+        records = store.fetch(store.table.ids.tolist())
         batches: dict[str, list] = defaultdict(list)
         for r in records.values():
             batches[r.metadata["batch"]].append(r)
@@ -150,7 +150,7 @@ def check_database(path: Path, acks_path: Path, rng: np.random.Generator) -> dic
                 assert batch in live, f"acknowledged batch {batch} of {size} records lost"
         # The index serves exactly the store: same ids, and search == brute force over the stored keys.
         assert len(db) == len(records) == sum(size for size, _ in live.values())
-        assert np.array_equal(db.index.ids(), store.ids.numpy())
+        assert np.array_equal(db.index.ids(), store.table.ids.numpy())
         assert search_matches_brute_force(db, rng), "search differs from brute force over the store: a stale index"
     return live
 

@@ -350,7 +350,7 @@ def test_text_without_encoder(rng):
 
 
 def test_upsert_replaces_in_place(names_db):
-    old = names_db.store.id_of_key["Li"]
+    old = names_db.store.texts.id_of_key["Li"]
     ids = names_db.upsert(keys=["Li", "Ng"], values=["Mu Li", "Andrew"])
     assert ids[0] == old and len(names_db) == 7
     assert names_db.lookup("Li") == "Mu Li" and names_db.lookup("Ng") == "Andrew"
@@ -383,7 +383,7 @@ def test_cuda_device(rng):
     db.add(keys=keys, values=np.ones((50, 8), np.float32))
     q = torch.from_numpy(keys[:2]).cuda().requires_grad_(True)
     ans = db.query(q, k=4)
-    assert ans.output.is_cuda and db.store.keys.is_cuda
+    assert ans.output.is_cuda and db.store.table.keys.is_cuda
     ans.output.sum().backward()
     assert q.grad is not None
 
@@ -461,7 +461,7 @@ def test_hits_and_answers_carry_metadata_read_with_the_search(names_db):
     assert hits[2].metadata == {}  # a record without metadata
     answer = db.query(["Li", "Lipton"], k=4)
     by_id = dict(zip(answer.ids[0].tolist(), answer.metadata[0]))
-    assert by_id[db.store.id_of_key["Li"]] == {"lang": "zh", "n": 1}
+    assert by_id[db.store.texts.id_of_key["Li"]] == {"lang": "zh", "n": 1}
     one = db.query("Lipton", k=2)
     assert one.metadata.tolist() == [{"lang": "en"}, {"lang": "zh", "n": 1}]
     db.delete(["Li", "Lipton"])  # after the query: its metadata was read in the query's snapshot
@@ -474,7 +474,7 @@ def test_hits_and_answers_carry_metadata_read_with_the_search(names_db):
 
 def test_delete_missing_ignore(names_db):
     db = names_db
-    li, hu = db.store.id_of_key["Li"], db.store.id_of_key["Hu"]
+    li, hu = db.store.texts.id_of_key["Li"], db.store.texts.id_of_key["Hu"]
     with pytest.raises(KeyNotFoundError, match="nobody"):
         db.delete(["Li", "nobody"])  # the default: raise, and delete nothing
     assert len(db) == 6

@@ -119,7 +119,7 @@ def test_filter_after_deletes_and_reopen(tmp_path):
     db.delete([i for i in ids if i % 2 == 0])
     db.close()
     db = kvsearch.Database(tmp_path / "db")
-    live = set(db.store.ids.tolist())
+    live = set(db.store.table.ids.tolist())
     hits = db.search(torch.from_numpy(rng.standard_normal((5, DIM)).astype(np.float32)), k=20, where={"i": 1})
     for row in hits:
         assert len(row) == 20

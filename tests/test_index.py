@@ -242,7 +242,7 @@ def test_every_supported_family_adds_deletes_and_never_returns_deleted(tmp_path,
     db.delete(gone)
     db.close()
     db = Database(tmp_path / "db")
-    assert torch.equal(db.index.ids(), db.store.ids)
+    assert torch.equal(db.index.ids(), db.store.table.ids)
     found = db.query(keys[:40], k=10).ids.numpy()
     assert not np.isin(found, gone).any()
     assert ((found >= 0).sum(1) == 10).all()

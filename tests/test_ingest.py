@@ -42,7 +42,7 @@ def test_ingest_matches_a_direct_add(tmp_path, fmt, batch_size):
     assert len(db) == len(RECORDS)
     for k, v in RECORDS:
         assert db.lookup(k) == v
-    torch.testing.assert_close(db.store.keys, reference.store.keys)  # same embeddings, same order
+    torch.testing.assert_close(db.store.table.keys, reference.store.table.keys)  # same embeddings, same order
     assert [h.key for h in db.search("Lipto", k=3)] == [h.key for h in reference.search("Lipto", k=3)]
 
 

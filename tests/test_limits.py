@@ -48,11 +48,11 @@ def test_an_index_larger_than_memory_is_refused_up_front():
 def test_add_that_cannot_fit_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
     db = kvsearch.Database(tmp_path / "db", dim=64, value_dim=64, index="HNSW16")
     db.add(torch.randn(100, 64), torch.randn(100, 64))
-    before = (len(db), db.store.version, db.store.ids.tolist())
+    before = (len(db), db.store.version, db.store.table.ids.tolist())
     monkeypatch.setenv("KVSEARCH_MEMORY_LIMIT", str(1 << 20))  # 1 MiB for this process
     with pytest.raises(MemoryLimitError, match="adding 5,000 records"):
         db.add(torch.randn(5000, 64), torch.randn(5000, 64))
-    assert (len(db), db.store.version, db.store.ids.tolist()) == before
+    assert (len(db), db.store.version, db.store.table.ids.tolist()) == before
     db.add(torch.randn(10, 64), torch.randn(10, 64))  # a small add still fits
     db.close()
     # Reopening needs an index rebuild of ~110 x (256 + 136) bytes: refused under a 10 KiB budget, with

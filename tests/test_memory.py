@@ -236,10 +236,10 @@ def test_adds_do_not_copy_the_memory(capacity: int | None) -> None:
         db.add(keys, values)
         db.candidates(QUERIES, 4)
         derived = db.index.derived()
-        assert derived.keys is db.store.keys  # the index searches the store's own keys, no copy
-        buffers["keys"].add(_storages(db.store.keys))
-        buffers["values"].add(_storages(db.store.values))
-        buffers["ids"].add(_storages(db.store.ids))
+        assert derived.keys is db.store.table.keys  # the index searches the store's own keys, no copy
+        buffers["keys"].add(_storages(db.store.table.keys))
+        buffers["values"].add(_storages(db.store.table.values))
+        buffers["ids"].add(_storages(db.store.table.ids))
         buffers["norms"].add(_storages(derived.norm_term))
     assert len(db) == (6_000 if capacity is None else capacity)
     # growth by an eighth from 114 rows to 6,000: ~34 buffers; a window of 500: ~20 while it grows, then one per
@@ -265,9 +265,9 @@ def test_memory_stays_on_the_gpu() -> None:
         found = db.candidates(queries, 8)
         assert found.keys.is_cuda and found.values.is_cuda and found.ids.is_cuda
         derived = db.index.derived()
-        assert db.store.keys.is_cuda and db.store.values.is_cuda
+        assert db.store.table.keys.is_cuda and db.store.table.values.is_cuda
         assert derived.keys.is_cuda and derived.device_ids.is_cuda and derived.norm_term.is_cuda
-        buffers["keys"].add(_storages(db.store.keys))
+        buffers["keys"].add(_storages(db.store.table.keys))
         buffers["device_ids"].add(_storages(derived.device_ids))
         buffers["norms"].add(_storages(derived.norm_term))
         stored = [r[0] for r in ref]

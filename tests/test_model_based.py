@@ -550,7 +550,7 @@ class TwoHandles(Model):
     def other_agrees(self, data) -> None:
         """The other handle answers like the reference: ids, index, every key, embeddings, an exact search."""
         other, store = self.other, self.other.store
-        since, now = store.loaded_version, self.db.store.version
+        since, now = store.table.version, self.db.store.version
         full = now != since and (now - since > self.keep or any(since < v <= now for v in self.refreshed_at))
         loads, catch_ups = store.full_loads, store.catch_ups
         assert len(other) == len(self.model)

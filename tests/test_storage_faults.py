@@ -197,7 +197,7 @@ def test_atomic_keeps_every_write_of_a_block_or_none(tmp_path, full_disk):
     tensors and the index, and a full disk at the commit is typed."""
     db = kvsearch.Database(tmp_path / "db", encoder=small_encoder(), index="HNSW16")
     db.add(*keys_values(20))
-    version, keys = db.store.version, db.store.keys.clone()
+    version, keys = db.store.version, db.store.table.keys.clone()
     with pytest.raises(RuntimeError, match="stop"):
         with db.atomic():
             db.add(*keys_values(10, "new"))
@@ -205,7 +205,7 @@ def test_atomic_keeps_every_write_of_a_block_or_none(tmp_path, full_disk):
             assert len(db) == 29
             raise RuntimeError("stop")
     assert len(db) == 20 and "k3" in db and "new0" not in db and db.store.version == version
-    assert db.index.ntotal == 20 and torch.equal(db.store.keys, keys)
+    assert db.index.ntotal == 20 and torch.equal(db.store.table.keys, keys)
     full_disk(0)
     with pytest.raises(DiskFullError, match="no space left"):
         with db.atomic():

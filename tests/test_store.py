@@ -27,7 +27,7 @@ def test_write_then_gather_by_id():
     store, ids, keys, values = make()
     assert ids == [1, 2, 3, 4, 5]
     query = torch.tensor([[5, -1, 2], [1, 1, 4]])
-    k, v, mask = store.gather(query)
+    k, v, mask = store.table.gather(query)
     assert k.shape == (2, 3, 3) and v.shape == (2, 3, 2)
     assert mask.tolist() == [[True, False, True], [True, True, True]]
     torch.testing.assert_close(k[0, 0], keys[4])
@@ -43,15 +43,15 @@ def test_ids_are_never_reused(tmp_path):
     store.close()
     reopened = Store(tmp_path / "s.sqlite")
     reopened.load(3, 2)
-    assert reopened.ids.tolist() == [1, 2, 3, 6]
-    assert reopened.id_of_key == {"k0": 1, "k1": 2, "k2": 3, "x": 6}
+    assert reopened.table.ids.tolist() == [1, 2, 3, 6]
+    assert reopened.texts.id_of_key == {"k0": 1, "k1": 2, "k2": 3, "x": 6}
 
 
 def test_update_in_place_keeps_id():
     store, ids, keys, _ = make()
     out = store.write(["k1"], ["new"], [None], torch.ones(1, 3), torch.ones(1, 2), ids=[2])
-    assert out == [2] and len(store) == 5
-    torch.testing.assert_close(store.gather(torch.tensor([2]))[0][0], torch.ones(3))
+    assert out == [2] and len(store.table) == 5
+    torch.testing.assert_close(store.table.gather(torch.tensor([2]))[0][0], torch.ones(3))
     assert store.fetch([2])[2].value == "new"
 
 
@@ -75,14 +75,14 @@ def test_delete_unknown_changes_nothing():
     v = store.version
     with pytest.raises(KeyNotFoundError, match=r"\[42\]"):
         store.delete([1, 42])
-    assert len(store) == 5 and store.version == v and 1 in store.key_of_id
+    assert len(store.table) == 5 and store.version == v and 1 in store.texts.key_of_id
 
 
 def test_failed_transaction_rolls_back(tmp_path):
     store, _, _, _ = make(tmp_path / "s.sqlite")
     with pytest.raises(sqlite3.IntegrityError):  # a duplicate key slips past (the database checks first)
         store.write(["new", "k0"], ["a", "b"], [None, None], torch.zeros(2, 3), torch.zeros(2, 2))
-    assert len(store) == 5 and "new" not in store.id_of_key
+    assert len(store.table) == 5 and "new" not in store.texts.id_of_key
     with closing(sqlite3.connect(tmp_path / "s.sqlite")) as conn:  # what is on disk, read from outside
         assert conn.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 5
 

@@ -66,7 +66,7 @@ def test_database_all_softmax_uses_streaming_and_equals_dense(tmp_path):
     ref, weights = attend(queries, k.detach(), v.detach(), score="scaled_dot", pooling="softmax", temperature=0.3)
     torch.testing.assert_close(ans.output, ref)
     torch.testing.assert_close(ans.weights, weights.detach())
-    assert torch.equal(ans.ids[0], db.store.ids)
+    assert torch.equal(ans.ids[0], db.store.table.ids)
     (g_ours,) = torch.autograd.grad(ans.output.sum(), queries)
     (g_dense,) = torch.autograd.grad(ref.sum(), queries)
     torch.testing.assert_close(g_ours, g_dense)

@@ -243,7 +243,7 @@ from kvsearch import Database
 db = Database(sys.argv[1])
 db.delete([1, 2])
 new = db.add(torch.ones(2, 8), torch.ones(2, 3))
-torch.save((db.store.keys.clone(), new), sys.argv[2])
+torch.save((db.store.table.keys.clone(), new), sys.argv[2])
 os._exit(0)  # gone without closing: what was committed is all there is
 """
 
@@ -258,19 +258,19 @@ def _stored_db(path, n=30, seed=0):
 def test_reopen_reads_what_was_committed_last(tmp_path):
     path = tmp_path / "db"
     db = _stored_db(path)
-    keys, values, ids = db.store.keys.clone(), db.store.values.clone(), db.store.ids.clone()
+    keys, values, ids = db.store.table.keys.clone(), db.store.table.values.clone(), db.store.table.ids.clone()
     db.close()
     db = Database(path)
-    assert torch.equal(db.store.keys, keys) and torch.equal(db.store.values, values)
-    assert torch.equal(db.store.ids, ids)
+    assert torch.equal(db.store.table.keys, keys) and torch.equal(db.store.table.values, values)
+    assert torch.equal(db.store.table.ids, ids)
     db.close()
     # a write by a process that dies without closing: the next open reads it
     crashed = subprocess.run([sys.executable, "-c", WRITE_THEN_DIE, str(path), str(tmp_path / "out.pt")], timeout=120)
     assert crashed.returncode == 0
     expect_keys, new = torch.load(tmp_path / "out.pt")
     reopened = Database(path)
-    assert torch.equal(reopened.store.keys, expect_keys) and reopened.store.ids[-2:].tolist() == new
-    assert 1 not in reopened.store.ids.tolist()
+    assert torch.equal(reopened.store.table.keys, expect_keys) and reopened.store.table.ids[-2:].tolist() == new
+    assert 1 not in reopened.store.table.ids.tolist()
     reopened.close()
     names = sorted(p.name for p in path.iterdir() if p.name.startswith("store.sqlite"))
     vectors = [n for n in names if n.startswith("store.sqlite.v")]  # the embeddings' file set: one, whole
@@ -301,12 +301,12 @@ def test_records_changed_behind_the_embeddings_back_are_refused(tmp_path, change
 
 def test_answer_keys_are_lazy_and_compare_as_lists(names_db):
     ans = names_db.query(["Li", "Lipton"], k=3)
-    plain = [[names_db.store.key_of_id.get(i) for i in row] for row in ans.ids.tolist()]
+    plain = [[names_db.store.texts.key_of_id.get(i) for i in row] for row in ans.ids.tolist()]
     assert ans.keys == plain and ans.keys.tolist() == plain and len(ans.keys) == 2
     assert ans.keys[1] == plain[1] and ans.keys[1][0] == plain[1][0] and ans.keys[-1][-1] == plain[-1][-1]
     assert list(ans.keys[0]) == plain[0] and ans.keys[0:1] == [plain[0]]
     single = names_db.query("Li", k=2)
-    expected = [names_db.store.key_of_id.get(i) for i in single.ids.tolist()]
+    expected = [names_db.store.texts.key_of_id.get(i) for i in single.ids.tolist()]
     assert single.keys == expected and "Li" in expected
 
 

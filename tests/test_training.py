@@ -162,12 +162,12 @@ def test_retrieval_loss_needs_key_targets(rng):
 
 def test_train_query_leaves_keys_and_key_encoder_alone(directory, tmp_path):
     db = make_db(tmp_path / "db", directory)
-    keys_before = db.store.keys.clone()
+    keys_before = db.store.table.keys.clone()
     weights_before = db.encoder.embedding.weight.detach().clone()
     history = finetune_as_before(db, directory["train"], loss="retrieval", k=8, epochs=1, batch_size=32, verbose=False)
     assert isinstance(history, History) and history.refreshes == 0
     assert len(history.losses) == math.ceil(len(directory["train"]) / 32)
-    assert torch.equal(db.store.keys, keys_before)
+    assert torch.equal(db.store.table.keys, keys_before)
     assert torch.equal(db.encoder.embedding.weight, weights_before)
     assert db.query_encoder is not None and db.query_encoder is not db.encoder
     assert db.query_encoder.weights_changed()
@@ -177,7 +177,7 @@ def test_train_query_leaves_keys_and_key_encoder_alone(directory, tmp_path):
 
 def test_train_query_and_keys_refreshes_the_index(directory, tmp_path):
     db = make_db(tmp_path / "db", directory)
-    values_before = db.store.values.clone()
+    values_before = db.store.table.values.clone()
     pairs = directory["train"][:200]
     history = finetune_as_before(
         db, pairs, loss="retrieval", k=8, epochs=2, batch_size=20, refresh_every=4, train="query+keys", verbose=False
@@ -186,28 +186,28 @@ def test_train_query_and_keys_refreshes_the_index(directory, tmp_path):
     assert db.encoder.weights_changed()
     assert db.query_encoder is None
     expected = db.encoder.encode(directory["keys"])
-    assert torch.allclose(db.store.keys, expected, atol=1e-6)  # the stored keys are the trained encoder's
+    assert torch.allclose(db.store.table.keys, expected, atol=1e-6)  # the stored keys are the trained encoder's
     ids = db.index.search(expected[:50], 1).ids  # raw queries: the index normalises them for cosine
-    assert ids[:, 0].tolist() == db.store.ids[:50].tolist()  # the index holds the refreshed keys
-    assert torch.equal(db.store.values, values_before)  # values keep the untrained encoder's embeddings
+    assert ids[:, 0].tolist() == db.store.table.ids[:50].tolist()  # the index holds the refreshed keys
+    assert torch.equal(db.store.table.values, values_before)  # values keep the untrained encoder's embeddings
     assert db.value_encoder is not db.encoder and not db.value_encoder.weights_changed()
     db.close()
     reopened = Database(tmp_path / "db")
     assert reopened.value_encoder is not reopened.encoder
-    assert torch.allclose(reopened.store.keys, expected, atol=1e-6)
+    assert torch.allclose(reopened.store.table.keys, expected, atol=1e-6)
     reopened.close()
 
 
 def test_train_values_writes_them_to_the_store(directory, tmp_path):
     db = make_db(tmp_path / "db", directory)
-    before = db.store.values.clone()
+    before = db.store.table.values.clone()
     pairs = [(q, directory["value_of"][t]) for q, t in directory["train"][:120]]
     finetune(db, pairs, loss="answer", k=8, epochs=1, batch_size=30, train_values=True, verbose=False)
-    after = db.store.values.clone()
+    after = db.store.table.values.clone()
     assert not torch.equal(after, before)
     db.close()
     reopened = Database(tmp_path / "db")
-    assert torch.equal(reopened.store.values, after)
+    assert torch.equal(reopened.store.table.values, after)
     reopened.close()
 
 
@@ -280,7 +280,7 @@ def test_evaluate_matches_a_brute_force_ranking(directory):
     k = 5
     got = evaluate(db, pairs, k=k)
     q = db.encoder.encode([p[0] for p in pairs])
-    scores = compute_scores(q, db.store.keys, "cosine")  # (n, m) against every key
+    scores = compute_scores(q, db.store.table.keys, "cosine")  # (n, m) against every key
     target_rows = torch.tensor([directory["keys"].index(t) for _, t in pairs])
     target_scores = scores[torch.arange(len(pairs)), target_rows]
     rank = (scores > target_scores.unsqueeze(1)).sum(1)  # 0-based rank of the target
@@ -305,12 +305,12 @@ def test_refresh_reencodes_text_keys_and_keeps_embedding_keys(tmp_path):
     with torch.no_grad():
         db.encoder.embedding.weight.mul_(-1).add_(0.1)
     db.refresh()
-    assert torch.allclose(db.store.keys[:3], db.encoder.encode(["Zhang", "Lipton", "Li"]), atol=1e-6)
-    assert torch.equal(db.store.keys[3:], loose)
+    assert torch.allclose(db.store.table.keys[:3], db.encoder.encode(["Zhang", "Lipton", "Li"]), atol=1e-6)
+    assert torch.equal(db.store.table.keys[3:], loose)
     assert db.search("Lipton", k=1)[0].key == "Lipton"
     db.close()
     reopened = Database(tmp_path / "db")
-    assert torch.allclose(reopened.store.keys[:3], reopened.encoder.encode(["Zhang", "Lipton", "Li"]), atol=1e-6)
+    assert torch.allclose(reopened.store.table.keys[:3], reopened.encoder.encode(["Zhang", "Lipton", "Li"]), atol=1e-6)
     reopened.close()
 
 
@@ -319,7 +319,7 @@ def test_query_encoder_is_used_for_text_queries_and_checked(names_db):
     assert names_db.search("Lipton", k=1)[0].key == "Lipton"
     names_db.query_encoder = other
     hits = names_db.search(["Lipton", "Li"], k=6)
-    expected = compute_scores(other.encode(["Lipton", "Li"]), names_db.store.keys, "cosine")
+    expected = compute_scores(other.encode(["Lipton", "Li"]), names_db.store.table.keys, "cosine")
     assert [h.score for h in hits[0]] == pytest.approx(sorted(expected[0].tolist(), reverse=True), abs=1e-5)
     with pytest.raises(DimensionMismatchError):
         names_db.query_encoder = NgramEncoder(dim=8)

@@ -43,9 +43,9 @@ def test_readers_map_the_vectors_and_appends_stay_mapped(tmp_path):
     reader = kvsearch.Database(tmp_path / "db", read_only=True)
     for step, lo in enumerate((1_000, 2_000, 3_000)):
         for db in (writer, reader):
-            assert mapped_files(db.store.keys) == {"store.sqlite.v1.keys"}, step
-            assert mapped_files(db.store.values) == {"store.sqlite.v1.values"}, step
-        assert torch.equal(reader.store.keys, keys[:lo]) and torch.equal(reader.store.values, values[:lo])
+            assert mapped_files(db.store.table.keys) == {"store.sqlite.v1.keys"}, step
+            assert mapped_files(db.store.table.values) == {"store.sqlite.v1.values"}, step
+        assert torch.equal(reader.store.table.keys, keys[:lo]) and torch.equal(reader.store.table.values, values[:lo])
         queries = torch.randn(5, DIM, generator=gen)
         hits = reader.search(queries, k=1)
         assert [row[0].id for row in hits] == brute_force_top1(keys[:lo], reader.ids(), queries)
@@ -65,26 +65,26 @@ def test_a_delete_inside_the_run_copies_until_the_records_are_one_run_again(tmp_
     def check(db: kvsearch.Database) -> None:
         kept = sorted(ref)
         assert db.ids().tolist() == kept
-        assert torch.equal(db.store.keys, keys[[ref[i] for i in kept]])
-        assert torch.equal(db.store.values, values[[ref[i] for i in kept]])
+        assert torch.equal(db.store.table.keys, keys[[ref[i] for i in kept]])
+        assert torch.equal(db.store.table.values, values[[ref[i] for i in kept]])
 
     writer.delete(ids[:100])  # the oldest: still one run, still mapped
     for i in ids[:100]:
         del ref[i]
     len(reader)
-    assert writer.store.keys_shared and reader.store.keys_shared
+    assert writer.store.table.keys_shared and reader.store.table.keys_shared
     check(writer), check(reader)
     writer.delete(ids[300:320])  # inside the run: each process copies
     for i in ids[300:320]:
         del ref[i]
     len(reader)
-    assert not writer.store.keys_shared and not reader.store.keys_shared
+    assert not writer.store.table.keys_shared and not reader.store.table.keys_shared
     check(writer), check(reader)
     writer.delete(ids[320:600])  # holes outnumber the records: a new file set in id order, mapped again
     for i in ids[320:600]:
         del ref[i]
     len(reader)
-    assert writer.store.keys_shared and reader.store.keys_shared
+    assert writer.store.table.keys_shared and reader.store.table.keys_shared
     check(writer), check(reader)
     assert sorted(p.name for p in (tmp_path / "db").glob("store.sqlite.v*")) == [
         "store.sqlite.v2.ids",

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
         batch = db.query(["Smola", "Zhan"], k=4)
         out(f'batched query ["Smola", "Zhan"] -> {batch.value}, output {tuple(batch.output.shape)}')
         avg = db.query("Li", k="all", pooling="average")
-        mean = db.store.values.mean(0)
+        mean = db.store.table.values.mean(0)
         out(f"average pooling over all      -> equals the mean value embedding: {torch.allclose(avg.output, mean)}")
         db.upsert(keys=["Li"], values=["Mu"])  # leave the demo database whole for the next run
 

@@ -291,8 +291,8 @@ def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) ->
             store = db.store
             generations.add(db.generation)
             marks.update(carry.id_marks(store))
-            ids = store.ids.tolist()
-            keys = store.key_of_id
+            ids = store.table.ids.tolist()
+            keys = store.texts.key_of_id
             plan.append((ids, [-1 if i not in keys else shard_of_key(keys[i], num_shards) for i in ids]))
     generation = _one_generation(source, layout, generations)
     loose = sorted(i for ids, targets in plan for i, t in zip(ids, targets) if t < 0)  # keys given as embeddings

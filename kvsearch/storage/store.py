@@ -4,15 +4,19 @@ A record is ``(id, key, value, metadata)`` with a key embedding (dim,) and a val
 Ids are global integers from SQLite's AUTOINCREMENT: never reused, so a deleted id never comes back.
 ``key`` and ``value`` are text or None (records given directly as embeddings have no text).
 
-Every embedding is stored once, in the same SQLite file: in chunks of slots that are read whole at open
-(:mod:`kvsearch.storage.chunks`; ``records.slot`` names a record's slot). A store written by an earlier version, which
-kept the embeddings in the records rows, is moved to chunks the first time it is opened for writing
-(:mod:`kvsearch.storage.legacy`). The tables and the connections are :mod:`kvsearch.storage.schema`'s.
+Every embedding is stored once (``records.slot`` names a record's slot), through the store's
+:class:`~kvsearch.storage.embeddings.Vectors` picked at open: on disk in file sets beside the SQLite file that every
+process maps (:mod:`kvsearch.storage.vector_file`), in memory in SQLite chunks (:mod:`kvsearch.storage.chunks`). A store
+written by an earlier version is moved to today's format the first time it is opened for writing, and read as it is
+when opened read-only (:mod:`kvsearch.storage.migrate`). The tables and the connections are
+:mod:`kvsearch.storage.schema`'s.
 
-Every write is one SQLite transaction that also bumps a version counter; the in-memory tensors (the store's
-:class:`~kvsearch.storage.mirror.Mirror`, whose attributes the store also shows as its own: ``store.ids``,
-``store.keys``, ...) are changed only after the commit succeeds. Anything derived from the store (the FAISS index)
-records the version it was built at, so a stale copy is detected on open and rebuilt.
+Every write is one SQLite transaction that also bumps a version counter; the in-memory tensors (``store.table``, a
+:class:`~kvsearch.storage.table.VectorTable` that knows nothing of the store) are changed only after the commit
+succeeds. Another process's commits reach them as a :class:`~kvsearch.storage.table.Delta` read from the change log
+(:meth:`Store.catch_up`, :mod:`kvsearch.storage.catchup`). The key texts and given flags are read lazily
+(:attr:`Store.texts`). Anything derived from the store (the index) records the version it was built at, so a stale
+copy is detected on open and rebuilt.
 
 A store opened read-only (asked for, or its folder or file cannot be written) reads through a ``mode=ro``
 connection and refuses every write with :class:`~kvsearch.errors.ReadOnlyDatabaseError`. A write transaction
@@ -51,11 +55,12 @@ from kvsearch.errors import (
 from kvsearch.metadata.codec import decode as decode_metadata
 from kvsearch.metadata.codec import encode as encode_metadata
 from kvsearch.metadata.filters import where_sql
-from kvsearch.storage import changelog, fileio, legacy, queries, schema
-from kvsearch.storage.embeddings import Embeddings
+from kvsearch.storage import catchup, changelog, fileio, migrate, queries, schema
+from kvsearch.storage.embeddings import point_at, slots_of
+from kvsearch.storage.key_texts import KeyTexts, read_key_texts
 from kvsearch.storage.locking import LOCK_FILE, WriteLock
-from kvsearch.storage.mirror import CatchUp, Mirror
 from kvsearch.storage.schema import METADATA_PLAIN_SQL, METADATA_SQL, select_in
+from kvsearch.storage.table import CatchUp, VectorTable, Views
 from kvsearch.storage.transaction import Transaction
 
 __all__ = ["Record", "Store"]
@@ -82,21 +87,8 @@ class Record:
     value_embedding: Tensor | None = field(default=None, repr=False)
 
 
-class _OfMirror:
-    """An attribute of :class:`Store` that is the same-named attribute of its mirror, read and written through."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, store: Store | None, owner: type | None = None) -> Any:
-        return self if store is None else getattr(store.mirror, self.name)
-
-    def __set__(self, store: Store, value: Any) -> None:
-        setattr(store.mirror, self.name, value)
-
-
 class Store:
-    """SQLite records, their transactions and version, plus the in-memory mirror of their tensors (:attr:`mirror`).
+    """SQLite records, their transactions and version; the in-memory tensors (:attr:`table`) it hands them to.
 
     Args:
         path: the SQLite file, or None for an in-memory store.
@@ -105,11 +97,14 @@ class Store:
         read_only: open for reading only; a store whose folder or file cannot be written is opened so anyway.
 
     Attributes:
-        mirror: the in-memory tensors sorted by id and the key maps (:class:`~kvsearch.storage.mirror.Mirror`);
-            its ``ids``, ``keys``, ``values``, ``id_of_key``, ``key_of_id``, ``given_keys``, ``given_values``,
-            ``loaded_version``, ``full_loads`` and ``catch_ups`` are the store's attributes too.
+        table: the in-memory ids, keys and values sorted by id, and the version they reflect
+            (:class:`~kvsearch.storage.table.VectorTable`; an index's key source).
+        vectors: where the embeddings are written and read (:class:`~kvsearch.storage.embeddings.Vectors`, picked
+            at open by :func:`kvsearch.storage.migrate.open_vectors`).
+        full_loads: how many times the table was read whole (:meth:`load`: the open, and catch-ups that could not
+            use the change log) — a counter to observe, e.g. in tests.
+        catch_ups: how many times the table caught up on another process's commits row by row (:meth:`catch_up`).
         read_only: why the store is read-only (asked for, or what cannot be written), or None.
-        legacy: whether the store was of the earlier format when last looked at (:meth:`still_legacy`).
         changelog_keep: versions the change log keeps (see :mod:`kvsearch.storage.changelog`); each write drops older
             ones.
 
@@ -119,17 +114,6 @@ class Store:
             be written; :class:`DiskFullError`: no space to create it).
         DatabaseLockedError: another process holds a write transaction for longer than the timeout.
     """
-
-    ids = _OfMirror()  # (n,) int64 on the CPU, sorted
-    keys = _OfMirror()  # (n, dim) on device, or None
-    values = _OfMirror()  # (n, value_dim) on device, or None
-    id_of_key = _OfMirror()  # the normalised key text -> id
-    key_of_id = _OfMirror()  # id -> the key text as stored
-    given_keys = _OfMirror()  # ids whose key text came with its embedding
-    given_values = _OfMirror()  # ids whose value text came with its embedding
-    loaded_version = _OfMirror()  # the store version the in-memory mirror (and the index) reflect
-    full_loads = _OfMirror()  # how many times the mirror was read whole
-    catch_ups = _OfMirror()  # how many times the mirror caught up row by row
 
     def __init__(
         self,
@@ -144,7 +128,13 @@ class Store:
         self.lock = threading.RLock()
         self._timeout = timeout
         self._pid = os.getpid()
-        self.mirror = Mirror(self)
+        self.table = VectorTable(self.device)
+        self.full_loads = 0
+        self.catch_ups = 0
+        self.seen_data_version: int | None = None  # PRAGMA data_version when the table's version was last checked
+        # the key texts and given flags, read at their first use (None: not yet): a process that only searches by
+        # vector never holds them
+        self._texts: KeyTexts | None = None
         self.changelog_keep = changelog.KEEP_VERSIONS
         self._metadata_sql = METADATA_SQL  # or METADATA_PLAIN_SQL once the index was found missing
         self.read_only: str | None = None
@@ -165,13 +155,10 @@ class Store:
                 raise schema.open_error(again, self.path) from None
         # One writer at a time per folder, across processes; every transaction takes it (reentrant).
         self.write_lock = WriteLock(None if path is None else self.path.parent / LOCK_FILE, timeout, self.read_only)
-        # A store of the earlier format keeps its embeddings in the records rows: moved to chunks when writable.
-        self.legacy = legacy.is_legacy(self.conn)
-        if self.legacy and self.read_only is None:
-            legacy.move_to_chunks(self)
-            schema.init_summary(self.conn)  # the moved records table has slots: its summary and triggers
-        # On disk the embeddings are in file sets that processes map (in memory, in SQLite chunks).
-        self.embeddings = Embeddings(self.path, self.conn, writable=self.read_only is None)
+        # A store of an earlier format is moved to today's when writable; then the layout is picked, once.
+        if self.read_only is None:
+            migrate.upgrade(self.conn, self.path, self.transaction)  # no other thread has the store yet
+        self.vectors = migrate.open_vectors(self.path, self.conn, writable=self.read_only is None)
         if self.read_only is None and self.path is not None:
             self._open_files()
             for old in self.path.parent.glob(f"{self.path.name}.emb*"):  # side files of earlier versions: unused
@@ -179,19 +166,11 @@ class Store:
                     old.unlink()
 
     def _open_files(self) -> None:
-        """At a writable open: move a store of the chunk format to file sets (one transaction), check the last
-        committed segment of the vectors, and tidy the files if they need it."""
-        files = self.embeddings.files
-        if files is None:
-            return
-        if self.embeddings.holds_chunks(self.conn):
-            with self.lock, self.transaction():
-                moved = self.embeddings.move_from_chunks(self.conn)
-                if moved is not None:
-                    self.conn.executemany("UPDATE records SET slot = ? WHERE id = ?", moved[:, ::-1].tolist())
+        """At a writable open on disk: check the last committed segment of the vectors, and tidy the files if they
+        need it."""
         with self.lock, self.snapshot():
-            files.check_tail(self.conn)
-            untidy = files.untidy(self.conn)
+            self.vectors.check_tail(self.conn)
+            untidy = self.vectors.untidy(self.conn)
         if untidy:
             with contextlib.suppress(DatabaseLockedError):  # another writer is busy: tidied at a later open
                 self._tidy_files()
@@ -199,14 +178,9 @@ class Store:
     def _tidy_files(self) -> None:
         """Remove the file sets no committed state names and cut an uncommitted tail, under the write lock (another
         writer's files in the making are never touched)."""
-        if self.embeddings.files is not None and self.read_only is None:
+        if self.path is not None and self.read_only is None:
             with self.lock, self.transaction():
-                self.embeddings.after_commit(self.conn)
-
-    def still_legacy(self) -> bool:
-        """Whether the store is still of the earlier format (another process may have moved it since)."""
-        self.legacy = self.legacy and legacy.is_legacy(self.conn)
-        return self.legacy
+                self.vectors.tidy(self.conn)
 
     def _unwritable(self) -> str | None:
         """Why the store cannot be written (its folder, or the file itself), or None.
@@ -271,11 +245,11 @@ class Store:
     def _reconnect_after_fork(self) -> None:
         # A SQLite connection must not cross fork(): the child's copy shares file locks and WAL state with
         # the parent's. Keep the inherited object alive (closing it could disturb the parent's locks) and
-        # open a fresh connection; the in-memory mirror copied by fork() is kept and revalidated against
+        # open a fresh connection; the in-memory table copied by fork() is kept and revalidated against
         # the store version before any write.
         inherited = self._connection
         self._pid = os.getpid()
-        self.mirror.seen_data_version = None  # data_version is per connection
+        self.seen_data_version = None  # data_version is per connection
         if self.path is None:
             return  # an in-memory database was copied by fork(); the child owns its copy
         _inherited_connections.append(inherited)
@@ -310,43 +284,100 @@ class Store:
         """A counter bumped by every committed write."""
         return int(self.get_meta("version") or 0)
 
-    # ------------------------------------------------------------------ the mirror (see kvsearch.storage.mirror)
+    # ------------------------------------------------------------------ the table (see kvsearch.storage.table)
+
+    @contextmanager
+    def _reading(self) -> Iterator[tuple[int, int]]:
+        """Under the lock, one snapshot (joined if a transaction is open), on the vectors of the store's format now:
+        yields (``PRAGMA data_version``, the version) read first in it."""
+        with self.lock, self.snapshot():
+            data_version = int(self.conn.execute("PRAGMA data_version").fetchone()[0])  # starts the snapshot
+            if self.read_only is not None:  # another process may have moved a store of an earlier format
+                self.vectors = migrate.follow(self.path, self.conn, self.vectors)
+            yield data_version, self.version
 
     def load(self, dim: int, value_dim: int) -> None:
-        """Read every record into the in-memory tensors, in one snapshot (:meth:`Mirror.load`)."""
-        self.mirror.load(dim, value_dim)
+        """Read every record into the table, in one snapshot: on the CPU, views of the shared file mappings when the
+        records hold one run of slots (nothing copied), else copies.
+
+        Raises:
+            CorruptDatabaseError: the embeddings do not have the expected dims, or do not match the records.
+        """
+        with self._reading() as (data_version, version):
+            shared = self.device.type == "cpu"
+            whole = catchup.read_whole(self.conn, self.vectors, (dim, value_dim), shared=shared, path=self.path)
+            if whole.views is not None:
+                self.table.adopt(whole.views)
+                self.table.version = version
+            else:
+                self.table.load(whole.ids, whole.keys, whole.values, version, whole.buffers)
+            self._texts = None  # read again at their first use
+            self.seen_data_version = data_version
+            self.full_loads += 1
 
     def is_stale(self) -> bool:
-        """Whether another process committed since the mirror was loaded (:meth:`Mirror.is_stale`)."""
-        return self.mirror.is_stale()
+        """Whether another connection (another process) committed since the table was loaded.
+
+        When no other connection committed since the last check (``PRAGMA data_version`` unchanged), the version
+        is not read at all.
+        """
+        data_version = int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+        if data_version == self.seen_data_version:
+            return False
+        stale = self.version != self.table.version
+        if not stale:
+            self.seen_data_version = data_version
+        return stale
 
     def catch_up(self, dim: int, value_dim: int) -> CatchUp | None:
-        """Bring the mirror up to the store's version (:meth:`Mirror.catch_up`): what changed, or None after a load."""
-        return self.mirror.catch_up(dim, value_dim)
+        """Bring the table up to the store's version: row by row from the change log, else by a full :meth:`load`.
 
-    def contains_id(self, id_: int) -> bool:
-        """Whether a record with this id is stored (:meth:`Mirror.contains_id`)."""
-        return self.mirror.contains_id(id_)
+        Reads only the rows the log names (added or replaced since the table's version), drops the deleted ones, in
+        one snapshot (:func:`~kvsearch.storage.catchup.read_delta`). Falls back to :meth:`load` when the log does
+        not reach back (compacted, or older than the log), when a change of every row (a generation switch) is in
+        the range, or when more rows changed than half the table holds (reading everything is then as cheap).
 
-    def rows_of(self, ids: Tensor) -> Tensor:
-        """Row positions of ids (any shape) in the in-memory tensors, -1 where absent (:meth:`Mirror.rows_of`)."""
-        return self.mirror.rows_of(ids)
+        Returns:
+            What changed, for the index to follow; None after a full :meth:`load` (the index is rebuilt or served).
 
-    def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Keys (*ids.shape, dim), values (*ids.shape, value_dim) and a keep-mask by id (:meth:`Mirror.gather`)."""
-        return self.mirror.gather(ids)
-
-    def gather_rows(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`gather` by row positions in :attr:`keys` (-1 where none), as :meth:`Mirror.gather_rows`."""
-        return self.mirror.gather_rows(rows)
-
-    def __len__(self) -> int:
-        return len(self.mirror)
+        Raises:
+            CorruptDatabaseError: an embedding has the wrong size.
+        """
+        with self._reading() as (data_version, version):
+            delta = None
+            if self.table.keys is not None:
+                most = max(1024, len(self.table) // 2)
+                shared = self.device.type == "cpu"
+                dims = (dim, value_dim)
+                delta = catchup.read_delta(
+                    self.conn, self.vectors, self.table.version, version, dims, most=most, shared=shared
+                )
+            if delta is None:
+                self.load(dim, value_dim)
+                return None
+            if self._texts is not None:  # else read at their first use
+                for id_ in delta.deleted:
+                    self._texts.forget(int(id_))
+                self._texts.follow(delta.ids, delta.texts, delta.ids, delta.given)
+            changed = self.table.apply(delta)
+            self.seen_data_version = data_version
+            self.catch_ups += 1
+            return changed
 
     @property
-    def keys_shared(self) -> bool:
-        """Whether :attr:`keys` and :attr:`values` are views of the file set every process maps (not copies)."""
-        return self.mirror.mapped
+    def texts(self) -> KeyTexts:
+        """The key maps and given flags of the records the table holds, read from the store at their first use."""
+        if self._texts is None:
+            with self.lock, self.snapshot():
+                self._texts = read_key_texts(self.conn, self._held, self.path)
+        return self._texts
+
+    def _held(self, ids: list[int]) -> set[int]:
+        """Those of ``ids`` the table holds (a store ahead of the table names records it does not hold yet)."""
+        if not ids:
+            return set()
+        found = self.table.rows_of(torch.tensor(ids, dtype=torch.long)) >= 0  # (r,)
+        return set(np.asarray(ids)[found.numpy()].tolist())
 
     # ------------------------------------------------------------------ writing
 
@@ -420,17 +451,17 @@ class Store:
                 if new:
                     every = len(new) == n  # the usual add: no row selection to copy
                     new_ids = np.array([out[i] for i in new], dtype=np.int64)
-                    slots = self.embeddings.append(
+                    slots = self.vectors.append(
                         self.conn, new_ids, key_np if every else key_np[new], value_np if every else value_np[new]
                     ).tolist()
                     rows = ([keys[i] for i in new], [values[i] for i in new], [meta(i) for i in new])
                     schema.insert_records(self.conn, *rows, slots, [out[i] for i in new])
                 if old:
                     old_ids = np.array([out[i] for i in old], dtype=np.int64)
-                    slots_now = self._slots_of(old_ids)
-                    moved = self.embeddings.replace(self.conn, slots_now, old_ids, key_np[old], value_np[old])
+                    slots_now = slots_of(self.conn, old_ids)
+                    moved = self.vectors.replace(self.conn, slots_now, old_ids, key_np[old], value_np[old])
                     if moved is not None:  # file sets are append-only: the new embeddings are in new slots
-                        self._point_at(old_ids, moved, old=slots_now)
+                        point_at(self.conn, old_ids, moved, old=slots_now)
                     self.conn.executemany(  # metadata None: keep the stored
                         "UPDATE records SET key = ?, value = ?, metadata = CASE WHEN ? THEN metadata ELSE ? END "
                         "WHERE id = ?",
@@ -442,16 +473,11 @@ class Store:
                 self.conn.executemany("INSERT INTO given (id, side) VALUES (?, ?)", flagged)
                 self.bump_version({"added": [out[i] for i in new], "replaced": [out[i] for i in old]})
                 views = self._shared_views()
-            # Committed: now mirror it in memory (still under the lock, so readers never see half of it).
-            self.mirror.apply_write(
-                out, keys, key_embs, value_embs, replaced=old, added=new, given=flagged, views=views
-            )
+            # Committed: now the table and the key maps follow (still under the lock: readers never see half of it).
+            if self._texts is not None:  # else read at their first use
+                self._texts.follow(out, keys, [out[i] for i in old], flagged)
+            self.table.write(out, key_embs, value_embs, replaced=old, added=new, views=views)
         return out
-
-    def _slots_of(self, ids: Sequence[int]) -> np.ndarray:
-        """(n,) the slots of stored ids, in the order given."""
-        slot_of = dict(select_in(self.conn, "SELECT id, slot FROM records WHERE id IN ({})", [int(i) for i in ids]))
-        return np.array([slot_of[int(i)] for i in ids], dtype=np.int64)
 
     def delete(self, ids: Sequence[int]) -> None:
         """Delete records by id in one transaction.
@@ -460,20 +486,23 @@ class Store:
             KeyNotFoundError: an id is not stored (nothing is deleted then).
         """
         with self.lock:
-            missing = self.mirror.missing_ids(ids)
+            missing = self.table.missing_ids(ids)
             if missing:
                 raise KeyNotFoundError(f"expected stored ids, got unknown ids {missing[:10]}")
             with self.transaction():
                 self._delete_rows(ids)
                 self.bump_version({"deleted": [int(i) for i in ids]})
-                dims = self.mirror.keys.shape[1], self.mirror.values.shape[1]
-                repacked = self.embeddings.repack_if_needed(self.conn, *dims)  # holes outnumber the records
+                dims = self.table.keys.shape[1], self.table.values.shape[1]
+                repacked = self.vectors.repack_if_needed(self.conn, *dims)  # holes outnumber the records
                 if repacked is not None:
-                    self._point_at(*repacked)
+                    point_at(self.conn, *repacked)
                 views = self._shared_views()
             if repacked is not None:
                 self._tidy_files()
-            self.mirror.drop(ids, views=views)
+            if self._texts is not None:
+                for id_ in ids:
+                    self._texts.forget(int(id_))
+            self.table.drop(ids, views=views)
 
     def clear(self) -> None:
         """Delete every record in one transaction (a few statements, whatever the count); ids are never reused."""
@@ -481,10 +510,11 @@ class Store:
             with self.transaction():
                 for table in ("records", "given"):
                     self.conn.execute(f"DELETE FROM {table}")  # our own table names
-                self.embeddings.clear(self.conn)
-                self.bump_version()  # a change of every row: another process reloads its mirror
+                self.vectors.clear(self.conn)
+                self.bump_version()  # a change of every row: another process reloads its table
             self._tidy_files()
-            self.mirror.clear()
+            self.table.clear()
+            self._texts = KeyTexts({}, {}, set(), set())
 
     def last_id(self) -> int:
         """The last id SQLite's AUTOINCREMENT sequence handed out (0: none yet); deleted ids included."""
@@ -502,18 +532,6 @@ class Store:
                 self.conn.execute("DELETE FROM sqlite_sequence WHERE name = 'records'")
                 self.conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)", (int(floor),))
 
-    def stored_ids_of_keys(self, keys: Sequence[str | None], *, allow: bool) -> list[int | None]:
-        """The stored id of each key text, None for a new key or no text (:meth:`Mirror.stored_ids_of_keys`)."""
-        return self.mirror.stored_ids_of_keys(keys, allow=allow)
-
-    def id_of(self, key: str) -> int:
-        """The id of the record with this key text, -1 if none (:meth:`Mirror.id_of`)."""
-        return self.mirror.id_of(key)
-
-    def resolve(self, items: Sequence[str | int], consequence: str) -> list[int]:
-        """The stored ids of key texts and ids, in order, without repeats (:meth:`Mirror.resolve`)."""
-        return self.mirror.resolve(items, consequence)
-
     def replace_embeddings(
         self, keys: Tensor | None = None, values: Tensor | None = None, *, meta: Mapping[str, Any] | None = None
     ) -> None:
@@ -528,42 +546,26 @@ class Store:
                 for name, value in (meta or {}).items():
                     self._put_meta(name, value)
                 as_numpy = [None if t is None else t.detach().to("cpu", torch.float32).numpy() for t in (keys, values)]
-                moved = self.embeddings.write_all(self.conn, *as_numpy)
+                moved = self.vectors.write_all(self.conn, *as_numpy)
                 if moved is not None:  # a new file set, in id order
-                    self._point_at(*moved)
+                    point_at(self.conn, *moved)
                 self.bump_version()
                 views = self._shared_views()
             self._tidy_files()
-            self.mirror.replace_all(keys, values, views=views)
+            self.table.replace_all(keys, values, views=views)
 
     def _delete_rows(self, ids: Iterable[int]) -> None:
-        self.embeddings.erase(self.conn, schema.delete_records(self.conn, [int(i) for i in ids]))  # slots emptied
+        self.vectors.erase(self.conn, schema.delete_records(self.conn, [int(i) for i in ids]))  # slots emptied
 
-    def _shared_views(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    def _shared_views(self) -> Views | None:
         """Inside a write transaction: the records as it leaves them on the shared file mappings (CPU), or None."""
-        return self.embeddings.views(self.conn) if self.device.type == "cpu" else None
-
-    def _point_at(self, ids: np.ndarray, slots: np.ndarray, old: np.ndarray | None = None) -> None:
-        """Point records at new slots (inside the transaction that moved their embeddings), skipping unmoved ones.
-
-        Args:
-            ids: (n,) stored ids. slots: (n,) their new slots. old: (n,) their current slots, if the caller read them.
-        """
-        if old is None and len(ids) > 4096:  # many (a new file set): one ordered read of every record's slot
-            held = np.array(self.conn.execute("SELECT id, slot FROM records ORDER BY id").fetchall(), np.int64)
-            held = held.reshape(-1, 2)  # (r, 2) id, slot
-            old = held[np.searchsorted(held[:, 0], ids), 1]
-        elif old is None:
-            old = self._slots_of(ids)
-        moved = np.flatnonzero(old != slots)
-        pairs = zip(slots[moved].tolist(), ids[moved].tolist())
-        self.conn.executemany("UPDATE records SET slot = ? WHERE id = ?", pairs)
+        return self.vectors.views(self.conn) if self.device.type == "cpu" else None
 
     def bump_version(self, changes: Mapping[str, Sequence[int]] | None = None) -> None:
         """Record one more committed write: the version and its change log entry, inside the open transaction
         (every write calls it last).
 
-        Other processes compare the version with the one their mirror was loaded at (:meth:`is_stale`) and catch
+        Other processes compare the version with the one their table was loaded at (:meth:`is_stale`) and catch
         up on the logged ids (:meth:`catch_up`).
 
         Args:
@@ -573,7 +575,8 @@ class Store:
         version = self.version + 1
         self._put_meta("version", version)
         changelog.record(self.conn, version, changes, self.changelog_keep)
-        self.mirror.loaded_version = version  # callers reload a stale mirror before writing (View.writing)
+        self.table.version = version  # callers reload a stale table before writing (View.writing); a rollback
+        # puts the version it found back (Transaction)
 
     # ------------------------------------------------------------------ reading
 
@@ -581,13 +584,20 @@ class Store:
         """Whole records (text, metadata, embeddings) for ids: the texts in one query, the embeddings from the
         in-memory tensors (read from the store only for a record committed since they were loaded)."""
         wanted = sorted({int(i) for i in ids if 0 <= int(i) < 2**63})  # SQLite holds int64 ids only
-        if self.mirror.keys is None:
+        table = self.table
+        if table.keys is None:
             return {}
-        with self.snapshot():
+        with self.lock, self.snapshot():
             sql = "SELECT id, key, value, metadata FROM records WHERE id IN ({})"
             rows = sorted(select_in(self.conn, sql, wanted))
-            at, later = self.mirror.locate([r[0] for r in rows])  # (r,) rows in memory; those read from the store
-        keys, values = self.mirror.take(at, later)  # (r, dim), (r, value_dim) on the CPU
+            at = table.rows_of(torch.tensor([r[0] for r in rows], dtype=torch.long))  # (r,) -1: not in memory yet
+            later = [r[0] for r, row in zip(rows, at.tolist()) if row < 0]  # committed since the table was loaded
+            if later:
+                dims = table.keys.shape[1], table.values.shape[1]
+                _, later_keys, later_values = migrate.follow(self.path, self.conn, self.vectors).read_rows(
+                    self.conn, later, *dims
+                )
+        keys, values = table.take(at, (later_keys, later_values) if later else None)  # (r, dim), (r, value_dim)
         return {
             id_: Record(
                 id=id_,
@@ -626,7 +636,7 @@ class Store:
         out: dict[int, str | Tensor | None] = self.value_texts(ids) if texts else dict.fromkeys(ids)
         need_emb = [i for i, text in out.items() if text is None]
         if need_emb:
-            out.update(self.mirror.values_of(need_emb))
+            out.update(self.table.values_of(need_emb))
         return out
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
@@ -667,9 +677,9 @@ class Store:
             if self._pid == os.getpid() or self.path is None:
                 self._connection.close()
             self.write_lock.close()
-            self.mirror.clear()
-            if self.embeddings.files is not None:
-                self.embeddings.files.release()
+            self.table.clear()
+            self._texts = KeyTexts({}, {}, set(), set())
+            self.vectors.release()
 
 
 # Stores of this process, so that a child of fork() gets fresh thread locks (a lock held by another

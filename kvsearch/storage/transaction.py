@@ -21,8 +21,8 @@ class Transaction:
     Nested inside an open transaction it is a SAVEPOINT (``depth_owner`` is False): an error inside rolls back only
     its own writes, and the outermost one commits. Every write transaction first checks that the store file is
     still the one opened (:meth:`Store.check_file`). A commit the file system refuses (a full disk) is rolled back
-    and raised as :class:`~kvsearch.errors.DiskFullError`; a rolled-back transaction leaves ``loaded_version`` as
-    it found it.
+    and raised as :class:`~kvsearch.errors.DiskFullError`; a rolled-back transaction leaves the table's version
+    as it found it.
 
     Raises:
         ReadOnlyDatabaseError: the store is read-only. DatabaseLockedError: another writer holds it.
@@ -33,12 +33,12 @@ class Transaction:
         self.store = store
         self.depth_owner = False
         self.savepoint: str | None = None
-        self.loaded = store.loaded_version
+        self.loaded = store.table.version
 
     def __enter__(self) -> None:
         store = self.store
         conn = store.conn
-        self.loaded = store.loaded_version
+        self.loaded = store.table.version
         if conn.in_transaction:
             self.savepoint = f"kvsearch_{id(self):x}"
             conn.execute(f"SAVEPOINT {self.savepoint}")
@@ -71,7 +71,7 @@ class Transaction:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute(f"ROLLBACK TO {self.savepoint}")
                     conn.execute(f"RELEASE {self.savepoint}")
-            self.store.loaded_version = self.loaded
+            self.store.table.version = self.loaded
             typed = self._typed(exc)
             if typed is not None:
                 raise typed from None
@@ -102,7 +102,7 @@ class Transaction:
         if conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-        self.store.loaded_version = self.loaded
+        self.store.table.version = self.loaded
 
     def _typed(self, exc: BaseException | None) -> Exception | None:
         """A full disk or a read-only file as the typed error, else None (the error stays as it is)."""
