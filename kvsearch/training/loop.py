@@ -165,11 +165,7 @@ def finetune(
         draft was discarded: the database is exactly as before.
     """
     started = time.perf_counter()
-    if not isinstance(db, DatabaseProtocol):
-        raise InvalidArgumentError(
-            "expected a kvsearch database (a Database or ShardedDatabase, what kvsearch.contract.DatabaseProtocol "
-            f"names), got {type(db).__name__}"
-        )
+    _check_database(db)
     plan = make_plan(db, train_pairs, eval_pairs, config, options)  # everything checked; nothing begun yet
     run = Run(db, plan, started)  # the draft begun: every way out below ends in exactly one commit or discard
     try:
@@ -187,3 +183,19 @@ def finetune(
     finally:
         run.close()
     return run.result()
+
+
+def _check_database(db: object) -> None:
+    """Refuse anything that is not a database: what :class:`~kvsearch.contract.DatabaseProtocol` names.
+
+    Raises:
+        InvalidArgumentError: ``db`` lacks a member of the protocol (the message names the first few it lacks).
+    """
+    if isinstance(db, DatabaseProtocol):
+        return
+    lacks = [name for name in dir(DatabaseProtocol) if not name.startswith("_") and not hasattr(db, name)]
+    listed = ", ".join(lacks[:5]) + (", ..." if len(lacks) > 5 else "")
+    raise InvalidArgumentError(
+        "expected a kvsearch database (a Database or ShardedDatabase: what kvsearch.contract.DatabaseProtocol "
+        f"names), got {type(db).__name__}" + (f", which lacks {listed}" if lacks else "")
+    )
