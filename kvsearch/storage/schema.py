@@ -14,7 +14,7 @@
   statement for a run of consecutive ids (a kNN memory's adds and drops).
 
 This module knows nothing of what the records mean, of transactions, versions or the in-memory tensors
-(:mod:`kvsearch.storage.store`, :mod:`kvsearch.storage.mirror`).
+(:mod:`kvsearch.storage.store`, :mod:`kvsearch.storage.catchup`).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def connect_in_memory(timeout: float) -> sqlite3.Connection:
 
 def init_summary(conn: sqlite3.Connection) -> None:
     """Make the records summary and its triggers; count it once for a store written before it had one (one scan;
-    new stores: none). A store of the earlier format (no slots yet) gets it once moved (:mod:`.legacy`)."""
+    new stores: none). A store of the earlier format (no slots yet) gets it once moved (:mod:`.migrate`)."""
     if "slot" not in {row[1] for row in conn.execute("PRAGMA table_info(records)")}:
         return
     conn.executescript(SUMMARY)
