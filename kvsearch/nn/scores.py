@@ -2,7 +2,7 @@
 
 It owns the one registry of built-in scores, :data:`SCORE_KINDS`: a name maps to a :class:`ScoreKind` holding
 everything any reader needs of that score — its torch function (``compute_scores`` dispatches through it), the
-index metric a database with it as default needs and whether the index stores unit keys (``retrieval.metric_of``),
+index metric a database with it as default needs (``retrieval.metric_of``) and whether that index stores unit keys,
 its streaming form (:class:`StreamForm`, what ``nn.streaming`` computes chunk by chunk), its relevance in [0, 1]
 (the LangChain store) and whether it is never positive (the pooling check of ``attend``). The name lists derive
 from it: ``SCORES`` (every name, ``ScoreName``), ``DB_SCORES`` (those a database can search by: they decide its
