@@ -23,14 +23,16 @@ keys re-encoded in memory (:meth:`Draft.refresh`), and ends with one :meth:`Draf
 are put back).
 
 This module knows nothing of training loops, search internals or file formats (those are
-:mod:`kvsearch.storage.encoder_files`).
+:mod:`kvsearch.storage.encoder_files`), nor of the facade: a draft is handed the database's view (what it uses of it:
+:class:`DraftView`) and the database's ``candidates`` and ``commit_generation``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -45,9 +47,6 @@ from kvsearch.storage import encoder_files
 from kvsearch.storage.table import VectorTable
 from kvsearch.storage.store import Store
 
-if TYPE_CHECKING:
-    from kvsearch.database import Database
-
 __all__ = [
     "write_files",
     "switch",
@@ -59,6 +58,7 @@ __all__ = [
     "rollback",
     "describe",
     "Draft",
+    "DraftView",
     "PREVIOUS_VALUES",
     "KEY_TOLERANCE",
 ]
@@ -377,28 +377,45 @@ class FrozenRecords:
         return ids[torch.isin(ids, self.table.ids)]
 
 
+class DraftView(Protocol):
+    """What a :class:`Draft` uses of one process's view of its database (met by :class:`kvsearch.view.View`, which
+    ranks above this module): a draft is handed the view and two of the database's functions, not the facade."""
+
+    store: Store
+    encoders: EncoderSet
+    retriever: Retriever  # the database's: a draft's working retriever is made with its settings
+
+    def reading(self) -> AbstractContextManager[None]:
+        """One store snapshot, the view brought up to date with it first (DatabaseClosedError once closed)."""
+        ...
+
+    def record_run(self, summary: Mapping[str, Any]) -> None:
+        """Record a run that committed nothing as the database's last run."""
+        ...
+
+
 class Draft:
     """A generation being prepared in memory by a fine-tuning run; nothing on disk changes until :meth:`commit`.
 
-    Made by :meth:`kvsearch.Database.begin_generation`, which snapshots the database's encoders (which objects,
-    and their weights). The run trains them (or a copy it installs as ``db.query_encoder``); :meth:`refresh`
+    Made by :meth:`kvsearch.Database.begin_generation`; it snapshots the view's encoders (which objects, and their
+    weights) at once. The run trains them (or a copy it installs as ``db.query_encoder``); :meth:`refresh`
     re-encodes every key with the training key encoder into a working index; :meth:`candidates` searches it.
     The run ends with exactly one :meth:`commit` or :meth:`discard`. Used as a context manager, an exception
     discards.
 
     Args:
-        db: the database.
-        snapshot: the encoders as they were at the start (see
-            :meth:`~kvsearch.encoders.encoder_set.EncoderSet.snapshot`).
-        restore: puts a snapshot back.
-        record: records the summary of a run that committed nothing (see :meth:`discard`), or None.
+        view: the database's view: its store, encoders and retriever, its reads and its record of a run.
+        candidates: the database's ``candidates(queries, k, *, targets, where)``: what the draft searches until
+            :meth:`refresh` made its working index.
+        commit: the database's ``commit_generation(*, values, summary)``: switches to the new generation and
+            returns it.
     """
 
-    def __init__(self, db: Database, snapshot: dict[str, Any], restore: Any, record: Any = None) -> None:
-        self.db = db
-        self._snapshot = snapshot
-        self._restore = restore
-        self._record = record
+    def __init__(self, view: DraftView, *, candidates: Callable[..., Candidates], commit: Callable[..., int]) -> None:
+        self._view = view
+        self._current = candidates
+        self._commit = commit
+        self._snapshot = view.encoders.snapshot()
         self._retriever: Retriever | None = None
         #: ``"open"``, ``"committed"`` or ``"discarded"``.
         self.state: Literal["open", "committed", "discarded"] = "open"
@@ -413,11 +430,12 @@ class Draft:
             InvalidArgumentError: the draft was already committed or discarded.
         """
         self._check_open()
-        db = self.db
-        with db.store.lock:
-            len(db)  # brings this process's view up to date first
-            records = FrozenRecords(db.store, encode_keys(db.store, db.encoder))
-        retriever = Retriever(records, dim=db.dim, spec=db.index_spec, score=db.score, params=db.retriever.params)
+        view, current = self._view, self._view.retriever
+        with view.store.lock:
+            with view.reading():
+                pass  # brings this process's view up to date first
+            records = FrozenRecords(view.store, encode_keys(view.store, view.encoders.key))
+        retriever = Retriever(records, dim=current.dim, spec=current.spec, score=current.score, params=current.params)
         retriever.rebuild()
         self._retriever = retriever
 
@@ -427,8 +445,8 @@ class Draft:
         """As :meth:`kvsearch.Database.candidates`, over the working keys once :meth:`refresh` ran."""
         self._check_open()
         if self._retriever is None:
-            return self.db.candidates(queries, k, targets=targets, where=where)
-        with self.db.store.lock:
+            return self._current(queries, k, targets=targets, where=where)
+        with self._view.store.lock:
             return self._retriever.candidates(queries, k, targets=targets, where=where)
 
     def commit(self, *, values: tuple[Tensor, Tensor] | None = None, summary: Mapping[str, Any] | None = None) -> int:
@@ -447,7 +465,7 @@ class Draft:
         """
         self._check_open()
         try:
-            self.generation = self.db.commit_generation(values=values, summary=summary)
+            self.generation = self._commit(values=values, summary=summary)
         except BaseException:
             self.discard()
             raise
@@ -465,11 +483,11 @@ class Draft:
         """
         if self.state != "open":
             return
-        self._restore(self._snapshot)
+        self._view.encoders.restore(self._snapshot)
         self._retriever = None
         self.state = "discarded"
-        if summary is not None and self._record is not None:
-            self._record(summary)
+        if summary is not None:
+            self._view.record_run(summary)
 
     def _check_open(self) -> None:
         if self.state != "open":
