@@ -44,8 +44,8 @@ from kvsearch.errors import InvalidArgumentError, NonFiniteError, NothingToRollB
 from kvsearch.nn.attend import Candidates
 from kvsearch.retrieval import Retriever
 from kvsearch.storage import encoder_files
-from kvsearch.storage.table import VectorTable
 from kvsearch.storage.store import Store
+from kvsearch.storage.table import VectorTable
 
 __all__ = [
     "write_files",
