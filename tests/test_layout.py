@@ -3,8 +3,11 @@
 The wings (``kvsearch/storage/``, ``kvsearch/index/``, ...) and the shared top-level modules stand in ranks, bottom
 first (:data:`RANKS`, the order ``docs/ARCHITECTURE.md`` draws). A module may import from its own wing and from
 lower ranks, never from a higher rank nor from a sibling of its rank (siblings know nothing of each other), and the
-module-level imports form no cycle. Every import counts — at module level and inside functions — except those
-under ``if TYPE_CHECKING:`` (annotations only) and the few listed by name in :data:`ALLOWED_UPWARD` with why.
+module-level imports form no cycle. Every import counts for the ranks — at module level, inside functions and under
+``if TYPE_CHECKING:`` (an annotation that names a higher module's class is a sign of an upward reference: hand the
+lower module what it uses, typed by a small Protocol of its own) — except the few listed by name in
+:data:`ALLOWED_UPWARD` with why. Only the imports that run when a module is imported (module level, not under
+``TYPE_CHECKING``) count for the cycles.
 
 The checker is tested on small planted trees too, so that a test that cannot fail does not pass for one.
 """
@@ -48,7 +51,7 @@ RANKS: list[tuple[str, ...]] = [
 ]
 
 # (importing module, imported module) -> why an upward import is fine there. Only imports inside functions for an
-# optional extra belong here; an import needed for annotations goes under TYPE_CHECKING instead.
+# optional extra belong here; an annotation that names a higher module's class is typed by a Protocol defined low.
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 MAX_MODULE_LINES = 700
@@ -61,7 +64,7 @@ class Import:
     source: str  # the importing module, e.g. "kvsearch.storage.store"
     target: str  # the imported module, e.g. "kvsearch.storage.chunks"
     line: int
-    top_level: bool  # at module level (runs on import), not inside a function
+    top_level: bool  # runs when the module is imported: at module level, not inside a function nor TYPE_CHECKING
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -81,9 +84,15 @@ def _is_type_checking(node: ast.If) -> bool:
 
 
 def _walk(node: ast.AST, top_level: bool) -> Iterator[tuple[ast.AST, bool]]:
-    """Every import node under ``node``, with whether it runs at import time; TYPE_CHECKING blocks skipped."""
+    """Every import node under ``node``, with whether it runs when the module is imported.
+
+    Imports under ``if TYPE_CHECKING:`` are found too (they name what the module knows of, so they count for the
+    ranks) but never run (so they make no cycle); the ``else`` branch of such a block runs.
+    """
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.If) and _is_type_checking(child):
+            for checked in child.body:  # for annotations only: never runs
+                yield from _walk_one(checked, False)
             for other in child.orelse:  # the else branch runs
                 yield from _walk_one(other, top_level)
             continue
@@ -232,6 +241,7 @@ def plant(tmp_path: Path, files: dict[str, str]) -> Path:
     return root
 
 
+TYPE_CHECKING_BLOCK = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
 PLANT_RANKS = [("errors",), ("storage",), ("database",), ("cli", "integrations"), ("kvsearch",)]
 
 
@@ -260,6 +270,12 @@ def test_checker_accepts_downward_imports(tmp_path: Path) -> None:
         ({"storage/store.py": "def f():\n    from kvsearch.database import D\n"}, "'database' is above it"),
         # ... as a relative import
         ({"storage/store.py": "from ..database import Database\n"}, "'database' is above it"),
+        # ... under TYPE_CHECKING (an annotation naming a higher module's class: an upward reference)
+        ({"storage/store.py": TYPE_CHECKING_BLOCK + "    from kvsearch.database import D\n"}, "'database' is above it"),
+        (
+            {"storage/store.py": "import typing\nif typing.TYPE_CHECKING:\n    import kvsearch.database\n"},
+            "is above it",
+        ),
         # a sibling of the same rank
         ({"cli/main.py": "import kvsearch.integrations.lc\n", "integrations/lc.py": ""}, "its sibling"),
         # a cycle inside one wing
@@ -290,7 +306,7 @@ def test_checker_fails_on_a_planted_import(tmp_path: Path, files: dict[str, str]
     assert any(expected in v for v in found), found
 
 
-def test_checker_skips_type_checking_imports_and_listed_exceptions(tmp_path: Path) -> None:
+def test_checker_finds_type_checking_imports_and_skips_listed_exceptions(tmp_path: Path) -> None:
     files = {
         "errors.py": "",
         "storage/__init__.py": "",
@@ -299,6 +315,28 @@ def test_checker_skips_type_checking_imports_and_listed_exceptions(tmp_path: Pat
         "database.py": "",
     }
     root = plant(tmp_path, files)
-    assert len(violations(root, PLANT_RANKS, {})) == 1  # the lazy one, until it is listed with a reason
+    found = violations(root, PLANT_RANKS, {})
+    assert len(found) == 2, found  # the TYPE_CHECKING one and the lazy one, until it is listed with a reason
+    assert any(v.startswith("kvsearch.storage.store:3 imports kvsearch.database") for v in found), found
     allowed = {("kvsearch.storage.chunks", "kvsearch.database"): "an optional extra"}
+    found = violations(root, PLANT_RANKS, allowed)
+    assert len(found) == 1 and found[0].startswith("kvsearch.storage.store:3"), found
+    allowed[("kvsearch.storage.store", "kvsearch.database")] = "listed by name with why"
     assert violations(root, PLANT_RANKS, allowed) == []
+
+
+def test_type_checking_imports_make_no_cycle(tmp_path: Path) -> None:
+    # they never run: a module-level import one way and a TYPE_CHECKING one back is no cycle (nor is the else branch
+    # of a TYPE_CHECKING block skipped: it runs)
+    files = {
+        "errors.py": "",
+        "storage/__init__.py": "",
+        "storage/store.py": "from kvsearch.storage import chunks\n",
+        "storage/chunks.py": TYPE_CHECKING_BLOCK + "    from kvsearch.storage.store import S\n",
+        "database.py": "",
+    }
+    root = plant(tmp_path, files)
+    assert violations(root, PLANT_RANKS, {}) == []
+    files["storage/chunks.py"] += "else:\n    import kvsearch.storage.store\n"
+    root = plant(tmp_path / "else", files)
+    assert any("import cycle" in v for v in violations(root, PLANT_RANKS, {}))
