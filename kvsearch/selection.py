@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # annotations only
     from kvsearch.view import View
     from kvsearch.writes import Writes
 
-__all__ = ["Selection"]
+__all__ = ["Selection", "selection_filter", "page"]
 
 
 class Selection:
@@ -46,12 +46,7 @@ class Selection:
     """
 
     def __init__(self, view: View, writes: Writes, where: Mapping[str, Any] | None, ids: Any = None) -> None:
-        where = {} if where is None else where
-        check_where(where)
-        if ids is not None:
-            wanted = [int(i) for i in id_tensor(ids).reshape(-1).tolist()]
-            where = {"$and": [where, {"$id": {"$in": wanted}}]}
-        self._view, self._writes, self.where = view, writes, where
+        self._view, self._writes, self.where = view, writes, selection_filter(where, ids)
 
     def __repr__(self) -> str:
         return f"Selection(where={self.where!r})"
@@ -63,7 +58,7 @@ class Selection:
 
     def ids(self, *, limit: int | None = None, offset: int = 0) -> Tensor:
         """The ids of the selected records in id order: (m,) int64 on the CPU (see :meth:`records` for the paging)."""
-        limit, offset = _page(limit, offset)
+        limit, offset = page(limit, offset)
         with self._view.reading():
             return id_tensor(queries.ids(self._view.store.conn, self.where, limit, offset))
 
@@ -76,7 +71,7 @@ class Selection:
         Raises:
             InvalidArgumentError: a negative ``offset`` or a ``limit`` below 0.
         """
-        limit, offset = _page(limit, offset)
+        limit, offset = page(limit, offset)
         with self._view.reading():
             store = self._view.store
             wanted = queries.ids(store.conn, self.where, limit, offset)
@@ -140,7 +135,33 @@ class Selection:
         return self._writes.update_metadata(self.where, metadata, merge=merge)
 
 
-def _page(limit: object, offset: object) -> tuple[int | None, int]:
+def selection_filter(where: Mapping[str, Any] | None, ids: Any = None) -> Mapping[str, Any]:
+    """The one filter a selection runs: ``where`` (None: every record), limited to ``ids`` when given.
+
+    Args:
+        where: a filter (:mod:`kvsearch.metadata.filters`) or None.
+        ids: only these ids as well (any iterable of ints, a tensor or an array); None: no such limit.
+
+    Returns:
+        The filter, checked.
+
+    Raises:
+        InvalidArgumentError, UnknownOptionError, NonFiniteError: a bad filter or ids.
+    """
+    where = {} if where is None else where
+    check_where(where)
+    if ids is not None:
+        wanted = [int(i) for i in id_tensor(ids).reshape(-1).tolist()]
+        where = {"$and": [where, {"$id": {"$in": wanted}}]}
+    return where
+
+
+def page(limit: object, offset: object) -> tuple[int | None, int]:
+    """A page of a selection's records in id order, checked: ``(limit or None, offset)``.
+
+    Raises:
+        InvalidArgumentError: a ``limit`` or ``offset`` that is not an int in [0, 2**63).
+    """
     if limit is not None:
         limit = check_int(limit, "limit", low=0, high=2**63 - 1)
     offset = check_int(offset, "offset", low=0, high=2**63 - 1)  # what SQLite's LIMIT / OFFSET take

@@ -300,7 +300,7 @@ class Results(dict):
 
 
 def result_path(root: str | Path, scenario: str, rank: int) -> Path:
-    return Path(root) / f"{scenario}-rank{rank}.pkl"
+    return Path(root) / f"{scenario.replace(':', '-')}-rank{rank}.pkl"
 
 
 def join_group(rank: int, world: int, port: int, hang_after: float, one_thread: bool = True) -> None:
@@ -323,8 +323,9 @@ def rank_main(rank: int, world: int, port: int, root: str, scenario: str) -> Non
     """The entry point of a spawned rank: one thread, gloo on localhost, then the scenario's phases."""
     out = Results(result_path(root, scenario, rank))
     try:
+        sys.path.insert(0, str(Path(__file__).parent))  # a "module:function" scenario's module lives here
         join_group(rank, world, port, hang_after=280, one_thread=scenario not in OWN_THREADS)
-        SCENARIOS[scenario](rank, world, Path(root), out)
+        scenario_of(scenario)(rank, world, Path(root), out)
     except BaseException:
         out["crash"] = traceback.format_exc()
         out.save()
@@ -752,6 +753,17 @@ SCENARIOS: dict[str, Callable[[int, int, Path, Results], None]] = {
     "mismatch": mismatch_scenario,
 }
 OWN_THREADS = {"mismatch"}  # scenarios whose ranks keep the thread counts a rank started by hand has
+
+
+def scenario_of(name: str) -> Callable[[int, int, Path, Results], None]:
+    """A scenario by name: one of :data:`SCENARIOS`, or ``"module:function"`` for one kept in another test module
+    (``"test_sharded_where:where_scenario"``; the module is imported from this folder)."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    import importlib
+
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def start_ranks(world: int, root: Path, scenario: str) -> list[Any]:

@@ -6,8 +6,9 @@
 shard to a new generation together (two phases, :func:`one_generation` checks the outcome), and
 :func:`check_generations` rolls back, on opening, the shards a crashed switch left one generation ahead.
 
-It knows nothing of a shard's internals (each shard's public :class:`~kvsearch.database.Database` methods only) nor
-of the training loop that uses the team.
+It knows nothing of the facade (a draft holds this rank's :class:`~kvsearch.distributed.local.LocalShards`, a team
+the ranks' collectives), of a shard's internals (each shard's public :class:`~kvsearch.database.Database` methods
+only) nor of the training loop that uses the team.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from torch import Tensor
 from kvsearch import errors
 from kvsearch.distributed.collectives import Comm, collective
 from kvsearch.distributed.layout import ShardLayout
+from kvsearch.distributed.search import sharded_candidates
 from kvsearch.errors import NotSupportedError
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
-    from kvsearch.distributed.sharded_database import ShardedDatabase
+    from kvsearch.distributed.local import LocalShards
     from kvsearch.nn.attend import Candidates
 
 __all__ = ["ShardTeam", "ShardedDraft", "check_generations", "one_generation", "switch_every_shard"]
@@ -40,10 +42,14 @@ class ShardedDraft:
 
     Made by :meth:`ShardedDatabase.begin_generation`. The shards of a rank share one encoder object, which the run
     trains (with its gradients averaged over the ranks: :mod:`kvsearch.training.team`), so every shard's draft sees it.
+
+    Args:
+        local: this rank's shards and the ranks' collectives (not the facade: references point down).
+        drafts: shard number -> that shard's :class:`~kvsearch.generations.Draft`.
     """
 
-    def __init__(self, sdb: ShardedDatabase, drafts: dict[int, Any]) -> None:
-        self.sdb = sdb
+    def __init__(self, local: LocalShards, drafts: dict[int, Any]) -> None:
+        self.local = local
         self.drafts = drafts
         self.generation: int | None = None
 
@@ -55,20 +61,20 @@ class ShardedDraft:
     @property
     def comm(self) -> Comm:
         """The ranks' collectives (the sharded database's): a call's signature is checked on them."""
-        return self.sdb.comm
+        return self.local.comm
 
     @collective()
     def refresh(self) -> None:
         """Re-encode every shard's keys with the training key encoder into its working index, then a barrier."""
-        self.sdb.comm.agree(lambda: [draft.refresh() for draft in self.drafts.values()])
-        self.sdb.comm.barrier()
+        self.local.comm.agree(lambda: [draft.refresh() for draft in self.drafts.values()])
+        self.local.comm.barrier()
 
     @collective("k")
     def candidates(
         self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None = None, where: Any = None
     ) -> Candidates:
         """As :meth:`ShardedDatabase.candidates`, over the drafts' working keys once :meth:`refresh` ran."""
-        return self.sdb.candidates_from(self.drafts, queries, k, targets=targets, where=where)
+        return sharded_candidates(self.local, self.drafts, queries, k, targets=targets, where=where)
 
     @collective()
     def commit(self, *, values: tuple[Tensor, Tensor] | None = None, summary: Mapping[str, Any] | None = None) -> int:
@@ -82,7 +88,7 @@ class ShardedDraft:
         try:
             if values is not None:
                 raise NotSupportedError("train_values=True is not supported across shards yet")
-            self.generation = self.sdb.switch_generation(lambda s, db: self.drafts[s].commit(summary=summary))
+            self.generation = switch_every_shard(self.local, lambda s, db: self.drafts[s].commit(summary=summary))
         except BaseException:
             self.discard()
             raise
@@ -119,15 +125,27 @@ class ShardTeam:
         return self._comm.agree(fn)
 
 
-def switch_every_shard(sdb: ShardedDatabase, step: Callable[[int, Database], Any]) -> int:
-    """Move every shard of ``sdb`` to a new generation together; the new generation (see
-    :meth:`~kvsearch.distributed.ShardedDatabase.switch_generation`). Collective."""
-    comm = sdb.comm
-    before = sdb.generation
+def switch_every_shard(local: LocalShards, step: Callable[[int, Database], Any]) -> int:
+    """Move every shard to a new generation together (see
+    :meth:`~kvsearch.distributed.ShardedDatabase.switch_generation`). Collective.
+
+    Args:
+        local: this rank's shards, the root folder and the ranks' collectives.
+        step: ``step(shard, db)`` commits one shard's new generation.
+
+    Returns:
+        The new generation.
+
+    Raises:
+        InconsistentDatabaseError: the shards did not all move to one new generation.
+        What ``step`` raised on any rank (the shards that moved are rolled back).
+    """
+    comm = local.comm
+    before = local.generation()
     moved: list[Database] = []
 
     def phase_one() -> None:
-        for s, db in sdb.shards.items():
+        for s, db in local.shards.items():
             step(s, db)
             moved.append(db)
 
@@ -137,10 +155,10 @@ def switch_every_shard(sdb: ShardedDatabase, step: Callable[[int, Database], Any
         for db in moved:
             db.rollback_encoders()
         raise
-    after = {db.generation for db in sdb.shards.values()}
+    after = {db.generation for db in local.shards.values()}
     new = comm.agree(lambda: one_generation(comm.gather_objects(sorted(after)), before))
-    if sdb.rank == 0:
-        replace(ShardLayout.read(sdb.path), generation=new).write(sdb.path)
+    if local.rank == 0:
+        replace(ShardLayout.read(local.path), generation=new).write(local.path)
     comm.barrier()
     return new
 

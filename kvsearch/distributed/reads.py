@@ -6,13 +6,13 @@ key texts, values and metadata of ids (``texts``), ``values_present`` and ``embe
 collective: the ranks gather what each asked, each rank answers from its own shards, then every rank gathers the
 answers and keeps its own part.
 
-It knows nothing of search, candidates or writes, nor of a shard's internals: it uses each shard's public
+It knows nothing of search, candidates or writes, nor of the facade (it holds this rank's
+:class:`~kvsearch.distributed.local.LocalShards`), nor of a shard's internals: it uses each shard's public
 :class:`~kvsearch.database.Database` methods.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from kvsearch.metadata.codec import encode as encode_metadata
 
 if TYPE_CHECKING:
     from kvsearch.database import Database
-    from kvsearch.distributed.sharded_database import ShardedDatabase
+    from kvsearch.distributed.local import LocalShards
     from kvsearch.storage.store import Record
 
 __all__ = ["ShardReads", "owner_shards", "texts_list"]
@@ -67,15 +67,17 @@ class ShardReads:
     """The collective reads by global id or exact key of a :class:`~kvsearch.distributed.ShardedDatabase`.
 
     Each method is collective (every rank calls it, with its own arguments) and assumes the database is open.
+
+    Args:
+        local: this rank's shards, their layout and the ranks' collectives (not the facade: references point down).
     """
 
-    def __init__(self, sdb: ShardedDatabase) -> None:
-        # the database owns this object: a weak proxy back, so that a dropped database is freed at once (no cycle)
-        self.sdb: ShardedDatabase = weakref.proxy(sdb)
+    def __init__(self, local: LocalShards) -> None:
+        self.local = local
 
     def get(self, id: int) -> Record:
         """The record with this global id, read on its owner; KeyNotFoundError where none has it."""
-        sdb, comm = self.sdb, self.sdb.comm
+        here, comm = self.local, self.local.comm
 
         def check() -> int:
             if isinstance(id, bool) or not isinstance(id, (int, np.integer)):
@@ -87,15 +89,15 @@ class ShardReads:
         def local() -> dict[int, Record]:
             found: dict[int, Record] = {}
             asked = sorted(i for i in set(wanted) if 0 <= i < _INT64_END)  # no record has an id outside int64
-            for i, s in zip(asked, owner_shards(sdb.shards, asked, banded=sdb.banded_ids).tolist()):
+            for i, s in zip(asked, owner_shards(here.shards, asked, banded=here.banded_ids).tolist()):
                 if s >= 0:
                     try:
-                        found[i] = sdb.shards[s].get(i)
+                        found[i] = here.shards[s].get(i)
                     except KeyNotFoundError:
                         pass
             return found
 
-        mine = wanted[sdb.rank]
+        mine = wanted[here.rank]
         for part in comm.gather_objects(comm.agree(local)):
             if mine in part:
                 return part[mine]
@@ -103,7 +105,7 @@ class ShardReads:
 
     def one_key(self, key: object) -> tuple[list[str] | None, Tensor]:
         """A single key as ([text], (1, dim) placeholder) or (None, (1, dim) embedding). Not collective."""
-        dim = self.sdb.dim
+        dim = self.local.dim
         if isinstance(key, str):
             return [key], torch.zeros(1, dim)
         if isinstance(key, (Tensor, np.ndarray)):
@@ -125,7 +127,7 @@ class ShardReads:
         Returns:
             (b,) int64 CPU ids.
         """
-        sdb, comm = self.sdb, self.sdb.comm
+        here, comm = self.local, self.local.comm
         asked = comm.gather_objects(texts if texts is not None else q.detach().to("cpu", torch.float32))
 
         def local() -> list[tuple[Tensor, Tensor]]:
@@ -133,7 +135,7 @@ class ShardReads:
             for wanted in asked:
                 ids = torch.full((len(wanted),), -1, dtype=torch.long)  # (n,) one matching id
                 count = torch.zeros(len(wanted), dtype=torch.long)  # (n,) how many keys match
-                for db in sdb.shards.values():
+                for db in here.shards.values():
                     if not len(wanted):
                         break
                     if isinstance(wanted, list):  # only the owner shard can hold a key text
@@ -147,10 +149,10 @@ class ShardReads:
                 found.append((ids, count))
             return found
 
-        mine = torch.full((len(asked[sdb.rank]),), -1, dtype=torch.long)  # (b,)
-        count = torch.zeros(len(asked[sdb.rank]), dtype=torch.long)  # (b,)
+        mine = torch.full((len(asked[here.rank]),), -1, dtype=torch.long)  # (b,)
+        count = torch.zeros(len(asked[here.rank]), dtype=torch.long)  # (b,)
         for part in comm.gather_objects(comm.agree(local)):
-            hit, hits = part[sdb.rank]
+            hit, hits = part[here.rank]
             mine, count = torch.where(hit >= 0, hit, mine), count + hits
         return torch.where(count == 1, mine, -1)
 
@@ -161,7 +163,7 @@ class ShardReads:
 
         Collective.
         """
-        sdb, comm = self.sdb, self.sdb.comm
+        here, comm = self.local, self.local.comm
         wanted = comm.gather_objects(sorted({int(i) for i in ids if i >= 0}))
 
         def local() -> tuple[dict[int, str | None], dict[int, Any], dict[int, str]]:
@@ -169,8 +171,8 @@ class ShardReads:
             values: dict[int, Any] = {}
             metadata: dict[int, str] = {}
             everything = sorted({i for w in wanted for i in w if i < _INT64_END})
-            owners = owner_shards(sdb.shards, everything, banded=sdb.banded_ids).tolist()
-            for s, db in sdb.shards.items():
+            owners = owner_shards(here.shards, everything, banded=here.banded_ids).tolist()
+            for s, db in here.shards.items():
                 own = [i for i, owner in zip(everything, owners) if owner == s]
                 if own:
                     keys.update(zip(own, db.key_texts(own, encoded_only=encoded_only)))
@@ -189,31 +191,31 @@ class ShardReads:
 
     def values_present(self, texts: Sequence[str]) -> Tensor:
         """(n,) bool: whether some record of some shard holds each value text. Collective."""
-        sdb, comm = self.sdb, self.sdb.comm
+        here, comm = self.local, self.local.comm
         asked = comm.gather_objects(comm.agree(lambda: texts_list(texts)))
 
         def local() -> list[Tensor]:
             return [
-                torch.stack([db.values_present(wanted) for db in sdb.shards.values()]).any(0)
+                torch.stack([db.values_present(wanted) for db in here.shards.values()]).any(0)
                 if wanted
                 else torch.zeros(0, dtype=torch.bool)
                 for wanted in asked
             ]
 
-        present = torch.zeros(len(asked[sdb.rank]), dtype=torch.bool)  # (n,)
+        present = torch.zeros(len(asked[here.rank]), dtype=torch.bool)  # (n,)
         for part in comm.gather_objects(comm.agree(local)):
-            present |= part[sdb.rank]
+            present |= part[here.rank]
         return present
 
-    def embeddings(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def embeddings(self, ids: Tensor | Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """Key and value embeddings gathered by global id (any shape, -1 allowed), from their owners. Collective.
 
         Returns:
             keys (*ids.shape, dim), values (*ids.shape, value_dim) — zeros where an id is -1 or not stored — and
             the mask (*ids.shape) of the stored ones, on the database's device.
         """
-        sdb, comm = self.sdb, self.sdb.comm
-        dim, value_dim = sdb.dim, sdb.value_dim
+        here, comm = self.local, self.local.comm
+        dim, value_dim = here.dim, here.value_dim
         ids = id_tensor(ids)  # int64 on the CPU, any shape
         asked = comm.gather_objects(ids.reshape(-1))
 
@@ -222,8 +224,8 @@ class ShardReads:
             for wanted in asked:  # (n,)
                 keys, values = torch.zeros(len(wanted), dim), torch.zeros(len(wanted), value_dim)
                 mask = torch.zeros(len(wanted), dtype=torch.bool)
-                owners = owner_shards(sdb.shards, wanted, banded=sdb.banded_ids)  # (n,)
-                for s, db in sdb.shards.items():
+                owners = owner_shards(here.shards, wanted, banded=here.banded_ids)  # (n,)
+                for s, db in here.shards.items():
                     own = owners == s  # (n,)
                     if own.any():
                         k, v, m = db.embeddings(wanted[own])
@@ -234,10 +236,10 @@ class ShardReads:
         keys, values = torch.zeros(ids.numel(), dim), torch.zeros(ids.numel(), value_dim)
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         for part in comm.gather_objects(comm.agree(local)):
-            k, v, m = part[sdb.rank]
+            k, v, m = part[here.rank]
             keys[m], values[m] = k[m], v[m]
             mask |= m
-        device = sdb.device
+        device = here.device
         return (
             keys.reshape(*ids.shape, dim).to(device),
             values.reshape(*ids.shape, value_dim).to(device),

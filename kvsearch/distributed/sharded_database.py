@@ -30,10 +30,16 @@ Fine-tuning (:func:`kvsearch.finetune` on a sharded database, every rank with it
 once (:meth:`ShardedDatabase.switch_generation`). Not supported across shards yet (a typed
 :class:`~kvsearch.errors.NotSupportedError`): ``k="all"`` attention and ``train_values=True``.
 
-This module owns the facade (opening, agreement, generations switch, candidates merge, search and query) and
-delegates writes and reads by id to :class:`~kvsearch.distributed.writes.ShardWrites` and
-:class:`~kvsearch.distributed.reads.ShardReads`. It knows nothing of a shard's internals (each shard's public
-:class:`~kvsearch.Database` methods only) nor of the training loop that uses its :attr:`~ShardedDatabase.team`.
+Selections by filter (:meth:`ShardedDatabase.where`: count, ids, records, distinct, min / max, fields, delete,
+update) run collectively too, each rank answering for its own shards (:mod:`kvsearch.distributed.selection`).
+
+This module owns the facade (opening, agreement, the generation switch, search and query) and delegates the
+candidates merge to :func:`~kvsearch.distributed.search.sharded_candidates`, writes and reads by id to
+:class:`~kvsearch.distributed.writes.ShardWrites` and :class:`~kvsearch.distributed.reads.ShardReads`, and
+selections to :class:`~kvsearch.distributed.selection.ShardedSelection`; each is handed this rank's
+:class:`~kvsearch.distributed.local.LocalShards`, never the facade (references point down). It knows nothing of a
+shard's internals (each shard's public :class:`~kvsearch.Database` methods only) nor of the training loop that uses
+its :attr:`~ShardedDatabase.team`.
 """
 
 from __future__ import annotations
@@ -53,36 +59,36 @@ from kvsearch.database import Database
 from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm, collective
 from kvsearch.distributed.generations import ShardedDraft, ShardTeam, switch_every_shard
 from kvsearch.distributed.layout import ShardLayout
+from kvsearch.distributed.local import LocalShards
 from kvsearch.distributed.opening import check_num_shards, open_shards
-from kvsearch.distributed.reads import ShardReads, owner_shards, texts_list
+from kvsearch.distributed.reads import ShardReads, texts_list
+from kvsearch.distributed.search import sharded_candidates
+from kvsearch.distributed.selection import ShardedSelection, same_on_every_rank
 from kvsearch.distributed.threads import share_cores
 from kvsearch.distributed.writes import ShardWrites
 from kvsearch.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
     NotPicklableError,
-    NotSupportedError,
     UnknownOptionError,
 )
-from kvsearch.index.topk import merge_candidates
 from kvsearch.inputs import KeysIn, Queries, id_tensor, query_batch, query_tensor, query_texts
-from kvsearch.metadata.filters import check_where
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
+from kvsearch.reads import MISSING
 from kvsearch.results import Answer, Hit, make_answer, make_hits
+from kvsearch.selection import selection_filter
 from kvsearch.text.rerank import Rerank, Similarity, check_rerank, require_texts, rerank_depth, rerank_hits
 from kvsearch.view import same_object
 
 if TYPE_CHECKING:
     from kvsearch.encoders.base import Encoder
     from kvsearch.storage.store import Record
-    from kvsearch.training.team import Team
 
 __all__ = ["ShardedDatabase"]
 
 T = TypeVar("T")
-_MISSING: Any = object()
 
 
 class ShardedDatabase:
@@ -138,23 +144,26 @@ class ShardedDatabase:
         share_cores(self._comm.local_world)  # ranks started without torchrun: no oversubscribed cores
         self.rank, self.world_size = self._comm.rank, self._comm.world
         self._closed = False
-        self._reads, self._writes = ShardReads(self), ShardWrites(self)
         options = {"dim": dim, "value_dim": value_dim, "index": index, "score": score, "device": self.device}
         self.shards: dict[int, Database] = self._agree(
             lambda: open_shards(
-                self.path, check_num_shards(num_shards), encoder, value_encoder, options, *self._where()
+                self.path, check_num_shards(num_shards), encoder, value_encoder, options, self.rank, self.world_size
             )
         )
         layout = ShardLayout.read(self.path)
         self.num_shards, self.dim, self.value_dim = layout.num_shards, layout.dim, layout.value_dim
         self.score, self.index_spec = layout.score, layout.index
         self.banded_ids = layout.banded_ids  # False after a reshard: ids carried over (see reads.owner_shards)
+        # what the helpers hold instead of this facade (references point down): this rank's shards, the layout, the
+        # collectives
+        self._local = local = LocalShards(
+            self.path, self._comm, self.shards, self.num_shards, self.dim, self.value_dim, self.score,
+            self.banded_ids, self.device,
+        )  # fmt: skip
+        self._reads, self._writes = ShardReads(local), ShardWrites(local)
         if search_params:
             for shard in self.shards.values():
                 shard.set_search_params(**search_params)
-
-    def _where(self) -> tuple[int, int]:
-        return self.rank, self.world_size
 
     # ------------------------------------------------------------------ agreement
 
@@ -241,15 +250,15 @@ class ShardedDatabase:
         return self._comm
 
     @property
-    def team(self) -> Team:
-        """The ranks serving this database, as a fine-tuning run loops with them (see :mod:`kvsearch.training.team`)."""
+    def team(self) -> ShardTeam:
+        """The ranks serving this database, as a fine-tuning run loops with them: a ``kvsearch.training.team.Team``
+        (the training wing's protocol, which this wing does not import)."""
         return ShardTeam(self._comm)
 
     @property
     def generation(self) -> int:
         """The generation of encoders every shard is at (``shards.json``'s commit point)."""
-        recorded = ShardLayout.read(self.path).generation
-        return next(iter(self.shards.values())).generation if recorded is None else recorded
+        return self._local.generation()
 
     def close(self) -> None:
         """Close this rank's shards (saving what changed). Not collective; closing twice is harmless."""
@@ -286,13 +295,15 @@ class ShardedDatabase:
         Returns:
             The new generation.
         """
-        return switch_every_shard(self, step)
+        return switch_every_shard(self._local, step)
 
     @collective()
     def begin_generation(self) -> ShardedDraft:
         """Start a fine-tuning run's draft generation on every shard (see :class:`ShardedDraft`). Collective."""
         self._check_open()
-        return ShardedDraft(self, self._agree(lambda: {s: db.begin_generation() for s, db in self.shards.items()}))
+        return ShardedDraft(
+            self._local, self._agree(lambda: {s: db.begin_generation() for s, db in self.shards.items()})
+        )
 
     # ------------------------------------------------------------------ writing
 
@@ -350,6 +361,34 @@ class ShardedDatabase:
 
         return self._writes.delete(key_or_keys, missing)
 
+    # ------------------------------------------------------------------ reading by filter
+
+    @collective()
+    def where(self, filter: Mapping[str, Any] | None = None, *, ids: Any = None) -> ShardedSelection:  # noqa: A002
+        """The records a filter selects over every shard, to count, read, aggregate, delete or update without a
+        query (see :meth:`kvsearch.Database.where`). Collective, as is every operation of the selection: every rank
+        passes the same filter and ids, and gets the same answers.
+
+        ``sdb.where({"lang": "en"}).count()``, ``.ids()``, ``.records(limit=, offset=)`` (id order),
+        ``.distinct(field)``, ``.min_max(field)``, ``.fields()``, ``.delete()``, ``.update(metadata, merge=True)``: see
+        :class:`~kvsearch.distributed.selection.ShardedSelection`.
+
+        Args:
+            filter: a filter (:mod:`kvsearch.metadata.filters`); None selects every record.
+            ids: only these global ids as well (None: no such limit).
+
+        Returns:
+            The selection.
+
+        Raises:
+            InvalidArgumentError, UnknownOptionError, NonFiniteError: a bad filter or ids (on every rank).
+            DistributedError: the ranks passed different filters or ids.
+        """
+        self._check_open()
+        chosen = self._agree(lambda: selection_filter(filter, ids))
+        same_on_every_rank(self._comm, chosen, "where", "filter and ids")
+        return ShardedSelection(self._local, chosen)
+
     # ------------------------------------------------------------------ reading by id or key
 
     @collective()
@@ -363,7 +402,7 @@ class ShardedDatabase:
         return self._reads.get(id)
 
     @collective()
-    def lookup(self, key: str | Tensor, default: Any = _MISSING) -> str | Tensor | None:
+    def lookup(self, key: str | Tensor, default: Any = MISSING) -> str | Tensor | None:
         """Exact lookup of a key text or key embedding (see :meth:`kvsearch.Database.lookup`). Collective: each
         rank its own key.
 
@@ -376,7 +415,7 @@ class ShardedDatabase:
         _, values, _ = self._reads.texts([id_] if id_ >= 0 else [])
         if id_ >= 0:
             return values[id_]
-        if default is _MISSING:
+        if default is MISSING:
             shown = key if isinstance(key, str) else "<embedding>"
             raise KeyNotFoundError(f"no record has the key {shown!r}")
         return default
@@ -420,7 +459,7 @@ class ShardedDatabase:
         return self._reads.values_present(texts)
 
     @collective()
-    def embeddings(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def embeddings(self, ids: Tensor | Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """Key and value embeddings gathered by global id (any shape, -1 allowed), from their owners. Collective.
 
         Returns:
@@ -473,81 +512,12 @@ class ShardedDatabase:
         """:meth:`candidates`, each shard's part picked by ``sources[shard].candidates`` — the shard, or a draft
         generation of it (:class:`~kvsearch.distributed.generations.ShardedDraft`). Collective."""
         self._check_open()
-
-        def check() -> int:
-            if k == "all":
-                raise NotSupportedError('k="all" (attention over every record) is not supported across shards yet')
-            kk = check_k(k)
-            query_batch(queries, self.dim, targets)  # dense floating-point (batch, dim), integer targets (batch,)
-            if where is not None:
-                check_where(where)
-            return int(kk)
-
-        k = self._agree(check)
-        total = self._comm.all_sum(sum(len(db) for db in self.shards.values()))
-        take = max(1, min(k, total))
-        q = queries.detach().to("cpu", torch.float32)  # (b, dim)
-        t = torch.full((q.shape[0],), -1, dtype=torch.long) if targets is None else targets.detach().cpu().long()
-        all_q, counts = self._comm.gather_rows(q)  # (B, dim)
-        all_t, _ = self._comm.gather_rows(t)  # (B,)
-        filters = self._comm.gather_objects(None if where is None else dict(where))
-        ids, keys, values = self._agree(lambda: self._local_top(sources, all_q, all_t, counts, filters, take))
-        mine = counts[self.rank]
-        send = counts  # the rows of each source rank go back to it
-        recv = [mine] * self.world_size
-        got_ids = self._comm.exchange(ids, send, recv).reshape(self.world_size, mine, take)  # (W, b, take)
-        got_keys = self._comm.exchange(keys, send, recv).reshape(self.world_size, mine, take, self.dim)
-        got_values = self._comm.exchange(values, send, recv).reshape(self.world_size, mine, take, self.value_dim)
-        width = self.world_size * take
-        ids = got_ids.permute(1, 0, 2).reshape(mine, width)  # (b, W take)
-        keys = got_keys.permute(1, 0, 2, 3).reshape(mine, width, self.dim)  # (b, W take, dim)
-        values = got_values.permute(1, 0, 2, 3).reshape(mine, width, self.value_dim)  # (b, W take, value_dim)
-        ids, keys, values = merge_candidates(q, ids, keys, values, t, take, self.score)  # (b, take) ...
-        mask = ids >= 0  # (b, take)
-        match = None if targets is None else (ids == t.unsqueeze(1)) & mask  # (b, take)
-        device = self.device
-        return Candidates(
-            ids=ids.to(device), keys=keys.to(device), values=values.to(device), mask=mask.to(device),
-            match=None if match is None else match.to(device),
-        )  # fmt: skip
-
-    def _local_top(
-        self,
-        sources: Mapping[int, Any],
-        queries: Tensor,
-        targets: Tensor,
-        counts: list[int],
-        filters: list[Any],
-        take: int,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """This rank's best ``take`` candidates for every gathered query: ids (B, take), keys, values (on the CPU)."""
-        parts: list[tuple[Tensor, Tensor, Tensor]] = []
-        start = 0
-        for source, n in enumerate(counts):
-            q, t = queries[start : start + n], targets[start : start + n]  # (n, dim), (n,)
-            start += n
-            found = []
-            owners = owner_shards(self.shards, t, banded=self.banded_ids) if n else t  # (n,) each target's shard
-            for s, db in self.shards.items():
-                if n == 0 or len(db) == 0:
-                    continue
-                own = torch.where(owners == s, t, -1)  # (n,) targets on shard s
-                cand = sources[s].candidates(q, take, targets=own, where=filters[source])
-                found.append((cand.ids.cpu(), cand.keys.cpu(), cand.values.cpu()))
-            if found:
-                ids = torch.cat([f[0] for f in found], 1)
-                keys = torch.cat([f[1] for f in found], 1)
-                values = torch.cat([f[2] for f in found], 1)
-            else:
-                ids = torch.full((n, 0), -1, dtype=torch.long)
-                keys, values = torch.zeros(n, 0, self.dim), torch.zeros(n, 0, self.value_dim)
-            parts.append(merge_candidates(q, ids, keys, values, t, take, self.score))
-        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+        return sharded_candidates(self._local, sources, queries, k, targets=targets, where=where)
 
     @collective()
-    def value_texts(self, ids: Sequence[int]) -> dict[int, str | None]:
+    def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]:
         """id -> the value text (None for a value given as an embedding), read from each id's owner. Collective."""
-        _, values, _ = self._reads.texts(list(ids))
+        _, values, _ = self._reads.texts(id_tensor(ids).reshape(-1).tolist())
         return {i: v if isinstance(v, str) else None for i, v in values.items()}
 
     def _queries(self, queries: Queries) -> tuple[Tensor, list[str] | None, bool]:
