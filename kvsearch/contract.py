@@ -8,15 +8,20 @@ members, without inheriting from it; ``isinstance(db, DatabaseProtocol)`` checks
 their signatures: ``tests/test_contract.py`` compares those for both facades).
 
 What only one facade has (a plain database's ``index`` and ``atomic()``; a sharded one's ``shards`` and ``team``)
-is not in the contract: code that needs it asks for it by name (:func:`parts_of`).
+is not in the contract: code that needs it asks for it by name (:func:`parts_of`). :class:`SelectionProtocol` is
+what both facades' ``where()`` returns (:class:`~kvsearch.selection.Selection` and
+:class:`~kvsearch.distributed.selection.ShardedSelection`).
 
-This module knows nothing of how either facade does its work: it imports neither at run time.
+This module knows nothing of how either facade does its work: it imports neither (only the sentinel a missing
+``lookup`` default is, shared by both).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from kvsearch.reads import MISSING
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -26,7 +31,32 @@ if TYPE_CHECKING:
     from kvsearch.results import Answer, Hit
     from kvsearch.storage.store import Record
 
-__all__ = ["DatabaseProtocol", "parts_of"]
+__all__ = ["DatabaseProtocol", "SelectionProtocol", "parts_of"]
+
+
+@runtime_checkable
+class SelectionProtocol(Protocol):
+    """The records a filter selects, as both facades' ``where()`` return them: read, counted, aggregated, deleted or
+    updated without a query (see :class:`~kvsearch.selection.Selection`). On a sharded database each operation is
+    collective and answers for every shard."""
+
+    where: Mapping[str, Any]
+
+    def count(self) -> int: ...
+
+    def ids(self, *, limit: int | None = None, offset: int = 0) -> Tensor: ...
+
+    def records(self, *, limit: int | None = None, offset: int = 0) -> list[Record]: ...
+
+    def distinct(self, field: str) -> list[tuple[Any, int]]: ...
+
+    def min_max(self, field: str) -> tuple[Any, Any] | None: ...
+
+    def fields(self) -> dict[str, list[str]]: ...
+
+    def delete(self) -> list[int]: ...
+
+    def update(self, metadata: Mapping[str, Any], *, merge: bool = True) -> list[int]: ...
 
 
 @runtime_checkable
@@ -84,19 +114,19 @@ class DatabaseProtocol(Protocol):
 
     def exact_targets(self, queries: Tensor) -> Tensor: ...
 
-    def lookup(self, key: Any, default: Any = ...) -> Any: ...
+    def lookup(self, key: Any, default: Any = MISSING) -> Any: ...
 
     def get(self, id: int) -> Record: ...  # noqa: A002 - the facades' own name
 
-    def where(self, where: Mapping[str, Any] | None = None) -> Any: ...
+    def where(self, filter: Mapping[str, Any] | None = None, *, ids: Any = None) -> SelectionProtocol: ...  # noqa: A002
 
-    def embeddings(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
+    def embeddings(self, ids: Tensor | Sequence[int]) -> tuple[Tensor, Tensor, Tensor]: ...
 
     def ids_of_keys(self, texts: Sequence[str]) -> Tensor: ...
 
     def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool = False) -> list[str | None]: ...
 
-    def value_texts(self, ids: Sequence[int]) -> dict[int, str | None]: ...
+    def value_texts(self, ids: Tensor | Sequence[int]) -> dict[int, str | None]: ...
 
     def values_present(self, texts: Sequence[str]) -> Tensor: ...
 
@@ -105,9 +135,25 @@ class DatabaseProtocol(Protocol):
     def __contains__(self, key: object) -> bool: ...
 
     # ---------------------------------------------------------------- writes
-    def add(self, keys: Any, values: Any, metadata: Any = None, **embeddings: Any) -> list[int]: ...
+    def add(
+        self,
+        keys: Any,
+        values: Any,
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        key_embeddings: Tensor | None = None,
+        value_embeddings: Tensor | None = None,
+    ) -> list[int]: ...
 
-    def upsert(self, keys: Any, values: Any, metadata: Any = None, **embeddings: Any) -> list[int]: ...
+    def upsert(
+        self,
+        keys: Any,
+        values: Any,
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        key_embeddings: Tensor | None = None,
+        value_embeddings: Tensor | None = None,
+    ) -> list[int]: ...
 
     def delete(self, key_or_keys: Any, *, missing: Literal["raise", "ignore"] = "raise") -> list[int]: ...
 
