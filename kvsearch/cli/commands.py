@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvsearch.cli.parser import PROG, CommandError
 from kvsearch.cli.printing import answer_table, counted, history_table, info_text, records_table
+from kvsearch.contract import parts_of
 from kvsearch.distributed import layout as sharding
 from kvsearch.metadata.codec import to_json
 from kvsearch.storage import folder as folders
 
 if TYPE_CHECKING:
-    from kvsearch.database import Database
-    from kvsearch.distributed import ShardedDatabase
+    from kvsearch.contract import DatabaseProtocol
     from kvsearch.errors import BadFileError, UnknownTargetError
     from kvsearch.results import Answer
 
@@ -53,7 +53,7 @@ __all__ = [
 # ---------------------------------------------------------------------- opening
 
 
-def _open_existing(path_text: str, *, unsharded_for: str | None = None) -> Database | ShardedDatabase:
+def _open_existing(path_text: str, *, unsharded_for: str | None = None) -> DatabaseProtocol:
     """Open a database that must exist (never create one by accident): a plain folder, or a sharded one with every
     shard opened by this process.
 
@@ -83,11 +83,9 @@ def _open_existing(path_text: str, *, unsharded_for: str | None = None) -> Datab
     return Database(path)
 
 
-def _is_sharded_db(db: object) -> bool:
-    """Whether an opened database is a :class:`~kvsearch.distributed.ShardedDatabase`."""
-    from kvsearch.distributed import ShardedDatabase
-
-    return isinstance(db, ShardedDatabase)
+def _is_sharded(db: DatabaseProtocol) -> bool:
+    """Whether an opened database is made of shards (it has ``shards``: what only a sharded database offers)."""
+    return getattr(db, "shards", None) is not None
 
 
 # ---------------------------------------------------------------------- commands
@@ -120,7 +118,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     encoder = encoder_from_name(args.encoder) if args.encoder else None
     if created and encoder is None:
         encoder = encoder_from_name("ngram")
-    db: Database | ShardedDatabase | None = None
+    db: DatabaseProtocol | None = None
     try:
         if sharded:  # this one process opens (or creates) every shard
             from kvsearch.distributed import ShardedDatabase
@@ -184,7 +182,7 @@ def _remove_new_sharded_database(path: Path, folder_existed: bool, num_shards: i
 def cmd_query(args: argparse.Namespace) -> int:
     """Answer the queries: a table or JSON per query; exit status 1 when one finds nothing."""
     with _open_existing(args.db) as db:
-        if _is_sharded_db(db) and len(db) == 0:  # as a plain Database says (a ShardedDatabase answers "not found")
+        if _is_sharded(db) and len(db) == 0:  # as a plain Database says (a ShardedDatabase answers "not found")
             from kvsearch.errors import EmptyDatabaseError
 
             raise EmptyDatabaseError("expected a database with records to search, got an empty one")
@@ -211,7 +209,7 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def _answer_rows(
-    db: Database | ShardedDatabase, texts: Sequence[str], answer: Answer, *, only_weighted: bool = False
+    db: DatabaseProtocol, texts: Sequence[str], answer: Answer, *, only_weighted: bool = False
 ) -> list[dict[str, Any]]:
     """One dict per query: its answer and its candidates (best weight first), JSON-ready.
 
@@ -248,11 +246,10 @@ def _answer_rows(
     return results
 
 
-def _metadata_of(db: Database | ShardedDatabase, ids: list[int]) -> dict[int, dict[str, Any]]:
+def _metadata_of(db: DatabaseProtocol, ids: list[int]) -> dict[int, dict[str, Any]]:
     """id -> the record's metadata ({} for none), read from the shard that holds it."""
-    parts = [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
     out: dict[int, dict[str, Any]] = {}
-    for part in parts:
+    for part in parts_of(db):
         out.update((i, record.metadata) for i, record in part.store.fetch(ids).items())
     return out
 
@@ -261,11 +258,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     """Describe a database: counts, dims, encoders, generation, last run, index, score, size."""
     path = Path(args.db)
     with _open_existing(args.db) as db:
-        shards = [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
+        shards, sharded = parts_of(db), _is_sharded(db)
         encoders = shards[0].encoders_info()  # every shard has the same encoders
         value_encoder = encoders.get("value_encoder")
-        info: dict[str, Any] = {"path": str(path), "kind": "sharded" if _is_sharded_db(db) else "plain"}
-        if _is_sharded_db(db):
+        info: dict[str, Any] = {"path": str(path), "kind": "sharded" if sharded else "plain"}
+        if sharded:
             info["shards"] = db.num_shards
             info["records_per_shard"] = [len(shard) for shard in shards]
         info |= {
@@ -279,7 +276,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             "indexed": sum(shard.index.ntotal for shard in shards),
             "score": db.score,
         }
-        if not _is_sharded_db(db):
+        if not sharded:
             info |= {
                 "store_version": db.store.version,
                 "generation": encoders["generation"],
@@ -294,7 +291,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_delete(args: argparse.Namespace) -> int:
     """Delete the records with these keys: all of them, or none if one is not stored."""
     with _open_existing(args.db) as db:
-        if _is_sharded_db(db):  # all or nothing: a ShardedDatabase checks each shard's keys only as it deletes
+        if _is_sharded(db):  # all or nothing, the first missing key named as a plain Database names it
             from kvsearch.errors import KeyNotFoundError
 
             missing = next((key for key in args.keys if key not in db), None)
@@ -306,19 +303,11 @@ def cmd_delete(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parts(db: Database | ShardedDatabase) -> list[Database]:
-    """The databases that hold the records: the shards of a sharded database, else the database itself."""
-    return [db.shards[s] for s in sorted(db.shards)] if _is_sharded_db(db) else [db]
-
-
 def cmd_list(args: argparse.Namespace) -> int:
     """Print the records that match ``--where`` in id order, ``--offset`` skipped, at most ``--limit``."""
     where = args.where or {}
     with _open_existing(args.db) as db:
-        end = None if args.limit is None else args.offset + args.limit  # each shard's first `end` may all be kept
-        records = [r for part in _parts(db) for r in part.where(where).records(limit=end)]
-    records.sort(key=lambda r: r.id)  # shards hold ids of their own ranges: merge them in id order
-    page = records[args.offset : end]
+        page = db.where(where).records(limit=args.limit, offset=args.offset)  # id order, over every shard
     rows = [{"id": r.id, "key": r.key, "value": r.value, "metadata": to_json(r.metadata)} for r in page]
     if args.json:
         print(json.dumps(rows, ensure_ascii=False, indent=2))
@@ -330,7 +319,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_count(args: argparse.Namespace) -> int:
     """Print how many records match ``--where`` (all records without it)."""
     with _open_existing(args.db) as db:
-        print(sum(part.where(args.where or {}).count() for part in _parts(db)))
+        print(db.where(args.where or {}).count())
     return 0
 
 

@@ -49,12 +49,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from tqdm import tqdm
 
 from kvsearch.cli.printing import counted
+from kvsearch.contract import parts_of
 from kvsearch.errors import BadFileError, InvalidArgumentError, KVSearchError, UnknownOptionError
 from kvsearch.inputs import normalize_key
 
 if TYPE_CHECKING:
-    from kvsearch.database import Database
-    from kvsearch.distributed import ShardedDatabase
+    from kvsearch.contract import DatabaseProtocol
     from kvsearch.storage.store import Record
 
 __all__ = [
@@ -341,7 +341,7 @@ def _json_scalar_problem(name: str, value: Any) -> str | None:
 
 
 def _validate(
-    db: Database | ShardedDatabase,
+    db: DatabaseProtocol,
     path: str | os.PathLike[str],
     key: str,
     value: str,
@@ -402,7 +402,7 @@ def _validate(
     return count
 
 
-def _check_arguments(db: Database | ShardedDatabase, key: str, value: str, batch_size: int) -> None:
+def _check_arguments(db: DatabaseProtocol, key: str, value: str, batch_size: int) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"expected batch_size as a positive int, got {batch_size!r}")
     for name, column in (("key", key), ("value", value)):
@@ -413,7 +413,7 @@ def _check_arguments(db: Database | ShardedDatabase, key: str, value: str, batch
 
 
 def ingest_file(
-    db: Database | ShardedDatabase,
+    db: DatabaseProtocol,
     path: str | os.PathLike[str],
     *,
     key: str = "key",
@@ -452,7 +452,7 @@ def ingest_file(
 
 
 def upsert_file(
-    db: Database | ShardedDatabase,
+    db: DatabaseProtocol,
     path: str | os.PathLike[str],
     *,
     key: str = "key",
@@ -486,7 +486,7 @@ def upsert_file(
 
 
 def _ingest(
-    db: Database | ShardedDatabase,
+    db: DatabaseProtocol,
     path: str | os.PathLike[str],
     key: str,
     value: str,
@@ -552,7 +552,7 @@ def _columns_of(
     return keys, values, ([row.metadata or None for row in rows] if with_metadata else None)
 
 
-def _upsert_batch(db: Database | ShardedDatabase, rows: list[Row], *, with_metadata: bool) -> dict[str, int]:
+def _upsert_batch(db: DatabaseProtocol, rows: list[Row], *, with_metadata: bool) -> dict[str, int]:
     """Upsert the rows that differ from what is stored; count the added, replaced and unchanged ones."""
     stored = stored_records(db, [row.fields[0] for row in rows])
     changed: list[Row] = []
@@ -581,24 +581,21 @@ def _same_metadata(stored: dict[str, Any] | None, given: dict[str, Any] | None) 
     return text(stored) == text(given)
 
 
-def stored_records(db: Database | ShardedDatabase, keys: Sequence[str]) -> dict[str, Record]:
+def stored_records(db: DatabaseProtocol, keys: Sequence[str]) -> dict[str, Record]:
     """The stored record of each of ``keys`` that is stored (text, metadata, embeddings), by key.
 
     For a :class:`~kvsearch.distributed.ShardedDatabase`, the shards this process holds are read.
     """
-    from kvsearch.distributed import ShardedDatabase
-
-    parts = list(db.shards.values()) if isinstance(db, ShardedDatabase) else [db]
     keys = list(keys)
     out: dict[str, Record] = {}
-    for part in parts:
+    for part in parts_of(db):
         ids = part.ids_of_keys(keys).tolist()  # (n,) -1 where not stored here
         records = part.store.fetch([i for i in ids if i >= 0])
         out.update((text, records[i]) for text, i in zip(keys, ids) if i in records)
     return out
 
 
-def _undo(db: Database | ShardedDatabase, ids: list[int]) -> None:
+def _undo(db: DatabaseProtocol, ids: list[int]) -> None:
     """Delete what this ingest added (best effort in chunks: the original error is the one raised)."""
     for start in range(0, len(ids), 65536):
         try:

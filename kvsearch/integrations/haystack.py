@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from kvsearch.contract import DatabaseProtocol
 from kvsearch.database import Database
 from kvsearch.errors import (
     DimensionMismatchError,
@@ -126,7 +127,7 @@ class KVSearchDocumentStore:
     ) -> None:
         if database is not None and (path is not None or database_options):
             raise InvalidArgumentError("expected either database= or path= and database options, got both")
-        if database is not None and not isinstance(database, Database):
+        if database is not None and not isinstance(database, DatabaseProtocol):
             raise InvalidArgumentError(f"expected a kvsearch Database as database=, got {type(database).__name__}")
         self._path = None if path is None else Path(path)
         self._options = database_options
