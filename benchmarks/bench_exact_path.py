@@ -57,10 +57,11 @@ def main() -> None:
             fns["default"] = lambda q=q: faiss_with(q, 128_000)
         t = _interleaved(fns, args.rounds)
         flat.search(torch.from_numpy(q), k)
-        same = np.array_equal(flat.search(torch.from_numpy(q), k).ids.numpy(), faiss_with(q, 20)[1])
+        found = flat.search(torch.from_numpy(q), k)
+        same = np.array_equal(found.ids.numpy(), faiss_with(q, 20)[1])
         dflt = t.get("default", t["tuned"])
         print(
-            f"| {args.m:,} | {nq} | {1e3 * t['flat']:.1f} ({flat.last_path}) | {1e3 * t['tuned']:.1f} | "
+            f"| {args.m:,} | {nq} | {1e3 * t['flat']:.1f} ({found.path}) | {1e3 * t['tuned']:.1f} | "
             f"{1e3 * dflt:.1f} | {t['tuned'] / t['flat']:.2f} | {dflt / t['flat']:.2f} | same ids: {same}",
             flush=True,
         )

@@ -6,9 +6,11 @@
 
 A :class:`Retriever` owns the candidate index of one store: it creates it from the spec and the score's metric,
 serves the saved one or rebuilds it, mirrors every committed write in it, and answers ``candidates``: the index
-picks ids without gradient (filters applied by the index, which guarantees ``min(k, matches)``), and the keys and
-values are gathered *by id* from the store, on the store's device, for attention to score and pool. It also
-finds exact-key targets (``pooling="exact"``, forced training targets).
+picks ids without gradient (filters applied by the index, which guarantees ``min(k, matches)``; the queries were
+checked at the facade, so the index is asked with ``checked=True``), and the keys and values are gathered from the
+store's vector table, on its device, for attention to score and pool: by the rows the search result carries where
+an exact torch index scanned the table's own keys, else by id. It also finds exact-key targets (``pooling="exact"``,
+forced training targets).
 
 It is the one object a sharded retriever replaces: its interface is small and speaks torch tensors. It knows
 nothing of text, encoders, locking (the caller holds the store's locks) or training.
@@ -184,8 +186,13 @@ class Retriever:
     ) -> Candidates:
         """The candidates for a batch of query embeddings, gathered by id from the store.
 
+        The queries come checked (a dense floating-point tensor of finite numbers: the facade's
+        :func:`~kvsearch.inputs.query_tensor` / :func:`~kvsearch.inputs.query_batch`, the fine-tuning loop's finite
+        check); ``k`` and the shape are checked here, and the index searches with ``checked=True``: nothing is
+        checked again below.
+
         Args:
-            queries: (batch, dim); detached for the index search.
+            queries: (batch, dim) finite floats; detached for the index search.
             k: candidates per query, or ``"all"``.
             targets: (batch,) ids that must be among the candidates (-1 for none); the worst candidate makes
                 room. ``match`` is then ``ids == targets``.
@@ -223,8 +230,9 @@ class Retriever:
         per_candidate = (self.dim + value_dim) * 4 * 3 + 24  # gathered, scored, their gradients; ids
         check_fits(queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates")
         with _autocast_off(queries.device, device):  # the index scores in its own dtype, never autocast's
-            ids = self.index.search(queries.detach(), take, allowed=allowed).ids.cpu()  # (b, take)
-        rows = self.index.last_rows if self.index.source is store.table else None  # (b, take) or None
+            found = self.index.search(queries.detach(), take, allowed=allowed, checked=True)  # checked at the door
+        ids = found.ids.cpu()  # (b, take)
+        rows = found.rows if self.index.source is store.table else None  # (b, take) rows of the store's keys, or None
         if targets is not None:
             targets = targets.cpu()
             missing = (targets >= 0) & ~(ids == targets.unsqueeze(1)).any(1)  # (b,)

@@ -94,14 +94,14 @@ def test_every_path_gives_the_brute_force_ids_and_scores(rng, forced, path, kind
             tol = 1e-4 * max(1.0, float(np.abs(ref_s).max()))
             np.testing.assert_allclose(found.scores.numpy(), ref_s, rtol=0, atol=tol)
             if kind == "ties" and metric != "cosine":  # every score exact in float32: equal ids, ties by id
-                assert torch.equal(found.ids, torch.from_numpy(ref_i)), (k, index.last_path)
+                assert torch.equal(found.ids, torch.from_numpy(ref_i)), (k, found.path)
             else:  # ids equal wherever float32 rounding cannot swap them (no other score within 1e-5)
                 ext, _ = _brute(queries, keys, ids, k + 1, metric, allowed)  # (20, k + 1): the first left out too
                 gaps = np.abs(ext[:, :k, None] - ext[:, None, :]) + np.eye(k, ext.shape[1]) > 1e-5  # (20, k, k+1)
                 clear = gaps.all(-1)  # (20, k)
-                assert np.array_equal(found.ids.numpy()[clear], ref_i[clear]), (k, index.last_path)
+                assert np.array_equal(found.ids.numpy()[clear], ref_i[clear]), (k, found.path)
             if path not in ("auto", "faiss") and allowed is not small and 8 * k < len(big):
-                assert index.last_path == path  # forced paths run as forced (faiss: only where it applies)
+                assert found.path == path  # forced paths run as forced (faiss: only where it applies)
 
 
 def test_half_path_rescores_near_duplicates_without_searching_again(rng, forced):
@@ -119,7 +119,7 @@ def test_half_path_rescores_near_duplicates_without_searching_again(rng, forced)
     exact = index.search(torch.from_numpy(queries), 10)
     forced("bfloat16")
     half = index.search(torch.from_numpy(queries), 10)
-    assert index.last_path == "bfloat16"
+    assert half.path == "bfloat16"
     assert index.last_widened > 0 and index.last_rechecked == 0
     assert torch.equal(half.ids, exact.ids)
     torch.testing.assert_close(half.scores, exact.scores, rtol=0, atol=1e-5)

@@ -1,10 +1,17 @@
 """The protocol every candidate index implements: :class:`CandidateIndex`, search over ``(id, key)`` pairs.
 
-The one interface the retrieval code uses — FAISS :class:`~kvsearch.index.faiss_index.Index` and exact
-:class:`~kvsearch.index.torch_index.TorchIndex` implement it. The boundary is torch: ids and keys come in as tensors
-and a :class:`~kvsearch.index.topk.SearchResult` ``(scores, ids)`` goes back on the queries' device.
+The one interface the retrieval code uses. Two classes implement it: the exact
+:class:`~kvsearch.index.torch_index.TorchIndex`, which the specs ``"Flat"`` (the default) and ``"torch[:dtype]"``
+build, and FAISS's :class:`~kvsearch.index.faiss_index.Index`, which every other spec (an ``index_factory`` string:
+``"HNSW32"``, ``"IVF256,Flat"``...) builds; :mod:`kvsearch.index.factory` lists the kinds and makes them. The
+boundary is torch: ids and keys come in as tensors and a :class:`~kvsearch.index.topk.SearchResult` goes back on the
+queries' device, holding what the search found (scores, ids, and the source rows where it scanned them): none of
+it is left on the index for a later reader.
 
-It knows nothing of any index type, of SQLite, text or autograd; :mod:`kvsearch.index.factory` makes indexes.
+Arguments are checked at the door: :meth:`CandidateIndex.search` checks what it is given, unless a caller that
+has checked them already says so with ``checked=True`` (the retriever, behind the facade's checks).
+
+It knows nothing of any index type, of SQLite, text or autograd.
 """
 
 from __future__ import annotations
@@ -22,11 +29,11 @@ __all__ = ["CandidateIndex"]
 class CandidateIndex(Protocol):
     """Candidate search over ``(id, key)`` pairs: the one interface the retrieval code uses.
 
-    Implemented by :class:`~kvsearch.index.faiss_index.Index` (FAISS) and
-    :class:`~kvsearch.index.torch_index.TorchIndex` (exact, in torch); make one with
-    :func:`~kvsearch.index.factory.make_index`. Keys and queries come in raw: a ``normalize`` (cosine) index
-    normalises both. An index bound to a :class:`~kvsearch.index.topk.KeySource` can :meth:`rebuild` itself from it
-    and guarantees filtered results by reading its keys.
+    Implemented by :class:`~kvsearch.index.torch_index.TorchIndex` (exact, in torch: the specs ``"Flat"`` and
+    ``"torch[:dtype]"``) and :class:`~kvsearch.index.faiss_index.Index` (FAISS: any other ``index_factory`` spec);
+    make one with :func:`~kvsearch.index.factory.make_index`. Keys and queries come in raw: a ``normalize`` (cosine)
+    index normalises both. An index bound to a :class:`~kvsearch.index.topk.KeySource` can :meth:`rebuild` itself from
+    it and guarantees filtered results by reading its keys.
 
     Attributes:
         spec: what the index was made from (``"Flat"``, ``"HNSW32"``, ``"torch:bfloat16"``...).
@@ -38,14 +45,9 @@ class CandidateIndex(Protocol):
             queries that got too few. Public to tune, and for tests to force either path. Default 4096.
         params: the search parameters set by the user (empty for exact indexes).
         source: the :class:`~kvsearch.index.topk.KeySource` the index is bound to, or None (standalone).
-        last_rows: after a search, where the index scanned its source's own key tensor: the row (batch, k) of each
-            id it returned in that tensor (-1 where none), valid for the source's version the search read, so that
-            the source can gather the candidates without looking the ids up; None otherwise (FAISS, standalone,
-            fewer than k rows).
     """
 
     source: KeySource | None
-    last_rows: Tensor | None
     spec: str
     dim: int
     metric: Metric
@@ -79,7 +81,7 @@ class CandidateIndex(Protocol):
         """The search parameters in effect: the defaults for this type, overridden by those set."""
         ...
 
-    def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None) -> SearchResult:
+    def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None, checked: bool = False) -> SearchResult:
         """The ``k`` best ids for each query, best first.
 
         Args:
@@ -87,13 +89,20 @@ class CandidateIndex(Protocol):
             k: candidates per query, 1 <= k <= MAX_K; where fewer exist, ids are -1.
             allowed: (m,) int64 ids, sorted, on any device: only these may come back, and every query gets
                 ``min(k, live allowed ids)`` results (exactly scanned where the index alone would give fewer).
+            checked: the unchecked entry, for a caller that has checked the arguments itself (the
+                :class:`~kvsearch.retrieval.Retriever`, behind the facade): ``k`` an int in [1, MAX_K],
+                ``queries`` a dense real (batch, dim) tensor of finite numbers, ``allowed`` an (m,) int64 CPU
+                tensor of sorted distinct ids. Nothing is checked again; arguments that are not so give wrong
+                results or a torch / FAISS error rather than a kvsearch one. False (the default): every argument
+                is checked, as a user calling the index needs.
 
         Returns:
-            :class:`~kvsearch.index.topk.SearchResult` on ``queries.device``.
+            :class:`~kvsearch.index.topk.SearchResult` on ``queries.device``: scores and ids, and where the index
+            scanned its source's own key tensor the rows of the ids in it (for the source to gather by).
 
         Raises:
-            InvalidArgumentError: k is out of range, or queries are not a tensor.
-            DimensionMismatchError: queries are not (batch, dim).
+            InvalidArgumentError: k is out of range, or queries are not a tensor (unless ``checked``).
+            DimensionMismatchError: queries are not (batch, dim) (unless ``checked``).
         """
         ...
 

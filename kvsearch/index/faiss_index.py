@@ -43,6 +43,7 @@ from kvsearch.index.faiss_spec import (
     inner_index,
     min_train,
     parse_spec,
+    search_parameters,
     tune_faiss,
 )
 from kvsearch.index.graph_storage import (
@@ -116,7 +117,6 @@ class Index:
         #: Queries of the last filtered search that the FAISS selector search gave too few results and that were
         #: searched again exactly (0 when the admitted set was small enough to be scanned exactly outright).
         self.last_redone = 0
-        self.last_rows: Tensor | None = None  # FAISS ids are not rows of the source's tensor: gathered by id
         self.params: dict[str, int] = {}
         template = parse_spec(dim, spec, metric)
         check_supported(template, spec)
@@ -293,7 +293,7 @@ class Index:
 
     # ------------------------------------------------------------------ reading
 
-    def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None) -> SearchResult:
+    def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None, checked: bool = False) -> SearchResult:
         """The ``k`` best ids for each query.
 
         Args:
@@ -304,17 +304,22 @@ class Index:
                 exactly from its keys where needed), else in the index. At most ``max(8 k, exact_filter_max)``
                 live ids: those rows are scanned exactly; more: a FAISS ``IDSelector`` search, redone exactly
                 for each query that got too few (a graph can, under a selective filter).
+            checked: the caller has checked the arguments (see :meth:`kvsearch.index.base.CandidateIndex.search`):
+                nothing is checked again.
 
         Returns:
             :class:`SearchResult` on ``queries.device``: inner product, or squared L2 distance for
-            ``metric="l2"``, NaN where ids are -1.
+            ``metric="l2"``, NaN where ids are -1; no ``rows`` (FAISS ids are not rows of the source's keys: the
+            source gathers by id).
 
         Raises:
             InvalidArgumentError: k is out of range, or queries are not a tensor.
             DimensionMismatchError: queries are not (batch, dim).
         """
-        k = check_k(k)
-        check_queries(queries, self.dim)
+        if not checked:
+            k = check_k(k)
+            check_queries(queries, self.dim)
+            allowed = None if allowed is None else check_allowed(allowed)
         q = queries.detach()  # (batch, dim)
         if q.dtype != torch.float32:
             q = q.float()  # (batch, dim)
@@ -327,7 +332,7 @@ class Index:
         if allowed is None:
             D, I = self._search(q, k, None)  # noqa: E741 - FAISS's own names, kept inside this module
         else:
-            D, I = self._filtered_search(q, k, check_allowed(allowed))  # noqa: E741
+            D, I = self._filtered_search(q, k, allowed)  # noqa: E741
         scores, ids = torch.from_numpy(D), torch.from_numpy(I)  # (batch, k) each, on the CPU
         device = queries.device
         if device.type != "cpu":
@@ -486,36 +491,12 @@ class Index:
         return params
 
     def _parameters(self, k: int, selector: faiss.IDSelector | None, admitted: int) -> faiss.SearchParameters | None:
-        """The search parameters of one search whose ``selector`` (None: every entry) admits ``admitted`` entries.
-
-        Graph (HNSW): a search explores ``efSearch`` nodes, of which only the admitted fraction of the graph's
-        entries (tombstones count as entries) can be answers; below a fraction of 1, efSearch is raised to
-        ``max(efSearch, 4 k)`` divided by that fraction (at most the graph's size) to keep the recall of a clean
-        graph searched without a filter (which keeps FAISS's own efSearch).
-
-        IVF: ``nprobe`` lists are probed, every list while deletes keep a trained IVF below :attr:`min_train`
-        vectors (its lists then hold a few vectors each, so ``nprobe`` of them miss most neighbours, and probing
-        all costs no more than a flat search over fewer than ``min_train`` vectors).
-
-        Returns:
-            None where FAISS's own settings already do that (no selector, nothing raised).
-        """
+        """The search parameters of one search whose ``selector`` (None: every entry) admits ``admitted`` entries
+        (:func:`~kvsearch.index.faiss_spec.search_parameters`; every IVF list probed while deletes keep a trained
+        IVF below :attr:`min_train` vectors)."""
         core = self._core()
-        if isinstance(core, faiss.IndexHNSW):
-            entries = max(len(self._labels), 1)
-            if admitted >= entries and selector is None:
-                return None  # before reading efSearch: each SWIG attribute read costs a few us
-            ef0 = int(core.hnsw.efSearch)
-            if admitted >= entries:
-                return faiss.SearchParametersHNSW(sel=selector, efSearch=ef0)
-            ef = max(ef0, min(entries, int(np.ceil(max(ef0, 4 * k) * entries / max(admitted, 1)))))
-            return faiss.SearchParametersHNSW(sel=selector, efSearch=ef)
-        if isinstance(core, faiss.IndexIVF):
-            nprobe = int(core.nlist) if not self._fallback and self.ntotal < self.min_train else int(core.nprobe)
-            if selector is None and nprobe == core.nprobe:
-                return None
-            return faiss.SearchParametersIVF(sel=selector, nprobe=nprobe)
-        return None if selector is None else faiss.SearchParameters(sel=selector)
+        probe_all = isinstance(core, faiss.IndexIVF) and not self._fallback and self.ntotal < self.min_train
+        return search_parameters(core, k, selector, admitted, entries=max(len(self._labels), 1), probe_all=probe_all)
 
     def set_params(self, **params: float) -> None:
         """Set search parameters, e.g. ``nprobe=16`` (IVF) or ``efSearch=128`` (HNSW), and build parameters

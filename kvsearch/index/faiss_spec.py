@@ -3,6 +3,7 @@
 It owns the spec checks (:func:`parse_spec`: length, characters, no ``IDMap``, FAISS's own parser; then
 :func:`check_supported`, :func:`can_remove`, :func:`min_train`), the search and build parameters
 (:func:`check_search_param`, :data:`BUILD_PARAMS`, :func:`default_search_params`, :data:`DEFAULT_EF_SEARCH`), the
+parameters of one search (:func:`search_parameters`: efSearch / nprobe under a filter or tombstones), the
 metric codes (:data:`METRICS`) and FAISS's global BLAS threshold (:func:`tune_faiss`).
 
 It knows nothing of ids, vectors, tombstones or files: :class:`~kvsearch.index.faiss_index.Index` holds those.
@@ -24,6 +25,7 @@ __all__ = [
     "tune_faiss",
     "check_search_param",
     "default_search_params",
+    "search_parameters",
     "parse_spec",
     "inner_index",
     "check_supported",
@@ -87,6 +89,45 @@ def default_search_params(index: faiss.Index) -> dict[str, int]:
     if isinstance(inner, faiss.IndexIVF):
         return {"nprobe": min(inner.nlist, max(8, inner.nlist // 16))}
     return {}
+
+
+def search_parameters(
+    core: faiss.Index, k: int, selector: faiss.IDSelector | None, admitted: int, *, entries: int, probe_all: bool
+) -> faiss.SearchParameters | None:
+    """The search parameters of one search of ``core`` whose ``selector`` (None: every entry) admits ``admitted``
+    of its ``entries``.
+
+    Graph (HNSW): a search explores ``efSearch`` nodes, of which only the admitted fraction of the graph's
+    entries (tombstones count as entries) can be answers; below a fraction of 1, efSearch is raised to
+    ``max(efSearch, 4 k)`` divided by that fraction (at most the graph's size) to keep the recall of a clean
+    graph searched without a filter (which keeps FAISS's own efSearch).
+
+    IVF: ``nprobe`` lists are probed, every list with ``probe_all`` (the index's owner sets it while deletes keep a
+    trained IVF below the vectors it needs to train: its lists then hold a few vectors each, so ``nprobe`` of them
+    miss most neighbours, and probing all costs no more than a flat search over so few vectors).
+
+    Args:
+        core: the index that does the search (under the id map and the pre-transform, downcast).
+        k: results per query. selector: which entries may come back (None: all). admitted: how many it admits.
+        entries: the graph's entries, live and dead (at least 1). probe_all: probe every IVF list.
+
+    Returns:
+        None where FAISS's own settings already do that (no selector, nothing raised).
+    """
+    if isinstance(core, faiss.IndexHNSW):
+        if admitted >= entries and selector is None:
+            return None  # before reading efSearch: each SWIG attribute read costs a few us
+        ef0 = int(core.hnsw.efSearch)
+        if admitted >= entries:
+            return faiss.SearchParametersHNSW(sel=selector, efSearch=ef0)
+        ef = max(ef0, min(entries, int(np.ceil(max(ef0, 4 * k) * entries / max(admitted, 1)))))
+        return faiss.SearchParametersHNSW(sel=selector, efSearch=ef)
+    if isinstance(core, faiss.IndexIVF):
+        nprobe = int(core.nlist) if probe_all else int(core.nprobe)
+        if selector is None and nprobe == core.nprobe:
+            return None
+        return faiss.SearchParametersIVF(sel=selector, nprobe=nprobe)
+    return None if selector is None else faiss.SearchParameters(sel=selector)
 
 
 #: The longest index_factory string accepted (real ones are a few dozen characters).

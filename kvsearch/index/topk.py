@@ -1,15 +1,17 @@
 """Exact top-k in torch, the result and key-source types, and the argument checks both index modules share.
 
-This module owns :class:`SearchResult` (what every search returns), :class:`KeySource` (what an index may read
-keys from: the store), :func:`chunked_topk` (the one chunked top-k, memory O(batch x chunk)) and
-:func:`exact_search`, and the checks of what comes in at an index's torch boundary. It knows nothing of FAISS,
-SQLite, text or autograd.
+This module owns :class:`SearchResult` (what every search returns: scores, ids, and the rows and path where a
+torch index scanned its source's keys), :class:`KeySource` (what an index may read keys from: the store),
+:func:`chunked_topk` (the one chunked top-k, memory O(batch x chunk)) and :func:`exact_search`, and the checks of
+what comes in at an index's torch boundary. It knows nothing of FAISS, SQLite, text or autograd.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, Protocol
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,17 +52,34 @@ SCAN_CHUNK_ELEMENTS = 1 << 27
 EXACT_FILTER_MAX = 4096
 
 
-class SearchResult(NamedTuple):
-    """What a search returns, on the queries' device.
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    """What a search returns: everything it found, so that nothing is left on the index for a later reader.
+
+    It unpacks as the pair ``scores, ids = index.search(queries, k)``; :attr:`rows` and :attr:`path` are read by name.
 
     Attributes:
-        scores: (batch, k) float32: the inner product (of unit vectors for a ``normalize`` index), or the squared
-            L2 distance for metric ``"l2"``; NaN where ``ids`` is -1.
-        ids: (batch, k) int64 global ids, best first, -1 padded.
+        scores: (batch, k) float32 on the queries' device: the inner product (of unit vectors for a ``normalize``
+            index), or the squared L2 distance for metric ``"l2"``; NaN where ``ids`` is -1.
+        ids: (batch, k) int64 global ids on the queries' device, best first, -1 padded.
+        rows: where the index scanned its source's own key tensor (a source-bound
+            :class:`~kvsearch.index.torch_index.TorchIndex` that found k rows): (batch, k) int64, the row of each
+            id in the source's ``keys`` (-1 where none), on the keys' device, valid for the source's version the
+            search read, so that the source can gather the candidates without looking the ids up. None otherwise
+            (a FAISS index, a standalone index, fewer than k rows).
+        path: the exact path a torch index took: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"faiss"``
+            (:mod:`kvsearch.index.exact_path`); ``""`` where it scanned nothing (no keys, no queries) and for a FAISS
+            index.
     """
 
     scores: Tensor
     ids: Tensor
+    rows: Tensor | None = None
+    path: str = ""
+
+    def __iter__(self) -> Iterator[Tensor]:
+        """``scores`` then ``ids``: a result unpacks as the pair it is."""
+        return iter((self.scores, self.ids))
 
 
 class KeySource(Protocol):

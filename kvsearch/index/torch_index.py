@@ -1,9 +1,10 @@
 """Exact candidate search in torch: chunked matmul + top-k merge over the store's key tensor, on its device.
 
-This module owns :class:`TorchIndex`, an implementation of :class:`kvsearch.index.base.CandidateIndex` (make one
-with :func:`kvsearch.index.factory.make_index` and a ``"torch"``, ``"torch:float16"`` or ``"torch:bfloat16"`` spec),
-and :func:`parse_torch_spec`. It knows nothing of SQLite, text or autograd (no search takes a gradient). It is
-exact, like FAISS's ``Flat``, but:
+This module owns :class:`TorchIndex`, an implementation of :class:`kvsearch.index.base.CandidateIndex`, and
+:func:`parse_torch_spec`. :func:`kvsearch.index.factory.make_index` makes one from the spec ``"Flat"`` (the default
+index: its path picked per call) or ``"torch"``, ``"torch:float16"``, ``"torch:bfloat16"`` (a fixed path); every
+other spec makes a FAISS index (:mod:`kvsearch.index.faiss_index`). It knows nothing of SQLite, text or autograd (no
+search takes a gradient). It is exact, like FAISS's ``Flat``, but:
 
 - bound to a *source* (the :class:`~kvsearch.storage.store.Store`), it searches the store's own key tensor: no second
   copy of the keys, no CPU round trip on a GPU (results are made on the keys' device and moved to the queries'
@@ -22,7 +23,9 @@ exact, like FAISS's ``Flat``, but:
   calls (:mod:`kvsearch.index.exact_path`); the half copy is made at the first call that takes it. Over keys that
   processes share (a store's file mapping, ``source.keys_shared``) it stays float32: the half copy would be each
   process's own half of the keys (ask for it with the spec ``"torch:bfloat16"``);
-- every path returns the same ids and scores: keys whose scores tie are ordered by id (smaller first);
+- every path returns the same ids and scores: keys whose scores tie are ordered by id (smaller first); the
+  :class:`~kvsearch.index.topk.SearchResult` says which path it took, and with a source the rows of its ids in the
+  source's key tensor;
 - without a source (standalone) it holds the vectors given to ``build`` / ``add`` itself.
 
 Scores are computed a chunk of keys at a time by :func:`kvsearch.index.topk.chunked_topk` (memory O(batch x chunk)),
@@ -81,11 +84,12 @@ _HALF_WIDE = 2048
 _TIE_EXTRA = 8
 
 
-def _nothing(batch: int, k: int, device: torch.device) -> SearchResult:
-    """A result with no ids: scores (batch, k) NaN, ids (batch, k) -1."""
+def _nothing(batch: int, k: int, device: torch.device, *, path: str = "") -> SearchResult:
+    """A result with no ids: scores (batch, k) NaN, ids (batch, k) -1, no rows; ``path`` the scan took."""
     return SearchResult(
         torch.full((batch, k), math.nan, dtype=torch.float32, device=device),
         torch.full((batch, k), -1, dtype=torch.long, device=device),
+        path=path,
     )
 
 
@@ -192,11 +196,6 @@ class TorchIndex:
         self.exact_filter_max = EXACT_FILTER_MAX
         self.min_train = 0
         self.removable = True
-        #: The path of the last search: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"faiss"``.
-        self.last_path = ""
-        #: With a source: the rows (batch, k) of the last search's ids in the source's key tensor (-1 where none), on
-        #: the keys' device, valid for the source's version the search read; else None.
-        self.last_rows: Tensor | None = None
         #: Queries of the last half-precision search whose first k' the bound did not settle (rescored wider).
         self.last_widened = 0
         #: Queries of the last half-precision search that the wider k' did not settle either: searched in float32.
@@ -336,7 +335,7 @@ class TorchIndex:
     # ------------------------------------------------------------------ reading
 
     @torch.no_grad()
-    def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None) -> SearchResult:
+    def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None, checked: bool = False) -> SearchResult:
         """The ``k`` best ids for each query, exactly.
 
         Args:
@@ -345,17 +344,22 @@ class TorchIndex:
             allowed: (m,) int64 ids (sorted, any device): only these may come back; every query gets
                 ``min(k, live allowed ids)``. At most ``max(8 k, exact_filter_max)`` live ids: their rows are
                 gathered and scanned in float32; more: the whole key tensor is scanned with a mask.
+            checked: the caller has checked the arguments (see :meth:`kvsearch.index.base.CandidateIndex.search`):
+                nothing is checked again.
 
         Returns:
             :class:`~kvsearch.index.topk.SearchResult` on ``queries.device`` (computed on the keys' device): inner
-            product, or squared L2 distance, NaN where ids are -1.
+            product, or squared L2 distance, NaN where ids are -1; with a source and k rows found, their ``rows`` in
+            its key tensor; the ``path`` the scan took.
 
         Raises:
             InvalidArgumentError: k is out of range, or queries are not a tensor.
             DimensionMismatchError: queries are not (batch, dim).
         """
-        k = check_k(k)
-        check_queries(queries, self.dim)
+        if not checked:
+            k = check_k(k)
+            check_queries(queries, self.dim)
+            allowed = None if allowed is None else check_allowed(allowed)
         d = self.derived()
         batch, n = queries.shape[0], len(d.ids)
         device = d.keys.device
@@ -364,38 +368,42 @@ class TorchIndex:
             # F.normalize's very arithmetic (equal bits), without its Python path through torch.norm (~5 us a call)
             q = q / torch.linalg.vector_norm(q, dim=-1, keepdim=True).clamp_min(COSINE_EPS)  # (batch, dim)
         self.last_rechecked = self.last_widened = 0
-        self.last_path, self.last_rows = "", None
         if n == 0 or batch == 0:
             return self._on(_nothing(batch, k, device), queries.device)
         keep = None
         if allowed is not None:
-            rows = self._rows_of(d, check_allowed(allowed))  # (m,) CPU rows of the live allowed ids
+            rows = self._rows_of(d, allowed)  # (m,) CPU rows of the live allowed ids
             if len(rows) <= max(8 * k, self.exact_filter_max):  # few: score exactly those rows, all of them
-                self.last_path = "float32"
-                take = min(k, len(rows))
-                if take == 0:
-                    return self._on(_nothing(batch, k, device), queries.device)
-                rows = rows.to(device)  # (m,)
-                vals, pos = chunked_topk(
-                    q,
-                    d.keys,
-                    len(rows),
-                    metric=self.metric,
-                    rows=rows,
-                    norm_term=d.norm_term,
-                    chunk_elements=self.chunk_elements,
-                )  # (batch, m) each
-                found = rows[pos.clamp(min=0)].masked_fill(pos < 0, -1)  # (batch, m) key rows
-                vals, found = best_by_score_then_id(vals, found, d.device_ids, take)  # (batch, take) each
-                return self._finish(q, d, vals, found, k, queries.device)
+                return self._search_rows(q, d, rows, k, queries.device)
             keep = torch.zeros(n, dtype=torch.bool, device=device).index_fill_(0, rows.to(device), True)  # (n,)
-        vals, found = self._top(q, d, min(k, n), keep)  # (batch, take) each
-        return self._finish(q, d, vals, found, k, queries.device)
+        vals, found, path = self._top(q, d, min(k, n), keep)  # (batch, take) each
+        return self._finish(q, d, vals, found, k, queries.device, path)
+
+    def _search_rows(self, q: Tensor, d: DerivedKeys, rows: Tensor, k: int, device: torch.device) -> SearchResult:
+        """The exact top ``k`` among the key ``rows`` (m,) (CPU, ascending) of a small admitted set, scanned whole in
+        float32 (every query gets ``min(k, m)``), on ``device``."""
+        take = min(k, len(rows))
+        if take == 0:
+            return self._on(_nothing(q.shape[0], k, d.keys.device, path="float32"), device)
+        rows = rows.to(d.keys.device)  # (m,)
+        vals, pos = chunked_topk(
+            q,
+            d.keys,
+            len(rows),
+            metric=self.metric,
+            rows=rows,
+            norm_term=d.norm_term,
+            chunk_elements=self.chunk_elements,
+        )  # (batch, m) each
+        found = rows[pos.clamp(min=0)].masked_fill(pos < 0, -1)  # (batch, m) key rows
+        vals, found = best_by_score_then_id(vals, found, d.device_ids, take)  # (batch, take) each
+        return self._finish(q, d, vals, found, k, device, "float32")
 
     def _finish(
-        self, q: Tensor, d: DerivedKeys, vals: Tensor, rows: Tensor, k: int, device: torch.device
+        self, q: Tensor, d: DerivedKeys, vals: Tensor, rows: Tensor, k: int, device: torch.device, path: str
     ) -> SearchResult:
-        """Scores (l2: distances) and ids (batch, k) of the top rows (batch, take), padded past take, on ``device``."""
+        """Scores (l2: distances) and ids (batch, k) of the top rows (batch, take), padded past take, on ``device``;
+        with a source and ``take == k``, the rows themselves (batch, k) (its reader gathers by them, no id lookup)."""
         take = vals.shape[1]
         if self.metric == "l2":
             q_sq = q.pow(2).sum(-1, keepdim=True)  # (batch, 1)
@@ -403,11 +411,9 @@ class TorchIndex:
         missing = rows < 0  # (batch, take) filtered out or absent
         scores = vals.masked_fill(missing, math.nan)  # (batch, take)
         ids = d.device_ids[rows.clamp(min=0)].masked_fill(missing, -1)  # (batch, take)
-        if self.source is not None and take == k:
-            self.last_rows = rows  # (batch, k) rows of the source's keys: its reader gathers by them, no id lookup
         if take == k:
-            return self._on(SearchResult(scores, ids), device)
-        out = _nothing(len(ids), k, ids.device)  # (batch, k) each: NaN / -1 beyond take
+            return self._on(SearchResult(scores, ids, rows if self.source is not None else None, path), device)
+        out = _nothing(len(ids), k, ids.device, path=path)  # (batch, k) each: NaN / -1 beyond take
         out.scores[:, :take], out.ids[:, :take] = scores, ids
         return self._on(out, device)
 
@@ -478,12 +484,12 @@ class TorchIndex:
             return self.paths.choose(batch, len(d.ids), device, faiss_ok=faiss_ok)
         return str(self.dtype).removeprefix("torch.")
 
-    def _top(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _top(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor, str]:
         """The exact top ``take`` rows of every query, ties by id: values (batch, take) (maximised: ip, or
-        2 q.k - |k|^2; -inf where absent) and rows (batch, take) (-1 there), on the keys' path of this call."""
+        2 q.k - |k|^2; -inf where absent) and rows (batch, take) (-1 there), on the keys' path of this call, and
+        that path."""
         batch, n = q.shape[0], len(d.ids)
-        path = self._path(batch, q.device, d, keep is not None)
-        self.last_path = chosen = path
+        path = chosen = self._path(batch, q.device, d, keep is not None)
         started = time.perf_counter()
         if path in ("bfloat16", "float16"):
             vals, rows, todo = self._top_half(q, d, take, keep, TORCH_DTYPES[path])
@@ -501,7 +507,7 @@ class TorchIndex:
             width = min(n, 8 * width)
         if self.dtype is None and keep is None:  # todo.any() above waited for the device: the time is the call's
             self.paths.record(batch, n, chosen, time.perf_counter() - started)
-        return vals, rows
+        return vals, rows, chosen
 
     def _scan_top(
         self, q: Tensor, d: DerivedKeys, width: int, keep: Tensor | None, path: str, take: int
@@ -662,7 +668,7 @@ class TorchIndex:
 
     @staticmethod
     def _on(result: SearchResult, device: torch.device) -> SearchResult:
-        """``result`` on ``device`` (moved only if it is elsewhere)."""
+        """``result`` on ``device`` (moved only if it is elsewhere); its rows stay on the keys' device."""
         if result.ids.device == device:
             return result
-        return SearchResult(result.scores.to(device), result.ids.to(device))
+        return SearchResult(result.scores.to(device), result.ids.to(device), result.rows, result.path)
