@@ -60,8 +60,8 @@ faiss.omp_set_num_threads(1)
 import kvsearch  # noqa: E402
 from kvsearch import datasets  # noqa: E402
 from kvsearch.storage import store as store_module  # noqa: E402
-from kvsearch.training import loop as training_module  # noqa: E402
 from kvsearch.training import metrics as metrics_module  # noqa: E402
+from kvsearch.training import run as training_module  # noqa: E402 - the steps of a run: what calls evaluate
 
 NAMES = 3_000  # surnames in the database
 EVAL_NAMES = 160  # names per run's query set (trained and evaluated on)
