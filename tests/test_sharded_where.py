@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ FILTERS: dict[str, dict[str, Any] | None] = {
     "bool-and-text": {"$and": [{"draft": True}, {"lang": {"$ne": "de"}}]},
     "or-number-text": {"$or": [{"year": {"$lt": 2003}}, {"lang": "fr"}]},
     "list": {"tags": {"$in": ["b"]}},
-    "datetime": {"when": {"$gte": datetime(2020, 1, 10, tzinfo=timezone.utc)}},
+    "datetime": {"when": {"$gte": datetime(2020, 1, 10, tzinfo=UTC)}},
     "none-match": {"lang": "xx"},
 }
 FIELDS = ("lang", "year", "score", "tags", "draft", "note", "when", "absent", "$key")
@@ -72,7 +72,7 @@ def records() -> tuple[list[str], list[str], list[dict[str, Any]]]:
         if i % 3 == 1:
             m["tags"] = ["a", "b"] if i % 2 else ["b", "c", 1]
         if i % 7 == 2:
-            m["when"] = datetime(2020, 1, 1 + i % 28, tzinfo=timezone.utc)
+            m["when"] = datetime(2020, 1, 1 + i % 28, tzinfo=UTC)
         meta.append(m)
     return keys, values, meta
 
@@ -100,11 +100,12 @@ def run_cases(db: Any) -> dict[str, Any]:
         sel = db.where(where)
         out[name, "count"] = ranks.attempt(sel.count)
         for limit, offset in PAGES:
-            out[name, "ids", limit, offset] = ranks.attempt(lambda: ids(sel.ids(limit=limit, offset=offset)))
-            out[name, "records", limit, offset] = ranks.attempt(lambda: recs(sel.records(limit=limit, offset=offset)))
+            page = {"limit": limit, "offset": offset}
+            out[name, "ids", limit, offset] = ranks.attempt(lambda s=sel, p=page: ids(s.ids(**p)))
+            out[name, "records", limit, offset] = ranks.attempt(lambda s=sel, p=page: recs(s.records(**p)))
         for field in FIELDS:
-            out[name, "distinct", field] = ranks.attempt(lambda: sel.distinct(field))
-            out[name, "min_max", field] = ranks.attempt(lambda: sel.min_max(field))
+            out[name, "distinct", field] = ranks.attempt(lambda s=sel, f=field: s.distinct(f))
+            out[name, "min_max", field] = ranks.attempt(lambda s=sel, f=field: s.min_max(f))
         out[name, "fields"] = ranks.attempt(sel.fields)
     some = [i for i, k in key_of.items() if k in ("name001", "name010", "name033")]
     out["by-ids", "count"] = ranks.attempt(lambda: db.where({"lang": "en"}, ids=some).count())
@@ -242,7 +243,10 @@ def test_every_rank_gets_the_same_answers(spawned):
 def test_different_filters_or_metadata_raise_on_every_rank(spawned):
     results, _ = spawned
     for rank, res in enumerate(results):
-        for case, what in (("differ", "where with the same filter"), ("differ-update", "update with the same metadata")):
+        for case, what in (
+            ("differ", "where with the same filter"),
+            ("differ-update", "update with the same metadata"),
+        ):
             assert res[case][:2] == ("err", "DistributedError"), (rank, res[case])
             assert what in res[case][2] and "rank 0" in res[case][2] and "rank 1" in res[case][2], res[case]
         assert res["one-bad-field"][:2] == ("err", "InvalidArgumentError"), (rank, res["one-bad-field"])
