@@ -97,12 +97,11 @@ def carry(target: Store, parts: Sequence[tuple[Store, Sequence[int]]]) -> None:
     """
     rows, given = [], []
     for source, ids in parts:
-        records = source.fetch(ids)
+        records, texts = source.fetch(ids), source.texts
         for i in ids:
             rows.append(records[int(i)])
             given.append(
-                (GIVEN_KEY if int(i) in source.given_keys else 0)
-                | (GIVEN_VALUE if int(i) in source.given_values else 0)
+                (GIVEN_KEY if int(i) in texts.given_keys else 0) | (GIVEN_VALUE if int(i) in texts.given_values else 0)
             )
     if not rows:
         return
