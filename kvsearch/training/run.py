@@ -3,7 +3,8 @@
     plan = make_plan(db, train_pairs, eval_pairs, config, options)  # checked; nothing begun yet
     run = Run(db, plan, started)    # the draft begun: from here on, one commit or one discard
     run.start()                     # what trains, its optimizer
-    run.evaluate(0); run.keep_best(0)           # the start, the mark every epoch must beat
+    run.evaluate(0)                 # the start, measured on the draft ...
+    run.keep_best(0)                # ... is the mark every epoch must beat
     for epoch in range(1, epochs + 1):
         run.epoch(epoch)            # the train steps, then the draft's keys and index refreshed
         run.evaluate(epoch)         # the metric on the draft
@@ -11,10 +12,11 @@
     run.commit()                    # the kept epoch as a new generation, or the draft discarded
     # on any exception: run.abort() (the draft discarded, once); always: run.close()
 
-:func:`make_plan` does every check that can fail before a step (the options, the pairs, the targets against the
-store, finite target values), agreed across a sharded database's ranks. :class:`Run` holds the run's state — the
-draft, what trains (:class:`~kvsearch.training.trainables.Trainables`), the optimizer, the step count, the best
-epoch so far, the :class:`~kvsearch.training.config.History` — with one method per step.
+:func:`make_plan` does the checks that need no draft (the options, the pairs, the targets against the store, finite
+target values), agreed across a sharded database's ranks; what trains (a key encoder to train, something to train,
+the optimizer) is set up by :meth:`Run.start` inside the draft, so that its errors discard it. :class:`Run` holds
+the run's state — the draft, what trains (:class:`~kvsearch.training.trainables.Trainables`), the optimizer, the
+step count, the best epoch so far, the :class:`~kvsearch.training.config.History` — with one method per step.
 
 This module knows nothing of the store, the index or the file formats (it works through the facade and its
 draft), nor of how a batch becomes a loss (:mod:`kvsearch.training.trainables`).
