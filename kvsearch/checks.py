@@ -1,7 +1,8 @@
 """What is refused up front: the argument checks every module shares, their constants, and the resource limits.
 
 One function per rule, so a rule reads the same everywhere it applies: ``k``, finiteness, the device,
-the temperature, batch sizes, positive integers, folder paths, tensor layouts (:func:`check_dense`). Each raises
+the temperature, batch sizes, positive integers, folder paths, tensor layouts (:func:`check_dense`), query
+embeddings (:func:`query_tensor`: checked into one (batch, dim) float32 shape at the door, trusted below). Each raises
 a typed error from :mod:`kvsearch.errors` that says what was expected and what came, before any work is done.
 
 ## Resource limits
@@ -38,7 +39,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.errors import FileLimitError, InvalidArgumentError, MemoryLimitError, NonFiniteError
+from kvsearch.errors import (
+    DimensionMismatchError,
+    FileLimitError,
+    InvalidArgumentError,
+    MemoryLimitError,
+    NonFiniteError,
+)
 
 __all__ = [
     "MAX_K",
@@ -60,6 +67,8 @@ __all__ = [
     "check_real_tensor",
     "check_path",
     "check_unicode",
+    "array_tensor",
+    "query_tensor",
     "MEMORY_FRACTION",
     "available_memory",
     "memory_budget",
@@ -318,6 +327,64 @@ def check_unicode(text: str, what: str) -> None:
             f"expected {what} as valid Unicode text (encodable as UTF-8), got a lone surrogate "
             f"U+{ord(found.group()):04X} at character {found.start()}"
         )
+
+
+# --------------------------------------------------------------------------- query embeddings
+
+
+def array_tensor(array: np.ndarray, name: str) -> Tensor:
+    """A numeric numpy array as a float32 CPU tensor: any strides (transposed, sliced, reversed, broadcast with
+    stride 0, Fortran order) copied once into a contiguous array.
+
+    Args:
+        array: the array (any shape; the caller checks it).
+        name: what it is, for the message.
+
+    Returns:
+        The float32 tensor, sharing nothing with ``array``'s strides.
+
+    Raises:
+        InvalidArgumentError: an array of bool or complex numbers (as for tensors: an imaginary part would be
+            dropped), or of anything else that is not a float or an integer.
+    """
+    if array.dtype.kind not in "fiu":
+        raise InvalidArgumentError(f"expected {name} as a float (or integer) array, got an array of {array.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
+    """Query embeddings as a float32 (batch, dim) tensor on their own device, and whether one came unbatched.
+
+    Args:
+        queries: (dim,) or (batch, dim), a tensor (its graph kept) or a numpy array.
+        dim: the database's key dimension.
+
+    Returns:
+        queries (batch, dim) float32, and True for a single (dim,) query.
+
+    Raises:
+        InvalidArgumentError: not a tensor or array, a complex or bool tensor or array, a sparse, nested,
+            quantized or meta tensor (:func:`~kvsearch.checks.check_dense`), an empty batch, too many queries.
+        DimensionMismatchError: the wrong shape.
+        NonFiniteError: NaN or Inf.
+    """
+    if isinstance(queries, np.ndarray):
+        queries = array_tensor(queries, "queries")
+    if not isinstance(queries, Tensor):
+        raise InvalidArgumentError(f"expected a query text, a list of texts or a tensor, got {type(queries).__name__}")
+    check_real_tensor(queries, "queries")
+    single = queries.dim() == 1
+    q = queries.unsqueeze(0) if single else queries  # (b, dim)
+    if q.dim() != 2 or q.shape[1] != dim:
+        raise DimensionMismatchError(
+            f"expected queries of shape (dim={dim},) or (batch, {dim}), got {tuple(queries.shape)}"
+        )
+    if q.shape[0] == 0:
+        raise InvalidArgumentError("expected at least one query, got an empty batch")
+    check_batch(q.shape[0], "queries")
+    q = q.float() if q.dtype != torch.float32 else q  # (b, dim)
+    check_finite(q, "queries")
+    return q, single
 
 
 # --------------------------------------------------------------------------- resource limits

@@ -19,7 +19,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.checks import check_batch, check_dense, check_finite, check_real_tensor, check_unicode
+from kvsearch.checks import (
+    array_tensor,
+    check_batch,
+    check_dense,
+    check_finite,
+    check_real_tensor,
+    check_unicode,
+)
 from kvsearch.encoders.base import Encoder
 from kvsearch.errors import (
     DimensionMismatchError,
@@ -35,7 +42,6 @@ __all__ = [
     "KeysIn",
     "normalize_key",
     "query_texts",
-    "query_tensor",
     "query_batch",
     "record_side",
     "encode_side",
@@ -43,7 +49,6 @@ __all__ = [
     "delete_items",
     "text_list",
     "text_items",
-    "array_tensor",
     "NUMBER_KINDS",
     "id_tensor",
     "generation_args",
@@ -84,26 +89,6 @@ def text_items(items: object, name: str) -> object:
 
 #: The numpy kinds read as numbers (float, signed and unsigned int) and those refused typed (bool, complex).
 NUMBER_KINDS = "fiubc"
-
-
-def array_tensor(array: np.ndarray, name: str) -> Tensor:
-    """A numeric numpy array as a float32 CPU tensor: any strides (transposed, sliced, reversed, broadcast with
-    stride 0, Fortran order) copied once into a contiguous array.
-
-    Args:
-        array: the array (any shape; the caller checks it).
-        name: what it is, for the message.
-
-    Returns:
-        The float32 tensor, sharing nothing with ``array``'s strides.
-
-    Raises:
-        InvalidArgumentError: an array of bool or complex numbers (as for tensors: an imaginary part would be
-            dropped), or of anything else that is not a float or an integer.
-    """
-    if array.dtype.kind not in "fiu":
-        raise InvalidArgumentError(f"expected {name} as a float (or integer) array, got an array of {array.dtype}")
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
 def normalize_key(text: str) -> str:
@@ -148,41 +133,6 @@ def query_texts(queries: Queries) -> list[str] | None:
             raise InvalidArgumentError(f"expected non-empty query texts, got {t!r} at position {i}")
         out.append(text)
     return out
-
-
-def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
-    """Query embeddings as a float32 (batch, dim) tensor on their own device, and whether one came unbatched.
-
-    Args:
-        queries: (dim,) or (batch, dim), a tensor (its graph kept) or a numpy array.
-        dim: the database's key dimension.
-
-    Returns:
-        queries (batch, dim) float32, and True for a single (dim,) query.
-
-    Raises:
-        InvalidArgumentError: not a tensor or array, a complex or bool tensor or array, a sparse, nested,
-            quantized or meta tensor (:func:`~kvsearch.checks.check_dense`), an empty batch, too many queries.
-        DimensionMismatchError: the wrong shape.
-        NonFiniteError: NaN or Inf.
-    """
-    if isinstance(queries, np.ndarray):
-        queries = array_tensor(queries, "queries")
-    if not isinstance(queries, Tensor):
-        raise InvalidArgumentError(f"expected a query text, a list of texts or a tensor, got {type(queries).__name__}")
-    check_real_tensor(queries, "queries")
-    single = queries.dim() == 1
-    q = queries.unsqueeze(0) if single else queries  # (b, dim)
-    if q.dim() != 2 or q.shape[1] != dim:
-        raise DimensionMismatchError(
-            f"expected queries of shape (dim={dim},) or (batch, {dim}), got {tuple(queries.shape)}"
-        )
-    if q.shape[0] == 0:
-        raise InvalidArgumentError("expected at least one query, got an empty batch")
-    check_batch(q.shape[0], "queries")
-    q = q.float() if q.dtype != torch.float32 else q  # (b, dim)
-    check_finite(q, "queries")
-    return q, single
 
 
 def query_batch(queries: object, dim: int, targets: object = None) -> tuple[Tensor, Tensor | None]:

@@ -15,7 +15,6 @@ its device.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.checks import check_finite, check_k, check_temperature, check_unicode
+from kvsearch.checks import check_finite, check_k, check_temperature, check_unicode, query_tensor
 from kvsearch.errors import (
     EmptyDatabaseError,
     InvalidArgumentError,
@@ -31,14 +30,15 @@ from kvsearch.errors import (
     MissingEncoderError,
     UnknownOptionError,
 )
-from kvsearch.inputs import Queries, id_tensor, query_batch, query_tensor, query_texts, text_list
+from kvsearch.inputs import Queries, id_tensor, query_batch, query_texts, text_list
 from kvsearch.metadata.codec import decode as decode_metadata
 from kvsearch.metadata.filters import check_where
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.pooling import POOLINGS
-from kvsearch.nn.scores import ScoreFn, check_score, compute_scores
+from kvsearch.nn.scores import ScoreFn, check_score
 from kvsearch.nn.streaming import attend_candidates
 from kvsearch.results import Answer, Hit, make_answer, make_hits
+from kvsearch.storage import queries
 from kvsearch.text.rerank import Rerank, check_rerank, require_texts, rerank_depth, rerank_hits
 
 if TYPE_CHECKING:  # annotations only
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # annotations only
     from kvsearch.storage.store import Record, Store
     from kvsearch.view import View
 
-__all__ = ["Reads", "MISSING", "rank_candidates"]
+__all__ = ["Reads", "MISSING"]
 
 #: The default of ``Database.lookup``'s ``default``: none was given, a miss raises.
 MISSING: Any = object()
@@ -84,7 +84,7 @@ class Reads:
         self, queries: Queries, k: int, where: Mapping[str, Any] | None, rerank: Rerank | None = None
     ) -> list[Hit] | list[list[Hit]]:
         """``Database.search``: the k nearest records to each query, best first (re-ranked: see
-        :mod:`kvsearch.text.rerank`)."""
+        :mod:`kvsearch.text.rerank`). Checked here once; the retriever and the index trust what came."""
         similarity = None if rerank is None else check_rerank(rerank)
         k = check_k(k)
         if where is not None:
@@ -92,16 +92,16 @@ class Reads:
         q, texts, single = self.prepare_queries(queries)
         if similarity is not None:
             texts = require_texts(texts, q.shape[0])  # InvalidArgumentError for query embeddings
-        with self.view.reading():
-            if len(self.store.table) == 0:
+        view = self.view
+        with view.reading():
+            store = view.store
+            if len(store.table) == 0:
                 return [] if single else [[] for _ in range(q.shape[0])]
-            depth = k if similarity is None else rerank_depth(k)
-            cand = self.retriever.candidates(q, depth, where=where)
-            ids, scores = rank_candidates(q, cand, self.score)  # (b, t) each, best first
+            ids, scores = view.retriever.ranked(q, k if similarity is None else rerank_depth(k), where=where)
+            ids, scores = ids.tolist(), scores.tolist()  # (b, t) each, best first
             found = [i for row in ids for i in row if i >= 0]
-            values = self.answer_values(found, gathered=cand)
-            metadata = self.store.metadata_texts(found)
-            hits = make_hits(ids, scores, self.store.texts.key_of_id, values, metadata)
+            values = self.answer_values(found)
+            hits = make_hits(ids, scores, store.texts.key_of_id, values, store.metadata_texts(found))
         if similarity is not None:
             hits = rerank_hits(similarity, texts, hits, k)  # outside the snapshot: the user's callable may be slow
         return hits[0] if single else hits
@@ -237,7 +237,7 @@ class Reads:
         """``Database.values_present``: whether some stored record has each value text: (n,) bool on the CPU."""
         texts = text_list(texts, "value texts")
         with self.view.reading():
-            return self.store.values_present(texts)
+            return torch.tensor(queries.values_present(self.store.conn, texts), dtype=torch.bool)  # (n,)
 
     def key_texts(self, ids: Tensor | Sequence[int], *, encoded_only: bool) -> list[str | None]:
         """``Database.key_texts``: the key text of each id, in order (None: no key text, not stored, or given
@@ -287,10 +287,11 @@ class Reads:
             gathered: top-k candidates gathered in this snapshot that hold these ids: where no value has text,
                 each value is its embedding, taken from them instead of being looked up by id again.
         """
+        store = self.view.store
         # without a value encoder, only values given with their embeddings have text
-        texts = self.encoders.value is not None or bool(self.store.texts.given_values)
+        texts = self.view.encoders.value is not None or bool(store.texts.given_values)
         if texts or gathered is None:
-            return self.store.answer_values(ids, texts=texts)
+            return store.answer_values(ids, texts=texts)
         out: dict[int, str | Tensor | None] = dict.fromkeys(ids)
         if not out:
             return out
@@ -310,7 +311,9 @@ class Reads:
             MissingEncoderError: text queries and no encoder for them. InvalidArgumentError,
             DimensionMismatchError, NonFiniteError: queries of the wrong kind or shape, or not finite.
         """
-        texts = query_texts(queries)
+        texts = None
+        if not isinstance(queries, Tensor) and not (isinstance(queries, np.ndarray) and queries.dtype.kind in "fiubc"):
+            texts = query_texts(queries)  # None: not text either (query_tensor says what came)
         if texts is None:
             q, single = query_tensor(queries, self.dim)
             return q, None, single
@@ -324,22 +327,3 @@ class Reads:
         q = encoder.encode(texts)  # (b, dim)
         check_finite(q, "query embeddings")
         return q, texts, isinstance(queries, str)
-
-
-def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[list[list[int]], list[list[float]]]:
-    """The candidates of each query ranked by the database's score recomputed in torch on their stored keys.
-
-    One sort gives the order and the sorted scores (a stable sort: ties keep the index's order); missing candidates
-    (mask False, id -1) score -inf and come last.
-
-    Args:
-        queries: (batch, dim). cand: candidates (batch, t) of these queries, on the store's device.
-        score: the database's score.
-
-    Returns:
-        ids and scores, (batch, t) each as lists of rows, best first.
-    """
-    keys = cand.keys  # (b, t, dim)
-    scores = compute_scores(queries.to(keys.device).unsqueeze(1), keys, score).squeeze(1)  # (b, t)
-    scores, order = torch.sort(torch.where(cand.mask, scores, -math.inf), dim=-1, descending=True, stable=True)
-    return cand.ids.gather(1, order).tolist(), scores.tolist()  # (b, t) each

@@ -19,6 +19,7 @@ nothing of text, encoders, locking (the caller holds the store's locks) or train
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -31,12 +32,12 @@ from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError
 from kvsearch.index.base import CandidateIndex
 from kvsearch.index.factory import load_index, make_index
 from kvsearch.nn.attend import Candidates
-from kvsearch.nn.precision import autocast_dtype, autocast_off
-from kvsearch.nn.scores import SCORE_KINDS, check_db_score
+from kvsearch.nn.precision import autocast_off
+from kvsearch.nn.scores import SCORE_KINDS, check_db_score, compute_scores
 from kvsearch.storage import folder as folders
 from kvsearch.storage.store import Store
 
-__all__ = ["Retriever", "metric_of"]
+__all__ = ["Retriever", "metric_of", "rank_candidates"]
 
 
 def metric_of(score: str) -> Literal["ip", "l2"]:
@@ -80,6 +81,8 @@ class Retriever:
         self.spec = spec
         self.score = check_db_score(score)
         self.metric = metric_of(score)
+        #: The database score as a multiple of an exact index's own score, or None: recomputed in torch.
+        self.index_factor = SCORE_KINDS[self.score].index_factor(dim)
         self.folder = folder
         self.params: dict[str, float] = dict(params or {})
         self.index: CandidateIndex = self._new_index()
@@ -89,7 +92,8 @@ class Retriever:
     def _options(self) -> dict[str, Any]:
         """How this store's index is made or loaded: its metric, cosine normalisation, key source, parameters."""
         source = self.store.table  # the key source: the store's in-memory ids and keys
-        return {"metric": self.metric, "normalize": self.score == "cosine", "source": source, "params": self.params}
+        normalize = SCORE_KINDS[self.score].unit_keys
+        return {"metric": self.metric, "normalize": normalize, "source": source, "params": self.params}
 
     def _new_index(self) -> CandidateIndex:
         return make_index(self.spec, self.dim, **self._options())
@@ -246,6 +250,37 @@ class Retriever:
         match = None if targets is None else (ids == targets.to(device).unsqueeze(1)) & (ids >= 0)  # (b, take)
         return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
 
+    def ranked(self, queries: Tensor, k: int, *, where: Mapping[str, Any] | None = None) -> tuple[Tensor, Tensor]:
+        """``Database.search``'s ranking (not differentiable): the best ``k`` ids of each query and their scores.
+
+        Where the index is exact for the database's score (it holds the stored vectors themselves and the score is a
+        constant multiple of its inner product: ``dot``, ``scaled_dot``, ``cosine``), its own scores and order are
+        the answer, up to float rounding: nothing is gathered. Otherwise (a lossy code, ``gaussian``) the
+        candidates are gathered and scored again in torch (:func:`rank_candidates`). The queries come checked, as
+        for :meth:`candidates`; ``k`` too.
+
+        Args:
+            queries: (batch, dim) finite floats.
+            k: results per query, an int in [1, MAX_K].
+            where: a metadata filter.
+
+        Returns:
+            ids (batch, t) int64 and scores (batch, t) float32, both on the CPU, best first, t = min(k, records):
+            -1 and -inf where a query has fewer.
+        """
+        factor = self.index_factor if self.index.exact_scores else None
+        if factor is None:
+            return rank_candidates(queries, self.candidates(queries, k, where=where), self.score)
+        store = self.store
+        allowed = None if where is None else store.ids_where(where)  # (m,) sorted ids
+        take = max(1, min(k, len(store.table) if allowed is None else len(allowed)))
+        with _autocast_off(queries.device, store.device):  # the index scores in its own dtype, never autocast's
+            found = self.index.search(queries.detach(), take, allowed=allowed, checked=True)  # checked at the door
+        ids, scores = found.ids.cpu(), found.scores.cpu()  # (b, take) each
+        if factor != 1.0:
+            scores = scores * factor  # (b, take)
+        return ids, scores.masked_fill(ids < 0, -math.inf)
+
     def key_matches(self, queries: Tensor) -> tuple[Tensor, Tensor]:
         """For each query embedding, the stored ids whose key embedding equals it (bit for bit, -0.0 == 0.0).
 
@@ -299,10 +334,12 @@ class Retriever:
 
 def _autocast_off(queries: torch.device, store: torch.device) -> contextlib.AbstractContextManager:
     """:func:`~kvsearch.nn.precision.autocast_off` for both devices, or nothing where autocast is off on both (the
-    usual case: a search's Python work is most of a single query's cost)."""
-    if autocast_dtype(queries) is None and (store == queries or autocast_dtype(store) is None):
-        return contextlib.nullcontext()
-    return autocast_off(queries, store)
+    usual case: a search's Python work is most of a single query's cost, so it is asked of torch directly)."""
+    try:
+        on = torch.is_autocast_enabled(queries.type) or torch.is_autocast_enabled(store.type)
+    except RuntimeError:  # a device type autocast does not know ("meta"): autocast_off sorts it out
+        on = True
+    return autocast_off(queries, store) if on else contextlib.nullcontext()
 
 
 def _fingerprint_weights(dim: int, device: torch.device) -> Tensor:
@@ -320,3 +357,22 @@ def _fingerprint(rows: Tensor, weights: Tensor) -> Tensor:
     """
     bits = (rows.float() + 0.0).contiguous().view(torch.int32).long()  # (n, dim)
     return (bits * weights).sum(-1)  # (n,)
+
+
+def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[Tensor, Tensor]:
+    """The candidates of each query ranked by the database's score recomputed in torch on their stored keys.
+
+    One sort gives the order and the sorted scores (a stable sort: ties keep the index's order); missing candidates
+    (mask False, id -1) score -inf and come last.
+
+    Args:
+        queries: (batch, dim). cand: candidates (batch, t) of these queries, on the store's device.
+        score: the database's score.
+
+    Returns:
+        ids (batch, t) and scores (batch, t) on the CPU, best first.
+    """
+    keys = cand.keys  # (b, t, dim)
+    scores = compute_scores(queries.to(keys.device).unsqueeze(1), keys, score).squeeze(1)  # (b, t)
+    scores, order = torch.sort(torch.where(cand.mask, scores, -math.inf), dim=-1, descending=True, stable=True)
+    return cand.ids.gather(1, order).cpu(), scores.cpu()  # (b, t) each

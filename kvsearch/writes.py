@@ -40,6 +40,7 @@ from kvsearch.errors import (
 )
 from kvsearch.inputs import KeysIn, check_metadata, delete_items, encode_side, record_side
 from kvsearch.metadata.filters import check_where
+from kvsearch.storage import queries
 from kvsearch.storage.schema import GIVEN_KEY, GIVEN_VALUE
 
 if TYPE_CHECKING:  # annotations only
@@ -255,5 +256,7 @@ class Writes:
         check_metadata([metadata], 1)  # before the lock: bad metadata writes nothing
         if not isinstance(merge, bool):
             raise InvalidArgumentError(f"expected merge=True or False, got {merge!r}")
-        with self.view.writing():
-            return self.store.update_metadata(where, metadata, merge=merge)
+        with self.view.writing(), self.store.transaction():  # no vector, version or index changes
+            ids = queries.ids(self.store.conn, where)
+            queries.set_metadata(self.store.conn, ids, metadata, merge=merge)
+        return ids

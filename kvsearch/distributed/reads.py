@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvsearch.checks import query_tensor
 from kvsearch.distributed.layout import ID_SHIFT
 from kvsearch.errors import InvalidArgumentError, KeyNotFoundError
-from kvsearch.inputs import id_tensor, query_tensor
+from kvsearch.inputs import id_tensor
 from kvsearch.metadata.codec import encode as encode_metadata
 
 if TYPE_CHECKING:

@@ -54,7 +54,15 @@ import torch
 from torch import Tensor
 
 from kvsearch import errors
-from kvsearch.checks import check_dense, check_device, check_finite, check_k, check_path, check_temperature
+from kvsearch.checks import (
+    check_dense,
+    check_device,
+    check_finite,
+    check_k,
+    check_path,
+    check_temperature,
+    query_tensor,
+)
 from kvsearch.database import Database
 from kvsearch.distributed.collectives import DEFAULT_TIMEOUT, Comm, collective
 from kvsearch.distributed.generations import ShardedDraft, ShardTeam, switch_every_shard
@@ -72,7 +80,7 @@ from kvsearch.errors import (
     NotPicklableError,
     UnknownOptionError,
 )
-from kvsearch.inputs import KeysIn, Queries, id_tensor, query_batch, query_tensor, query_texts
+from kvsearch.inputs import KeysIn, Queries, id_tensor, query_batch, query_texts
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score, compute_scores

@@ -1,10 +1,10 @@
-"""The half-precision scan with exact float32 rescoring, and the id tie-break every exact path ends with.
+"""The half-precision scan with exact float32 rescoring.
 
 This module owns :func:`half_candidates` (scan a bfloat16 / float16 copy of the keys for the best ``k'`` rows,
 rescore those in float32, check per query that nothing left out can belong to the top k),
-:func:`half_error` (the proven bound that check uses) and :func:`best_by_score_then_id` (equal scores ordered
-by id, so that every exact path returns the same ids). :class:`kvsearch.index.torch_index.TorchIndex` drives them; this
-module knows nothing of sources, ids' storage, FAISS or autograd.
+:func:`half_error` (the proven bound that check uses); the id tie-break every exact path ends with is
+:mod:`kvsearch.index.topk`'s. :class:`kvsearch.index.torch_index.TorchIndex` drives them; this module knows nothing of
+sources, ids' storage, FAISS or autograd.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ __all__ = [
     "FP16_SAFE",
     "half_error",
     "half_candidates",
-    "best_by_score_then_id",
-    "best_of_sorted",
-    "settled",
 ]
 
 #: Unit roundoff of each half type (round to nearest): a stored value is within u * |x| of the float32 one.
@@ -77,7 +74,8 @@ def half_candidates(
     Every key left out scored at most ``a`` (the ``width``-th half score kept), so at most ``a + E`` exactly
     (``E`` = ``bound``). The candidates hold every key of the exact top ``take`` -- ties at the ``take``-th
     score included -- wherever the ``take``-th exact score among them is above ``a + E`` (checked by the
-    caller with :func:`settled`), or where fewer than ``width`` admissible keys exist (all were kept).
+    caller with :func:`kvsearch.index.topk.settled`), or where fewer than ``width`` admissible keys exist (all were
+    kept).
 
     Args:
         q: (s, dim) float32 queries as scored, on the keys' device.
@@ -116,42 +114,3 @@ def half_candidates(
     exact = exact.masked_fill(cand < 0, -math.inf)  # (s, width)
     ceiling = torch.where(cand[:, -1] < 0, -math.inf, approx[:, -1] + bound)  # (s,)
     return exact, cand, ceiling
-
-
-def best_by_score_then_id(vals: Tensor, rows: Tensor, ids: Tensor, take: int) -> tuple[Tensor, Tensor]:
-    """The ``take`` best of each query's candidates: larger value first, equal values by smaller id.
-
-    Args:
-        vals: (batch, t) maximised values, -inf where absent. rows: (batch, t) key rows, -1 where absent.
-        ids: (n,) the id of each key row, on the rows' device.
-        take: how many to keep, <= t.
-
-    Returns:
-        values (batch, take) and rows (batch, take), in that order.
-    """
-    cand_ids = ids[rows.clamp(min=0)].masked_fill(rows < 0, torch.iinfo(torch.long).max)  # (batch, t)
-    by_id = torch.sort(cand_ids, dim=1, stable=True).indices  # (batch, t)
-    by_score = torch.sort(vals.gather(1, by_id), dim=1, descending=True, stable=True).indices  # (batch, t)
-    order = by_id.gather(1, by_score)[:, :take]  # (batch, take)
-    return vals.gather(1, order), rows.gather(1, order)
-
-
-def best_of_sorted(vals: Tensor, rows: Tensor, ids: Tensor, take: int) -> tuple[Tensor, Tensor]:
-    """:func:`best_by_score_then_id` for candidates already sorted best first (a scan's top-k): where no two
-    present values are equal (the usual case) the first ``take`` are the answer as they are, without the sorts."""
-    present = vals[:, 1:]  # (batch, t - 1)
-    if not bool(((present == vals[:, :-1]) & torch.isfinite(present)).any()):
-        return vals[:, :take], rows[:, :take]
-    return best_by_score_then_id(vals, rows, ids, take)
-
-
-def settled(vals: Tensor, take: int, ceiling: Tensor) -> Tensor:
-    """Queries (batch,) whose ``take``-th best value is above the ceiling of everything left out.
-
-    Args:
-        vals: (batch, t) candidate values, any order, -inf where absent; t >= take.
-        take: the k of the search.
-        ceiling: (batch,) the most a left-out key can score (-inf: nothing was left out).
-    """
-    kth = torch.topk(vals, take, dim=1).values[:, -1]  # (batch,)
-    return (kth > ceiling) | torch.isneginf(ceiling)  # (batch,)

@@ -2,8 +2,10 @@
 
 This module owns :class:`SearchResult` (what every search returns: scores, ids, and the rows and path where a
 torch index scanned its source's keys), :class:`KeySource` (what an index may read keys from: the store),
-:func:`chunked_topk` (the one chunked top-k, memory O(batch x chunk)) and :func:`exact_search`, and the checks of
-what comes in at an index's torch boundary. It knows nothing of FAISS, SQLite, text or autograd.
+:func:`chunked_topk` (the one chunked top-k, memory O(batch x chunk)) and :func:`exact_search`, the id tie-break
+every exact path ends with (:func:`best_by_score_then_id`: equal scores ordered by id, so that every path returns the
+same ids; :func:`best_of_sorted`, :func:`settled`), and the checks of what comes in at an index's torch boundary.
+It knows nothing of FAISS, SQLite, text or autograd.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ __all__ = [
     "EXACT_FILTER_MAX",
     "SCAN_CHUNK_ELEMENTS",
     "chunked_topk",
+    "best_by_score_then_id",
+    "best_of_sorted",
+    "settled",
     "exact_search",
     "check_queries",
     "check_ids",
@@ -391,3 +396,45 @@ def merge_candidates(
         keys.gather(1, order.unsqueeze(-1).expand(-1, -1, keys.shape[-1])),
         values.gather(1, order.unsqueeze(-1).expand(-1, -1, values.shape[-1])),
     )
+
+
+# ---------------------------------------------------------------------- ties: equal scores ordered by id
+
+
+def best_by_score_then_id(vals: Tensor, rows: Tensor, ids: Tensor, take: int) -> tuple[Tensor, Tensor]:
+    """The ``take`` best of each query's candidates: larger value first, equal values by smaller id.
+
+    Args:
+        vals: (batch, t) maximised values, -inf where absent. rows: (batch, t) key rows, -1 where absent.
+        ids: (n,) the id of each key row, on the rows' device.
+        take: how many to keep, <= t.
+
+    Returns:
+        values (batch, take) and rows (batch, take), in that order.
+    """
+    cand_ids = ids[rows.clamp(min=0)].masked_fill(rows < 0, torch.iinfo(torch.long).max)  # (batch, t)
+    by_id = torch.sort(cand_ids, dim=1, stable=True).indices  # (batch, t)
+    by_score = torch.sort(vals.gather(1, by_id), dim=1, descending=True, stable=True).indices  # (batch, t)
+    order = by_id.gather(1, by_score)[:, :take]  # (batch, take)
+    return vals.gather(1, order), rows.gather(1, order)
+
+
+def best_of_sorted(vals: Tensor, rows: Tensor, ids: Tensor, take: int) -> tuple[Tensor, Tensor]:
+    """:func:`best_by_score_then_id` for candidates already sorted best first (a scan's top-k): where no two
+    present values are equal (the usual case) the first ``take`` are the answer as they are, without the sorts."""
+    present = vals[:, 1:]  # (batch, t - 1)
+    if not bool(((present == vals[:, :-1]) & torch.isfinite(present)).any()):
+        return vals[:, :take], rows[:, :take]
+    return best_by_score_then_id(vals, rows, ids, take)
+
+
+def settled(vals: Tensor, take: int, ceiling: Tensor) -> Tensor:
+    """Queries (batch,) whose ``take``-th best value is above the ceiling of everything left out.
+
+    Args:
+        vals: (batch, t) candidate values, any order, -inf where absent; t >= take.
+        take: the k of the search.
+        ceiling: (batch,) the most a left-out key can score (-inf: nothing was left out).
+    """
+    kth = torch.topk(vals, take, dim=1).values[:, -1]  # (batch,)
+    return (kth > ceiling) | torch.isneginf(ceiling)  # (batch,)

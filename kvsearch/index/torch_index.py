@@ -50,19 +50,22 @@ from kvsearch.checks import COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.index.exact_path import PathChooser
 from kvsearch.index.faiss_spec import check_search_param, tune_faiss
-from kvsearch.index.half_scan import best_by_score_then_id, best_of_sorted, half_candidates, half_error, settled
+from kvsearch.index.half_scan import half_candidates, half_error
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
     SCAN_CHUNK_ELEMENTS,
     KeySource,
     Metric,
     SearchResult,
+    best_by_score_then_id,
+    best_of_sorted,
     check_allowed,
     check_ids,
     check_index_args,
     check_pairs,
     check_queries,
     chunked_topk,
+    settled,
 )
 from kvsearch.storage.buffers import RowWindow
 
@@ -235,6 +238,11 @@ class TorchIndex:
     def persisted(self) -> bool:
         """Always False: a torch index is derived from its keys as fast as a file could be read."""
         return False
+
+    @property
+    def exact_scores(self) -> bool:
+        """Always True: every path returns float32 scores of the keys themselves (a half scan rescores its picks)."""
+        return True
 
     @property
     def search_params(self) -> dict[str, int]:
@@ -475,14 +483,19 @@ class TorchIndex:
     # ------------------------------------------------------------------ the scans
 
     def _path(self, batch: int, device: torch.device, d: DerivedKeys, filtered: bool) -> str:
-        """The path of this call: the spec's dtype, or for ``"Flat"`` the pick of
+        """The path of this call: the spec's dtype; for ``"Flat"`` float32 over keys other processes share (a half
+        copy would be this process's own 0.5x of them: there is nothing to choose), else the pick of
         :class:`~kvsearch.index.exact_path.PathChooser`."""
-        if self.dtype is None:
-            if getattr(self.source, "keys_shared", False):  # a half copy would be this process's own 0.5x of them
-                return "float32"
-            faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
-            return self.paths.choose(batch, len(d.ids), device, faiss_ok=faiss_ok)
-        return str(self.dtype).removeprefix("torch.")
+        if self.dtype is not None:
+            return str(self.dtype).removeprefix("torch.")
+        if not self._chooses():
+            return "float32"
+        faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
+        return self.paths.choose(batch, len(d.ids), device, faiss_ok=faiss_ok)
+
+    def _chooses(self) -> bool:
+        """Whether the path chooser picks this index's paths: a ``"Flat"`` index over keys of its own."""
+        return self.dtype is None and not getattr(self.source, "keys_shared", False)
 
     def _top(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor, str]:
         """The exact top ``take`` rows of every query, ties by id: values (batch, take) (maximised: ip, or
@@ -505,7 +518,7 @@ class TorchIndex:
             vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
             todo[at[ok]] = False
             width = min(n, 8 * width)
-        if self.dtype is None and keep is None:  # todo.any() above waited for the device: the time is the call's
+        if keep is None and self._chooses():  # todo.any() above waited for the device: the time is the call's
             self.paths.record(batch, n, chosen, time.perf_counter() - started)
         return vals, rows, chosen
 

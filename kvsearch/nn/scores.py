@@ -254,6 +254,15 @@ class ScoreKind:
         """Whether a database can use this score as its default (it decides the index metric)."""
         return self.metric is not None
 
+    def index_factor(self, dim: int) -> float | None:
+        """What turns an exact index's own score into this score: the score is ``factor * index score`` for an
+        inner-product index over the stored keys (unit keys for cosine); None where it is not a constant multiple
+        (a squared L2 distance, expanded as ``|q|^2 - 2 q.k + |k|^2`` by the index, is recomputed in torch: the
+        expansion loses the digits of near neighbours far from the origin)."""
+        if self.metric != "ip" or self.stream is None:
+            return None
+        return dim**-0.5 if self.stream.sqrt_dim else 1.0
+
 
 #: Every built-in score by name. A new built-in score is one entry here: the name lists below, ``compute_scores``,
 #: the index metric, streaming attention, the CLI's choices and LangChain's relevance all read it.

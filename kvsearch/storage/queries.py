@@ -158,3 +158,10 @@ def set_metadata(conn: sqlite3.Connection, ids: Sequence[int], metadata: Mapping
     rows = select_in(conn, "SELECT id, metadata FROM records WHERE id IN ({})", ids)
     merged = ((id_, {**decode(stored), **metadata}) for id_, stored in rows)
     conn.executemany("UPDATE records SET metadata = ? WHERE id = ?", ((encode(m), id_) for id_, m in merged))
+
+
+def values_present(conn: sqlite3.Connection, texts: Sequence[str]) -> list[bool]:
+    """Whether some record has each value text, in order."""
+    wanted = sorted(set(texts))
+    found = {r[0] for r in select_in(conn, "SELECT DISTINCT value FROM records WHERE value IN ({})", wanted)}
+    return [t in found for t in texts]

@@ -55,7 +55,7 @@ from kvsearch.errors import (
 from kvsearch.metadata.codec import decode as decode_metadata
 from kvsearch.metadata.codec import encode as encode_metadata
 from kvsearch.metadata.filters import where_sql
-from kvsearch.storage import catchup, changelog, fileio, migrate, queries, schema
+from kvsearch.storage import catchup, changelog, fileio, migrate, schema
 from kvsearch.storage.embeddings import point_at, slots_of
 from kvsearch.storage.key_texts import KeyTexts, read_key_texts
 from kvsearch.storage.locking import LOCK_FILE, WriteLock
@@ -218,7 +218,11 @@ class Store:
         """
         if self._identity is None:
             return
-        now = fileio.file_identity(self.path)
+        try:  # fileio.file_identity, inline: every read and write asks
+            st = os.stat(self.path)
+            now: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
         if now == self._identity:
             return
         what = "deleted" if now is None else "replaced by another file"
@@ -618,13 +622,18 @@ class Store:
     def metadata_texts(self, ids: Iterable[int]) -> dict[int, str]:
         """id -> the record's metadata as stored (JSON text), for the ids among ``ids`` that have metadata."""
         wanted = sorted({int(i) for i in ids if int(i) >= 0})
+        if not wanted:
+            return {}
+        conn = self._connection  # callers hold a snapshot, which reconnected a child of fork() already
         try:
-            return dict(select_in(self.conn, self._metadata_sql, wanted))
+            if len(wanted) <= 900:  # a search's hits: one statement, as select_in runs it
+                return dict(conn.execute(self._metadata_sql.format(",".join("?" * len(wanted))), wanted).fetchall())
+            return dict(select_in(conn, self._metadata_sql, wanted))
         except sqlite3.OperationalError as exc:  # refused when prepared: nothing was read, the snapshot holds
             if self._metadata_sql is METADATA_PLAIN_SQL or "no such index" not in str(exc):
                 raise
         self._metadata_sql = METADATA_PLAIN_SQL
-        return dict(select_in(self.conn, self._metadata_sql, wanted))
+        return dict(select_in(conn, self._metadata_sql, wanted))
 
     def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:
         """id -> the value as an answer shows it: its text, or its embedding (CPU tensor) when it has no text.
@@ -638,12 +647,6 @@ class Store:
         if need_emb:
             out.update(self.table.values_of(need_emb))
         return out
-
-    def values_present(self, texts: Sequence[str]) -> Tensor:
-        """Whether some record has each value text: (n,) bool on the CPU."""
-        wanted = sorted(set(texts))
-        found = {r[0] for r in select_in(self.conn, "SELECT DISTINCT value FROM records WHERE value IN ({})", wanted)}
-        return torch.tensor([t in found for t in texts], dtype=torch.bool)
 
     def ids_where(self, where: dict[str, Any]) -> Tensor:
         """The ids of the records whose metadata satisfies a filter (see :mod:`kvsearch.metadata.filters`).
@@ -660,14 +663,6 @@ class Store:
         sql, params = where_sql(where)  # every user value is a bound parameter
         rows = self.conn.execute(f"SELECT id FROM records WHERE {sql} ORDER BY id", params).fetchall()
         return torch.tensor([r[0] for r in rows], dtype=torch.long)  # (m,)
-
-    def update_metadata(self, where: Mapping[str, Any], metadata: Mapping[str, Any], *, merge: bool) -> list[int]:
-        """Set the metadata of the records a filter matches, in one transaction (see
-        :func:`kvsearch.storage.queries.set_metadata`): no vector, version or index changes. Their ids, sorted."""
-        with self.lock, self.transaction():
-            ids = queries.ids(self.conn, where)
-            queries.set_metadata(self.conn, ids, metadata, merge=merge)
-        return ids
 
     def close(self) -> None:
         """Close the SQLite connection (in a child of fork(), only the child's own connection) and the write lock,
