@@ -369,7 +369,7 @@ class Database:
             The draft; the run ends with its ``commit()`` or ``discard()`` (which puts the encoders back).
         """
         self._view.check_open()
-        return Draft(self._view, candidates=self.candidates, commit=self.commit_generation)
+        return Draft(self._view, candidates=self._reads.candidates)
 
     def rollback_encoders(self) -> int:
         """Return to the previous generation of encoders (once): keys re-encoded with them, values restored.

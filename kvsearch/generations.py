@@ -41,6 +41,7 @@ from kvsearch.checks import all_finite, check_finite
 from kvsearch.encoders.base import Encoder
 from kvsearch.encoders.encoder_set import EncoderSet
 from kvsearch.errors import InvalidArgumentError, NonFiniteError, NothingToRollBackError
+from kvsearch.inputs import generation_args
 from kvsearch.nn.attend import Candidates
 from kvsearch.retrieval import Retriever
 from kvsearch.storage import encoder_files
@@ -379,7 +380,7 @@ class FrozenRecords:
 
 class DraftView(Protocol):
     """What a :class:`Draft` uses of one process's view of its database (met by :class:`kvsearch.view.View`, which
-    ranks above this module): a draft is handed the view and two of the database's functions, not the facade."""
+    ranks above this module): a draft is handed the view and what searches it, not the facade."""
 
     store: Store
     encoders: EncoderSet
@@ -389,8 +390,14 @@ class DraftView(Protocol):
         """One store snapshot, the view brought up to date with it first (DatabaseClosedError once closed)."""
         ...
 
+    value_dim: int
+
     def record_run(self, summary: Mapping[str, Any]) -> None:
         """Record a run that committed nothing as the database's last run."""
+        ...
+
+    def switch(self, what: str, switch: Callable[..., dict[str, Any]], **options: Any) -> dict[str, Any]:
+        """Run a generation switch (:func:`commit`) under the write lock; the configuration it records."""
         ...
 
 
@@ -404,17 +411,15 @@ class Draft:
     discards.
 
     Args:
-        view: the database's view: its store, encoders and retriever, its reads and its record of a run.
-        candidates: the database's ``candidates(queries, k, *, targets, where)``: what the draft searches until
-            :meth:`refresh` made its working index.
-        commit: the database's ``commit_generation(*, values, summary)``: switches to the new generation and
-            returns it.
+        view: the database's view: its store, encoders and retriever, its reads, its generation switch and its
+            record of a run.
+        candidates: the database's read path ``candidates(queries, k, *, targets, where)`` (:meth:`kvsearch.reads.
+            Reads.candidates`): what the draft searches until :meth:`refresh` made its working index.
     """
 
-    def __init__(self, view: DraftView, *, candidates: Callable[..., Candidates], commit: Callable[..., int]) -> None:
+    def __init__(self, view: DraftView, *, candidates: Callable[..., Candidates]) -> None:
         self._view = view
         self._current = candidates
-        self._commit = commit
         self._snapshot = view.encoders.snapshot()
         self._retriever: Retriever | None = None
         #: ``"open"``, ``"committed"`` or ``"discarded"``.
@@ -465,7 +470,9 @@ class Draft:
         """
         self._check_open()
         try:
-            self.generation = self._commit(values=values, summary=summary)
+            values, summary, _ = generation_args(values, summary, None, self._view.value_dim)
+            options = {"force": None, "values": values, "summary": summary}
+            self.generation = int(self._view.switch("a new generation", commit, **options)["generation"])
         except BaseException:
             self.discard()
             raise
