@@ -1,7 +1,8 @@
 """kvsearch: a differentiable key-value search engine.
 
-A FAISS index picks the top-k candidate keys for a query; attention pooling in torch blends their values
-into an answer that gradients flow through: ``answer(q) = sum_i alpha(q, k_i) v_i``.
+A candidate index picks the top-k keys for a query (exact in torch by default, ``"Flat"``; FAISS for the other
+specs); attention pooling in torch blends their values into an answer that gradients flow through:
+``answer(q) = sum_i alpha(q, k_i) v_i``.
 """
 
 from __future__ import annotations

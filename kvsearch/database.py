@@ -54,9 +54,9 @@ class Database:
             keys and queries are given as embeddings.
         value_encoder: encodes value texts; by default the key encoder, when its dim fits ``value_dim``.
         dim, value_dim: key and value dimensions; needed only without an encoder (a value encoder) to tell them.
-        index: a FAISS ``index_factory`` string; default ``"Flat"`` (exact) for a new database. ``"torch"`` (or
-            ``"torch:float16"`` / ``"torch:bfloat16"``): exact search in torch over the store's own key tensor
-            (:class:`~kvsearch.TorchIndex`, never chosen automatically; benchmarks/RESULTS.md says where it is faster).
+        index: an index spec (:data:`~kvsearch.index.factory.INDEX_KINDS`): ``"Flat"``, the default, exact in torch over
+            the store's own key tensor (:class:`~kvsearch.TorchIndex`, its path picked per call); ``"torch"`` or
+            ``"torch:float16"`` / ``"torch:bfloat16"`` a fixed path; any other a FAISS ``index_factory`` string.
         score: the default score function, ``"cosine"`` for a new database; it decides the index metric
             (inner product for dot / scaled_dot / cosine, L2 for gaussian).
         device: the torch device of the embeddings and the pooling; CUDA when present, else CPU.
@@ -297,7 +297,7 @@ class Database:
         self._writes.clear()
 
     def set_search_params(self, **params: float) -> None:
-        """Set FAISS search parameters (``nprobe``, ``efSearch``...) and remember them with the database.
+        """Set the index's search parameters (FAISS: ``nprobe``, ``efSearch``...) and keep them with the database.
 
         Raises:
             UnknownOptionError: a parameter that does not apply to this index type.

@@ -18,13 +18,13 @@ stored key embeddings always equal the loaded key encoder applied to the stored 
 checks that on open, for databases written before generations existed.
 
 A fine-tuning run works in a :class:`Draft`: it trains the encoders in memory, searches a working index over
-keys re-encoded in memory (:meth:`Draft.refresh`), and ends with one :meth:`Draft.commit` (the database's
-:meth:`~kvsearch.Database.commit_generation`) or :meth:`Draft.discard` (nothing on disk changed; the encoders
+keys re-encoded in memory (:meth:`Draft.refresh`), and ends with one :meth:`Draft.commit` (the switch
+:meth:`~kvsearch.Database.commit_generation` runs too) or :meth:`Draft.discard` (nothing on disk changed; the encoders
 are put back).
 
 This module knows nothing of training loops, search internals or file formats (those are
 :mod:`kvsearch.storage.encoder_files`), nor of the facade: a draft is handed the database's view (what it uses of it:
-:class:`DraftView`) and the database's ``candidates`` and ``commit_generation``.
+:class:`DraftView`) and the read path's ``candidates``; its commit runs the switch through the view.
 """
 
 from __future__ import annotations

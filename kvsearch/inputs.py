@@ -2,7 +2,9 @@
 
 Every function raises a typed error that says what was expected and what came, before anything is encoded,
 searched or written. This module knows nothing of storage, search or autograd: the facade
-(:class:`~kvsearch.Database`) calls it first and hands the checked texts and tensors on.
+(:class:`~kvsearch.Database`) and its read and write paths (:class:`~kvsearch.reads.Reads`,
+:class:`~kvsearch.writes.Writes`, :class:`~kvsearch.selection.Selection`) call it first and hand the checked texts
+and tensors on. A query embedding's own check is :func:`kvsearch.checks.query_tensor` (one rule, shared below).
 
 Key texts and text queries are compared after Unicode NFC normalisation and stripping surrounding whitespace
 (:func:`normalize_key`, the one place that rule lives); values are stored as given.

@@ -1,12 +1,15 @@
 """The answers of one database, each read in one store snapshot: search hits, query answers, exact lookups.
 
 :class:`Reads` is what :class:`~kvsearch.Database` hands ``search``, ``query``, ``candidates``, ``lookup``, ``get``,
-``in`` and the reads by id (``ids``, ``key_texts``, ``embeddings``...) to. Each read checks what came, encodes text
+``in`` and the reads by id (``ids``, ``key_texts``, ``embeddings``...) to. Each read checks what came once, here (a
+query embedding by :func:`kvsearch.checks.query_tensor`; the retriever and the index below trust it), encodes text
 queries (with the encoders another process may have fine-tuned since: the view is brought up to date first), then,
 inside the read context (:meth:`View.reading <kvsearch.view.View.reading>`: one SQLite snapshot, the view up to
-date with it), asks the retriever for candidates and makes the answer: scores and ranks them
-(:meth:`Reads.search`), pools their values (:meth:`Reads.query`), or finds the one record with a key. Values are
-shown as answers show them (:meth:`Reads.answer_values`): their text, or their embedding when they have none.
+date with it), asks the retriever and makes the answer: hits of the ids and scores it ranked
+(:meth:`Reads.search`: :meth:`Retriever.ranked <kvsearch.retrieval.Retriever.ranked>`, the hits' values, key texts
+and metadata texts read in the same snapshot, the metadata decoded when a hit's is read), attention over the
+candidates it gathered (:meth:`Reads.query`), or the one record with a key. Values are shown as answers show them
+(:meth:`Reads.answer_values`): their text, or their embedding when they have none.
 
 It knows nothing of writes, generations, file formats or how the snapshot is taken: it is given the database's
 :class:`~kvsearch.view.View` (the store, the encoders, the retriever, the dim, the read context), its score and

@@ -1,8 +1,10 @@
 """What a search or a query returns: :class:`Hit`, :class:`Answer` and the lazily read keys and metadata of an answer.
 
 These are plain result objects: they hold tensors, ids and texts, and know nothing of how they were computed
-(the index, the store, attention) — :class:`~kvsearch.Database` builds them. Their reprs are short: shapes, not
-tensors.
+(the index, the store, attention) — the read path (:class:`~kvsearch.reads.Reads`) builds them with
+:func:`make_hits` and :func:`make_answer`. A hit's metadata is held as the stored JSON text it was read as and
+decoded (:mod:`kvsearch.metadata.codec`) when first read; an answer's keys and metadata are looked up when read.
+Their reprs are short: shapes, not tensors.
 """
 
 from __future__ import annotations

@@ -1,16 +1,19 @@
-"""The retrieval seam: query tensors in, :class:`~kvsearch.nn.attend.Candidates` out.
+"""The retrieval seam: query tensors in, ranked ids and scores or :class:`~kvsearch.nn.attend.Candidates` out.
 
     retriever = Retriever(store, dim=256, spec="Flat", score="cosine", folder=path)
     retriever.open()                                   # the saved index if it is this store version's, else rebuilt
     cand = retriever.candidates(queries, k=16)         # ids (b, k), keys (b, k, dim), values (b, k, value_dim), mask
 
-A :class:`Retriever` owns the candidate index of one store: it creates it from the spec and the score's metric,
-serves the saved one or rebuilds it, mirrors every committed write in it, and answers ``candidates``: the index
+A :class:`Retriever` owns the candidate index of one store: it creates it from the spec
+(:data:`~kvsearch.index.factory.INDEX_KINDS`) and the score's metric (:data:`~kvsearch.nn.scores.SCORE_KINDS`),
+serves the saved one or rebuilds it, follows every committed write in it, and answers ``candidates``: the index
 picks ids without gradient (filters applied by the index, which guarantees ``min(k, matches)``; the queries were
 checked at the facade, so the index is asked with ``checked=True``), and the keys and values are gathered from the
 store's vector table, on its device, for attention to score and pool: by the rows the search result carries where
-an exact torch index scanned the table's own keys, else by id. It also finds exact-key targets (``pooling="exact"``,
-forced training targets).
+an exact torch index scanned the table's own keys, else by id. For ``Database.search`` it ranks
+(:meth:`Retriever.ranked`): where the index's scores are the stored vectors' own and the score a constant multiple of
+them (``index_factor``), those scores are the answer and nothing is gathered; else the candidates are scored again in
+torch (:func:`rank_candidates`). It also finds exact-key targets (``pooling="exact"``, forced training targets).
 
 It is the one object a sharded retriever replaces: its interface is small and speaks torch tensors. It knows
 nothing of text, encoders, locking (the caller holds the store's locks) or training.
@@ -51,12 +54,13 @@ def metric_of(score: str) -> Literal["ip", "l2"]:
 
 
 class Retriever:
-    """The candidate index of a store, and candidates gathered by id for a batch of query tensors.
+    """The candidate index of a store: ranked ids for a batch of query tensors, and their candidates gathered.
 
     Args:
         store: the record store (the single source of truth; its in-memory ids and key / value tensors).
         dim: the key dimension.
-        spec: the index spec (a FAISS ``index_factory`` string or ``"torch[:dtype]"``).
+        spec: the index spec (:data:`~kvsearch.index.factory.INDEX_KINDS`: ``"Flat"``, ``"torch[:dtype]"`` or a FAISS
+            ``index_factory`` string).
         score: the database's score (one of :data:`~kvsearch.nn.scores.DB_SCORES`): it decides the metric, and
             cosine normalises.
         params: search parameters (``nprobe``, ``efSearch``...).
@@ -191,7 +195,7 @@ class Retriever:
         """The candidates for a batch of query embeddings, gathered by id from the store.
 
         The queries come checked (a dense floating-point tensor of finite numbers: the facade's
-        :func:`~kvsearch.inputs.query_tensor` / :func:`~kvsearch.inputs.query_batch`, the fine-tuning loop's finite
+        :func:`~kvsearch.checks.query_tensor` / :func:`~kvsearch.inputs.query_batch`, the fine-tuning loop's finite
         check); ``k`` and the shape are checked here, and the index searches with ``checked=True``: nothing is
         checked again below.
 

@@ -11,8 +11,8 @@
 the encoders and the retriever, whether it is closed and how deep ``atomic()`` blocks are open. It takes the locks
 (a write: the store lock and the folder's write lock; a read: the store lock and one snapshot), brings this view up
 to date with what other processes committed (:meth:`View.sync`), runs the transaction of ``atomic()`` and puts the
-mirror and the index back after a failed one, switches generations under the write lock (:meth:`View.switch`),
-records search parameters in the configuration, saves what changed and closes.
+store's in-memory table and the index back after a failed one, switches generations under the write lock
+(:meth:`View.switch`), records search parameters in the configuration, saves what changed and closes.
 
 Opening, in four steps (the facade first checks the kinds of its options: :func:`check_options`):
 
@@ -202,11 +202,11 @@ class View:
         """Reload what another process changed since this view was loaded (callers hold the store lock).
 
         ``PRAGMA data_version`` says whether another connection committed at all (no table read); only then is
-        the store version read. When it moved, the mirror catches up on the rows the change log names and the
-        index removes / adds just those ids (:meth:`Store.catch_up`); when the log does not reach back or holds a
-        change of every row (a new generation: the encoders are reloaded too, their weights loaded into this
-        process's encoder objects), the mirror is reloaded whole and the retriever serves the saved index of that
-        version or rebuilds it.
+        the store version read. When it moved, the store's table catches up on the rows the change log names
+        (:meth:`Store.catch_up <kvsearch.storage.store.Store.catch_up>`) and the index removes / adds just those ids;
+        when the log does not reach back or holds a change of every row (a new generation: the encoders are reloaded
+        too, their weights loaded into this process's encoder objects), the table is reloaded whole and the retriever
+        serves the saved index of that version or rebuilds it.
         """
         if self.path is None:
             return
@@ -236,7 +236,7 @@ class View:
     @contextmanager
     def atomic(self) -> Iterator[None]:
         """``Database.atomic``: the writes inside are one transaction under the write lock; on an exception (or a
-        refused commit) the mirror and the index are reloaded from what is committed."""
+        refused commit) the store's table and the index are reloaded from what is committed."""
         with self.writing():
             try:
                 with self.store.transaction():
@@ -246,7 +246,7 @@ class View:
                     finally:
                         self.depth -= 1
             except BaseException:
-                self.store.load(self.dim, self.value_dim)  # back to what is committed: the mirror and the index
+                self.store.load(self.dim, self.value_dim)  # back to what is committed: the table and the index
                 self.retriever.open()
                 raise
 

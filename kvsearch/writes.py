@@ -1,11 +1,12 @@
 """The write path of one database: checked input, then one store transaction, then the index follows the commit.
 
-:class:`Writes` is what :class:`~kvsearch.Database` hands ``add``, ``upsert``, ``delete`` and ``clear`` to. Each
-write checks what came (texts or embeddings, one value per key, metadata, the memory the grown mirror needs) before
-taking the lock; under the write lock (:meth:`View.writing <kvsearch.view.View.writing>`: the view brought up to date
-first) it resolves the keys already stored — for keys given as embeddings, the stored key embedding equal to each
-(:meth:`Writes.equal_keys`) — encodes what has no embedding, writes the records in ONE store transaction, and then
-removes / adds just those ids in the candidate index.
+:class:`Writes` is what :class:`~kvsearch.Database` hands ``add``, ``upsert``, ``delete`` and ``clear`` to (and
+:class:`~kvsearch.selection.Selection` its deletes and metadata updates by filter). Each write checks what came
+(texts or embeddings, one value per key, metadata, the memory the grown table needs) before taking the lock; under
+the write lock (:meth:`View.writing <kvsearch.view.View.writing>`: the view brought up to date first) it resolves the
+keys already stored — for keys given as embeddings, the stored key embedding equal to each
+(:meth:`Writes.equal_keys`) — encodes what has no embedding, writes the records in ONE store transaction (after
+its commit the store's in-memory table follows), and then removes / adds just those ids in the candidate index.
 
 A database in memory may have a *capacity* (:func:`check_capacity`): it keeps its newest ``capacity`` records, as a
 memorizing transformer's kNN memory keeps its ``max_memories``. A write that would hold more deletes the oldest
@@ -166,7 +167,7 @@ class Writes:
         excess = len(self.store.table) - self.capacity
         if excess <= 0:
             return []
-        oldest = self.store.table.ids[:excess].tolist()  # the mirror is sorted by id
+        oldest = self.store.table.ids[:excess].tolist()  # the table is sorted by id
         self.store.delete(oldest)
         return oldest
 
@@ -181,7 +182,7 @@ class Writes:
             self.retriever.rebuild()
 
     def check_memory(self, n: int) -> None:
-        """Refuse (MemoryLimitError) a write of ``n`` records whose grown mirror (copied once when its buffer is
+        """Refuse (MemoryLimitError) a write of ``n`` records whose grown table (copied once when its buffer is
         full) and index additions cannot fit."""
         held = len(self.store.table)
         need = (held + 2 * n) * (self.dim + self.value_dim) * 4 + index_bytes(self.index_spec, n, self.dim)

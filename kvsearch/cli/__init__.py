@@ -5,8 +5,9 @@ It owns the program (``program``: parse, run, one-line errors and exit statuses)
 (``ingest``: :func:`~kvsearch.cli.ingest.ingest_file`, :func:`~kvsearch.cli.ingest.upsert_file`) and the
 quickstart (``demo``).
 
-It drives the facades (:class:`~kvsearch.database.Database`, :class:`~kvsearch.distributed.ShardedDatabase`) and
-knows nothing of how they store or search; nothing in the package imports it.
+It opens the facades (:class:`~kvsearch.database.Database`, :class:`~kvsearch.distributed.ShardedDatabase`) and
+drives them through :class:`~kvsearch.contract.DatabaseProtocol`; it knows nothing of how they store or search, and
+nothing in the package imports it.
 """
 
 from __future__ import annotations

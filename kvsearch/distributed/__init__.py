@@ -5,8 +5,9 @@ helpers hold instead of the facade (``local``: its shards, the layout, the colle
 torch score (``search``), its writes routed to their owner shard (``writes``), its reads by id or exact key
 (``reads``), its selections by filter (``selection``: ``where()`` collectively), the layout on disk (``layout``:
 ``shards.json``, shard folders, global ids, the stable key hash, which rank serves which shard), the collectives on
-the database's own gloo group (``collectives``) and the sharded generations (``generations``: the switch of every
-shard together, a fine-tuning run's draft on every shard, the ranks as a training loop's team).
+the database's own gloo group (``collectives``), the sharded generations (``generations``: the switch of every
+shard together, a fine-tuning run's draft on every shard, the ranks as a training loop's team), opening a sharded
+root (``opening``), threads per rank (``threads``) and resharding (``reshard``: a database copied into N shards).
 
 It uses each shard's public :class:`~kvsearch.database.Database` methods and knows nothing of a shard's internals.
 """

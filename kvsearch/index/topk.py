@@ -88,7 +88,7 @@ class SearchResult:
 
 
 class KeySource(Protocol):
-    """What an index may read its keys from: the store (:class:`kvsearch.storage.store.Store` offers all of it).
+    """What an index may read its keys from: a store's table (:class:`kvsearch.storage.table.VectorTable`).
 
     Attributes:
         ids: (n,) int64 ids on the CPU, sorted.

@@ -6,8 +6,8 @@ index: its path picked per call) or ``"torch"``, ``"torch:float16"``, ``"torch:b
 other spec makes a FAISS index (:mod:`kvsearch.index.faiss_index`). It knows nothing of SQLite, text or autograd (no
 search takes a gradient). It is exact, like FAISS's ``Flat``, but:
 
-- bound to a *source* (the :class:`~kvsearch.storage.store.Store`), it searches the store's own key tensor: no second
-  copy of the keys, no CPU round trip on a GPU (results are made on the keys' device and moved to the queries'
+- bound to a *source* (the store's :class:`~kvsearch.storage.table.VectorTable`), it searches that key tensor: no
+  second copy of the keys, no CPU round trip on a GPU (results are made on the keys' device and moved to the queries'
   device only if it differs). It keeps only one (n,) vector beside it: the inverse key norms for cosine, the
   squared key norms for L2. ``build`` / ``add`` / ``remove`` / ``rebuild`` only mark that vector stale;
 - with ``dtype="bfloat16"`` or ``"float16"`` it also keeps a half-size copy of the keys and scans that (half the

@@ -1,9 +1,9 @@
 """The nn wing: pure torch attention over candidates, as functions and modules.
 
 It owns the score functions (``scores``: the one registry of built-in scores, ``SCORE_KINDS`` — dot, scaled dot,
-cosine, gaussian, each with its index metric, streaming form and relevance — the learned additive score and Gaussian
-kernel, and ``DB_SCORES``, those a database can search by), pooling (``pooling``: softmax, normalize, nonnegative,
-hard, exact, average, with masks), :func:`~kvsearch.nn.attend.attend` and
+cosine, gaussian and the learned additive, each with what it has of an index metric, streaming form and relevance
+— the learned score modules, and ``DB_SCORES``, those a database can search by), pooling (``pooling``:
+softmax, normalize, nonnegative, hard, exact, average, with masks), :func:`~kvsearch.nn.attend.attend` and
 :class:`~kvsearch.nn.attend.Candidates` (``attend``), the :class:`~kvsearch.nn.kv_attention.KVAttention` layer
 (``kv_attention``) and dense streaming attention over every record (``streaming``).
 

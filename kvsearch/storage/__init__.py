@@ -8,8 +8,8 @@ tables, summary triggers and connections (``schema``), the embeddings on disk in
 (``vector_file``) or in SQLite chunks in memory (``chunks``), behind one interface picked at open (``embeddings``),
 the change log (``changelog``), row buffers with room to grow (``buffers``), files written
 whole or not at all (``fileio``), the write lock (``locking``), the database folder with its index manifest
-(``folder``), the encoders' files and generation folders (``encoder_files``) and the stored configuration
-(``config``).
+(``folder``), the encoders' files and generation folders (``encoder_files``), records carried into a new folder
+under their ids by a reshard (``carry``) and the stored configuration (``config``).
 
 It knows nothing of candidate indexes, attention, autograd, training or torch.distributed: it stores and hands
 back tensors and texts by id.

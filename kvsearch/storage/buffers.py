@@ -26,7 +26,7 @@ __all__ = ["RESERVE_FROM_BYTES", "MIN_ROOM", "row_buffer", "RowWindow"]
 
 #: Buffers of at least this many bytes on the CPU are reserved, not allocated (see the module docstring). A
 #: reservation costs address space only (as much as the machine's memory), so all but small stores take one: a
-#: reader catching up on a writer's appends then never copies its mirror to grow (50k x 384: ~2 ms a catch-up).
+#: reader catching up on a writer's appends then never copies its table to grow (50k x 384: ~2 ms a catch-up).
 RESERVE_FROM_BYTES = 16 << 20
 #: The fewest spare rows a new buffer gets (and the fewest dropped rows a window copies its live rows for).
 MIN_ROOM = 64

@@ -36,7 +36,7 @@ _CARRIED_META = ("config", "last_run")
 
 def start(folder: Path, source: Store, source_folder: Path) -> Store:
     """A new store in the empty folder ``folder`` with ``source``'s configuration, current generation of encoders and
-    last run; its mirror loaded (no records), ready for :func:`carry`.
+    last run; its table loaded (no records), ready for :func:`carry`.
 
     Args:
         folder: the new database folder (created; it must hold nothing).
@@ -89,7 +89,7 @@ def carry(target: Store, parts: Sequence[tuple[Store, Sequence[int]]]) -> None:
 
     Args:
         target: the store written.
-        parts: (source store, ids stored in it) pairs; the sources' mirrors loaded and up to date; no id stored in
+        parts: (source store, ids stored in it) pairs; the sources' tables loaded and up to date; no id stored in
             ``target`` yet.
 
     Raises:

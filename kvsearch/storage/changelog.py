@@ -50,7 +50,7 @@ class Changes:
 
     Attributes:
         upserted: sorted ids whose rows must be read again (added or replaced since, and still stored).
-        deleted: sorted ids removed since (each may or may not be in the reader's mirror).
+        deleted: sorted ids removed since (each may or may not be in the reader's table).
     """
 
     upserted: list[int]
@@ -96,7 +96,7 @@ def read(conn: sqlite3.Connection, since: int, until: int) -> Changes | None:
 
     Args:
         conn: the connection, inside the read transaction that read ``until``.
-        since: the version the reader's mirror reflects.
+        since: the version the reader's table reflects.
         until: the store's version now (> since).
 
     Returns:
