@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from kvsearch.reads import MISSING
 
 if TYPE_CHECKING:
+    import torch
     from torch import Tensor
 
     from kvsearch.encoders.base import Encoder
@@ -69,6 +70,12 @@ class DatabaseProtocol(Protocol):
     ``begin_generation`` (a draft a fine-tuning run works in), ``refresh``, ``generation``. What a trainer reads by
     id: ``embeddings``, ``ids_of_keys``, ``key_texts``, ``value_texts``, ``values_present``, ``exact_targets``.
     """
+
+    #: The key and value dimensions, the database's score and the device its tensors (and answers) live on.
+    dim: int
+    value_dim: int
+    score: str
+    device: torch.device
 
     # ---------------------------------------------------------------- the encoders and the generation
     @property

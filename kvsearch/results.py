@@ -65,8 +65,7 @@ class Hit:
         id: the record's global id.
         key: the key text (None for a key given as an embedding).
         value: the value text, or the value embedding (CPU tensor) for a value given as an embedding.
-        score: the database's score of the stored key for the query: the index's own score where the index holds
-            the stored vectors themselves (the same number up to float rounding), else recomputed in torch.
+        score: the score function of the database, recomputed in torch on the stored key.
         metadata: the record's metadata dict ({} when it has none), read in the same snapshot as the search
             (decoded from its stored form when first read).
     """

@@ -11,9 +11,9 @@ picks ids without gradient (filters applied by the index, which guarantees ``min
 checked at the facade, so the index is asked with ``checked=True``), and the keys and values are gathered from the
 store's vector table, on its device, for attention to score and pool: by the rows the search result carries where
 an exact torch index scanned the table's own keys, else by id. For ``Database.search`` it ranks
-(:meth:`Retriever.ranked`): where the index's scores are the stored vectors' own and the score a constant multiple of
-them (``index_factor``), those scores are the answer and nothing is gathered; else the candidates are scored again in
-torch (:func:`rank_candidates`). It also finds exact-key targets (``pooling="exact"``, forced training targets).
+(:meth:`Retriever.ranked`): the candidates' scores recomputed in torch with the score's own function
+(:func:`rank_candidates`), so a query scores the same alone and in a batch. It also finds exact-key targets
+(``pooling="exact"``, forced training targets).
 
 It is the one object a sharded retriever replaces: its interface is small and speaks torch tensors. It knows
 nothing of text, encoders, locking (the caller holds the store's locks) or training.
@@ -36,7 +36,7 @@ from kvsearch.index.base import CandidateIndex
 from kvsearch.index.factory import load_index, make_index
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.precision import autocast_off
-from kvsearch.nn.scores import SCORE_KINDS, check_db_score, compute_scores
+from kvsearch.nn.scores import SCORE_KINDS, check_db_score
 from kvsearch.storage import folder as folders
 from kvsearch.storage.store import Store
 
@@ -85,8 +85,6 @@ class Retriever:
         self.spec = spec
         self.score = check_db_score(score)
         self.metric = metric_of(score)
-        #: The database score as a multiple of an exact index's own score, or None: recomputed in torch.
-        self.index_factor = SCORE_KINDS[self.score].index_factor(dim)
         self.folder = folder
         self.params: dict[str, float] = dict(params or {})
         self.index: CandidateIndex = self._new_index()
@@ -255,35 +253,16 @@ class Retriever:
         return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
 
     def ranked(self, queries: Tensor, k: int, *, where: Mapping[str, Any] | None = None) -> tuple[Tensor, Tensor]:
-        """``Database.search``'s ranking (not differentiable): the best ``k`` ids of each query and their scores.
-
-        Where the index is exact for the database's score (it holds the stored vectors themselves and the score is a
-        constant multiple of its inner product: ``dot``, ``scaled_dot``, ``cosine``), its own scores and order are
-        the answer, up to float rounding: nothing is gathered. Otherwise (a lossy code, ``gaussian``) the
-        candidates are gathered and scored again in torch (:func:`rank_candidates`). The queries come checked, as
-        for :meth:`candidates`; ``k`` too.
-
-        Args:
-            queries: (batch, dim) finite floats.
-            k: results per query, an int in [1, MAX_K].
-            where: a metadata filter.
+        """``Database.search``'s ranking (not differentiable): the best ``k`` ids of each query and their scores,
+        recomputed in torch on the candidates' stored keys (:func:`rank_candidates`), so that a query scores the
+        same alone and in a batch, on one shard and on many. The queries and ``k`` come checked, as for
+        :meth:`candidates`.
 
         Returns:
             ids (batch, t) int64 and scores (batch, t) float32, both on the CPU, best first, t = min(k, records):
             -1 and -inf where a query has fewer.
         """
-        factor = self.index_factor if self.index.exact_scores else None
-        if factor is None:
-            return rank_candidates(queries, self.candidates(queries, k, where=where), self.score)
-        store = self.store
-        allowed = None if where is None else store.ids_where(where)  # (m,) sorted ids
-        take = max(1, min(k, len(store.table) if allowed is None else len(allowed)))
-        with _autocast_off(queries.device, store.device):  # the index scores in its own dtype, never autocast's
-            found = self.index.search(queries.detach(), take, allowed=allowed, checked=True)  # checked at the door
-        ids, scores = found.ids.cpu(), found.scores.cpu()  # (b, take) each
-        if factor != 1.0:
-            scores = scores * factor  # (b, take)
-        return ids, scores.masked_fill(ids < 0, -math.inf)
+        return rank_candidates(queries, self.candidates(queries, k, where=where), self.score)
 
     def key_matches(self, queries: Tensor) -> tuple[Tensor, Tensor]:
         """For each query embedding, the stored ids whose key embedding equals it (bit for bit, -0.0 == 0.0).
@@ -367,16 +346,22 @@ def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[Tens
     """The candidates of each query ranked by the database's score recomputed in torch on their stored keys.
 
     One sort gives the order and the sorted scores (a stable sort: ties keep the index's order); missing candidates
-    (mask False, id -1) score -inf and come last.
+    (mask False, id -1) score -inf and come last. The inputs come checked (the queries at the facade, the keys as
+    stored), so the score's function is called directly (:data:`~kvsearch.nn.scores.SCORE_KINDS`), with the dtypes
+    promoted as :func:`~kvsearch.nn.scores.compute_scores` promotes them.
 
     Args:
         queries: (batch, dim). cand: candidates (batch, t) of these queries, on the store's device.
-        score: the database's score.
+        score: the database's score (a name of :data:`~kvsearch.nn.scores.DB_SCORES`).
 
     Returns:
         ids (batch, t) and scores (batch, t) on the CPU, best first.
     """
     keys = cand.keys  # (b, t, dim)
-    scores = compute_scores(queries.to(keys.device).unsqueeze(1), keys, score).squeeze(1)  # (b, t)
+    queries = queries.to(keys.device).unsqueeze(1)  # (b, 1, dim)
+    if queries.dtype != keys.dtype:
+        dtype = torch.promote_types(queries.dtype, keys.dtype)
+        queries, keys = queries.to(dtype), keys.to(dtype)
+    scores = SCORE_KINDS[score].fn(queries, keys).squeeze(1)  # (b, t)
     scores, order = torch.sort(torch.where(cand.mask, scores, -math.inf), dim=-1, descending=True, stable=True)
     return cand.ids.gather(1, order).cpu(), scores.cpu()  # (b, t) each

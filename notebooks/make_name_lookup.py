@@ -211,7 +211,7 @@ fig = heatmap(weights.reshape(2, 2, len(QUERIES), len(keys)), queries=QUERIES, k
     ),
     (
         "code",
-        """values = db.store.values  # (6, 256): the value embeddings, in the same order as `keys`
+        """values = db.store.table.values  # (6, 256): the value embeddings, in the same order as `keys`
 for name, a in answers.items():
     sums = ", ".join(f"{s:.2f}" for s in a.weights.sum(-1).tolist())
     blended = torch.allclose(a.output, a.weights @ values, atol=1e-6)

@@ -99,7 +99,8 @@ def test_the_four_special_cases_render_to_png(tmp_path, names_db):
     # references by hand: one-hot on the equal key; softmax, relu and mean over cosine scores
     onehot = torch.tensor([[float(q == k) for k in keys] for q in QUERIES])  # (4, 6)
     q = names_db.encoder.encode(QUERIES)  # (4, dim)
-    cosine = torch.nn.functional.normalize(q, dim=-1) @ torch.nn.functional.normalize(names_db.store.table.keys, dim=-1).T
+    unit_keys = torch.nn.functional.normalize(names_db.store.table.keys, dim=-1)  # (6, dim)
+    cosine = torch.nn.functional.normalize(q, dim=-1) @ unit_keys.T
     torch.testing.assert_close(weights[0, 0], onehot)
     torch.testing.assert_close(weights[0, 1], torch.softmax(cosine / 0.1, dim=-1))
     torch.testing.assert_close(weights[1, 0], cosine.relu())

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from kvsearch import Database
 from kvsearch.errors import CorruptDatabaseError, DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.index.factory import parse_torch_spec
 from kvsearch.index.faiss_index import Index
 from kvsearch.index.topk import SearchResult
-from kvsearch.index.torch_index import TorchIndex, parse_torch_spec
+from kvsearch.index.torch_index import TorchIndex
 
 
 def assert_same_as_flat(ours: SearchResult, flat: SearchResult, atol=1e-4):

@@ -81,13 +81,6 @@ class CandidateIndex(Protocol):
         """The search parameters in effect: the defaults for this type, overridden by those set."""
         ...
 
-    @property
-    def exact_scores(self) -> bool:
-        """True when the scores a search returns are those of the stored vectors themselves (up to float rounding):
-        the index holds them uncompressed (every torch path rescores in float32; FAISS Flat, HNSW-Flat, IVF-Flat).
-        False for a lossy code (SQ, PQ, a PCA / OPQ transform): its scores only rank, a reader recomputes them."""
-        ...
-
     def search(self, queries: Tensor, k: int, *, allowed: Tensor | None = None, checked: bool = False) -> SearchResult:
         """The ``k`` best ids for each query, best first.
 

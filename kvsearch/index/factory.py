@@ -23,16 +23,48 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvsearch.errors import InvalidArgumentError
+import torch
+
+from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.index.base import CandidateIndex
 from kvsearch.index.faiss_index import Index
 from kvsearch.index.topk import KeySource, Metric
-from kvsearch.index.torch_index import TORCH_DTYPES, TorchIndex, parse_torch_spec
+from kvsearch.index.torch_index import TORCH_DTYPES, TorchIndex
 
-__all__ = ["DEFAULT_INDEX", "INDEX_KINDS", "IndexKind", "index_kind", "describe_specs", "make_index", "load_index"]
+__all__ = [
+    "parse_torch_spec",
+    "DEFAULT_INDEX",
+    "INDEX_KINDS",
+    "IndexKind",
+    "index_kind",
+    "describe_specs",
+    "make_index",
+    "load_index",
+]
 
 #: The spec of a new database's index when none is given (the stored configuration records it).
 DEFAULT_INDEX = "Flat"
+
+
+def parse_torch_spec(spec: str) -> torch.dtype | None:
+    """The key dtype of a ``"torch"`` index spec, or None when ``spec`` is not one.
+
+    ``"torch"`` searches the float32 keys; ``"torch:bfloat16"`` and ``"torch:float16"`` scan a half-precision
+    copy and rescore exactly (see the module docstring).
+
+    Raises:
+        UnknownOptionError: ``spec`` starts with ``"torch"`` but names no known dtype.
+    """
+    if not isinstance(spec, str) or not spec.startswith("torch"):
+        return None
+    if spec == "torch":
+        return torch.float32
+    name = spec[len("torch:") :] if spec.startswith("torch:") else None
+    if name not in TORCH_DTYPES:
+        raise UnknownOptionError(
+            f"expected a torch index spec 'torch', 'torch:float16' or 'torch:bfloat16', got {spec!r}"
+        )
+    return TORCH_DTYPES[name]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ file holds the graph without the vectors.
 from __future__ import annotations
 
 import os
-import re
 
 import faiss
 import numpy as np
@@ -73,9 +72,6 @@ __all__ = ["Index"]
 #: Seed of the training sample (``train_size``): the same vectors give the same index.
 _TRAIN_SEED = 1234
 
-
-#: The parts of a spec that keep the vectors as they are (the others encode or transform them).
-_UNCOMPRESSED = re.compile(r"Flat|IDMap2?|HNSW\d+(_Flat)?|IVF\d+(_HNSW\d+)?")
 
 #: Flat-coded types whose search takes an ``IDSelector`` (PQ, RQ, LSH codes refuse one).
 _SELECTOR_FLAT = (faiss.IndexFlat, faiss.IndexScalarQuantizer)
@@ -164,13 +160,6 @@ class Index:
     def persisted(self) -> bool:
         """True unless the spec is a plain ``"Flat"``: trained and graph types are worth a :meth:`save`."""
         return not isinstance(self._template, faiss.IndexFlat)
-
-    @property
-    def exact_scores(self) -> bool:
-        """True for types that hold the vectors uncompressed (``Flat``, ``HNSW<M>``, ``IVF<n>,Flat``, and any type
-        while an exact flat index serves it untrained): their scores are the stored vectors' own. False for codes
-        (SQ, PQ, RQ...) and transforms (PCA, OPQ)."""
-        return self._fallback or all(_UNCOMPRESSED.fullmatch(part.strip()) for part in self.spec.split(","))
 
     @property
     def train_size(self) -> int | None:
@@ -494,6 +483,8 @@ class Index:
     def _search_parameters(self, k: int) -> faiss.SearchParameters | None:
         """Parameters of an unfiltered search: a selector that skips a graph's tombstones, if it has any."""
         if self._removable_now or not self._tombstones:
+            if self._fallback or self.ntotal >= self.min_train:  # no IVF to probe whole: FAISS's own settings
+                return None
             return self._parameters(k, None, self.ntotal)
         dead = np.flatnonzero(self._dead).astype(np.int64)
         selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(dead))

@@ -1,7 +1,7 @@
 """Exact candidate search in torch: chunked matmul + top-k merge over the store's key tensor, on its device.
 
-This module owns :class:`TorchIndex`, an implementation of :class:`kvsearch.index.base.CandidateIndex`, and
-:func:`parse_torch_spec`. :func:`kvsearch.index.factory.make_index` makes one from the spec ``"Flat"`` (the default
+This module owns :class:`TorchIndex`, an implementation of :class:`kvsearch.index.base.CandidateIndex`.
+:func:`kvsearch.index.factory.make_index` makes one from the spec ``"Flat"`` (the default
 index: its path picked per call) or ``"torch"``, ``"torch:float16"``, ``"torch:bfloat16"`` (a fixed path); every
 other spec makes a FAISS index (:mod:`kvsearch.index.faiss_index`). It knows nothing of SQLite, text or autograd (no
 search takes a gradient). It is exact, like FAISS's ``Flat``, but:
@@ -69,7 +69,7 @@ from kvsearch.index.topk import (
 )
 from kvsearch.storage.buffers import RowWindow
 
-__all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES", "parse_torch_spec"]
+__all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES"]
 
 #: Key storage dtypes a TorchIndex accepts, by name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -94,27 +94,6 @@ def _nothing(batch: int, k: int, device: torch.device, *, path: str = "") -> Sea
         torch.full((batch, k), -1, dtype=torch.long, device=device),
         path=path,
     )
-
-
-def parse_torch_spec(spec: str) -> torch.dtype | None:
-    """The key dtype of a ``"torch"`` index spec, or None when ``spec`` is not one.
-
-    ``"torch"`` searches the float32 keys; ``"torch:bfloat16"`` and ``"torch:float16"`` scan a half-precision
-    copy and rescore exactly (see the module docstring).
-
-    Raises:
-        UnknownOptionError: ``spec`` starts with ``"torch"`` but names no known dtype.
-    """
-    if not isinstance(spec, str) or not spec.startswith("torch"):
-        return None
-    if spec == "torch":
-        return torch.float32
-    name = spec[len("torch:") :] if spec.startswith("torch:") else None
-    if name not in TORCH_DTYPES:
-        raise UnknownOptionError(
-            f"expected a torch index spec 'torch', 'torch:float16' or 'torch:bfloat16', got {spec!r}"
-        )
-    return TORCH_DTYPES[name]
 
 
 @dataclass
@@ -238,11 +217,6 @@ class TorchIndex:
     def persisted(self) -> bool:
         """Always False: a torch index is derived from its keys as fast as a file could be read."""
         return False
-
-    @property
-    def exact_scores(self) -> bool:
-        """Always True: every path returns float32 scores of the keys themselves (a half scan rescores its picks)."""
-        return True
 
     @property
     def search_params(self) -> dict[str, int]:
@@ -507,6 +481,8 @@ class TorchIndex:
         if path in ("bfloat16", "float16"):
             vals, rows, todo = self._top_half(q, d, take, keep, TORCH_DTYPES[path])
             path = "float32"
+        elif path == "float32" and keep is None and (direct := self._direct_top(q, d, take)) is not None:
+            (vals, rows), todo = direct, None  # (batch, take) each
         else:  # the whole batch at once first (no indexing): it almost always settles
             vals, rows, ok = self._scan_top(q, d, min(n, take + _TIE_EXTRA), keep, path, take)  # (batch, take) each
             todo = None if ok is None else ~ok  # (batch,)
@@ -521,6 +497,24 @@ class TorchIndex:
         if keep is None and self._chooses():  # todo.any() above waited for the device: the time is the call's
             self.paths.record(batch, n, chosen, time.perf_counter() - started)
         return vals, rows, chosen
+
+    def _direct_top(self, q: Tensor, d: DerivedKeys, take: int) -> tuple[Tensor, Tensor] | None:
+        """An unfiltered float32 scan that fits one chunk, as bare torch runs it: one product and one top-k of
+        ``take + 1`` (the same values as :func:`~kvsearch.index.topk.chunked_topk`'s single chunk); values and rows
+        (batch, take), or None where equal values among them need the id tie-break (:meth:`_scan_top` orders them).
+        """
+        n = len(d.ids)
+        if q.shape[0] * n > self.chunk_elements or d.keys.dtype != torch.float32:
+            return None
+        scores = q @ d.keys.T  # (batch, n)
+        if self.metric == "l2":
+            scores = scores.mul_(2).sub_(d.keys.pow(2).sum(-1) if d.norm_term is None else d.norm_term)  # (batch, n)
+        elif d.norm_term is not None:
+            scores = scores.mul_(d.norm_term)  # (batch, n)
+        vals, rows = torch.topk(scores, min(n, take + 1), dim=1)  # (batch, take + 1) each, best first
+        if bool(((vals[:, 1:] == vals[:, :-1]) | torch.isneginf(vals[:, 1:])).any()):
+            return None
+        return vals[:, :take], rows[:, :take]
 
     def _scan_top(
         self, q: Tensor, d: DerivedKeys, width: int, keep: Tensor | None, path: str, take: int

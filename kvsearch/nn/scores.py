@@ -33,7 +33,6 @@ from torch import Tensor, nn
 
 from kvsearch.checks import COSINE_EPS, all_finite, check_dense, check_dim
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
-from kvsearch.nn.precision import eager_checks
 
 __all__ = [
     "ScoreName",
@@ -137,7 +136,8 @@ def _unit_rows(x: Tensor) -> Tensor:
     ``torch.compile`` such a row is not looked for, and scores 0).
     """
     norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
-    if eager_checks() and not all_finite(norms):
+    # nn.precision.eager_checks and checks.all_finite's first test inline (a query's scores run this twice)
+    if not torch.compiler.is_compiling() and not math.isfinite(norms.sum().item()) and not all_finite(norms):
         peak = x.detach().abs().amax(-1, keepdim=True)  # (..., 1)
         x = x / torch.where(peak > 1, peak, 1)  # (..., dim) huge rows brought to [-1, 1]; small rows as they are
         norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
@@ -253,15 +253,6 @@ class ScoreKind:
     def db_default(self) -> bool:
         """Whether a database can use this score as its default (it decides the index metric)."""
         return self.metric is not None
-
-    def index_factor(self, dim: int) -> float | None:
-        """What turns an exact index's own score into this score: the score is ``factor * index score`` for an
-        inner-product index over the stored keys (unit keys for cosine); None where it is not a constant multiple
-        (a squared L2 distance, expanded as ``|q|^2 - 2 q.k + |k|^2`` by the index, is recomputed in torch: the
-        expansion loses the digits of near neighbours far from the origin)."""
-        if self.metric != "ip" or self.stream is None:
-            return None
-        return dim**-0.5 if self.stream.sqrt_dim else 1.0
 
 
 #: Every built-in score by name. A new built-in score is one entry here: the name lists below, ``compute_scores``,

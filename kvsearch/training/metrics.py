@@ -39,7 +39,7 @@ from kvsearch.text.rerank import Rerank, Similarity, check_rerank, rerank_depth,
 from kvsearch.training.team import Team, batches, team_of
 
 if TYPE_CHECKING:
-    from kvsearch.database import Database
+    from kvsearch.contract import DatabaseProtocol
     from kvsearch.encoders.base import Encoder
 
 __all__ = [
@@ -124,7 +124,7 @@ def is_tensor_pairs(pairs: object) -> bool:
     return isinstance(pairs, tuple) and len(pairs) == 2 and all(isinstance(p, Tensor) for p in pairs)
 
 
-def check_pairs(pairs: object, name: str, db: Database) -> None:
+def check_pairs(pairs: object, name: str, db: DatabaseProtocol) -> None:
     """Check training or evaluation pairs against a database, before any work.
 
     Args:
@@ -182,7 +182,9 @@ def _hint(matched: int, total: int, what: str, option: str) -> str:
     return f"; {share} {what}: pass {option}"
 
 
-def check_targets(db: Database, texts: Sequence[str], targets: TargetKind, name: str = "pairs") -> Tensor | None:
+def check_targets(
+    db: DatabaseProtocol, texts: Sequence[str], targets: TargetKind, name: str = "pairs"
+) -> Tensor | None:
     """Check that every target text matches a stored record, before any work.
 
     With ``targets="key"`` a target must be a stored key; with ``targets="value"`` the value text of some
@@ -210,7 +212,7 @@ def check_targets(db: Database, texts: Sequence[str], targets: TargetKind, name:
     return None
 
 
-def _key_ids(db: Database, texts: list[str], name: str) -> Tensor:
+def _key_ids(db: DatabaseProtocol, texts: list[str], name: str) -> Tensor:
     """(n,) ids of key texts; UnknownTargetError (with a hint at value targets) when one is not stored."""
     ids = db.ids_of_keys(texts)  # (n,)
     at = [i for i, id_ in enumerate(ids.tolist()) if id_ < 0]
@@ -221,7 +223,7 @@ def _key_ids(db: Database, texts: list[str], name: str) -> Tensor:
     return ids  # (n,)
 
 
-def _check_value_texts(db: Database, texts: list[str], name: str) -> None:
+def _check_value_texts(db: DatabaseProtocol, texts: list[str], name: str) -> None:
     """UnknownTargetError (with a hint at key targets) when a text is the value text of no stored record."""
     present = db.values_present(texts)  # (n,) bool
     at = [i for i, ok in enumerate(present.tolist()) if not ok]
@@ -251,7 +253,7 @@ def _unknown(texts: list[str], at: list[int], name: str, targets: str, other: in
     )
 
 
-def target_ids(db: Database, keys: Sequence[str], name: str = "pairs") -> Tensor:
+def target_ids(db: DatabaseProtocol, keys: Sequence[str], name: str = "pairs") -> Tensor:
     """The ids of the records with these keys.
 
     Args:
@@ -268,7 +270,7 @@ def target_ids(db: Database, keys: Sequence[str], name: str = "pairs") -> Tensor
     return _key_ids(db, list(keys), name)  # (n,)
 
 
-def hit_matrix(db: Database, ids: Tensor, targets: Tensor | None, texts: Sequence[str] | None) -> Tensor:
+def hit_matrix(db: DatabaseProtocol, ids: Tensor, targets: Tensor | None, texts: Sequence[str] | None) -> Tensor:
     """Where a candidate is a right answer: the target record, or a record holding the target value text.
 
     Args:
@@ -311,7 +313,9 @@ def ranked_ids(retriever: CandidateSource, queries: Tensor, k: int, score: str |
     return cand.ids.gather(1, order.to(cand.ids.device))  # (b, t)
 
 
-def _reranked_ids(db: Database, team: Team, similarity: Similarity, texts: list[str], ids: Tensor, k: int) -> Tensor:
+def _reranked_ids(
+    db: DatabaseProtocol, team: Team, similarity: Similarity, texts: list[str], ids: Tensor, k: int
+) -> Tensor:
     """(b, min(k, t)) of ``ids`` (b, t): each row re-ordered by ``similarity`` of its key texts to the query text."""
     keys = db.key_texts(ids)  # b * t texts, None for -1 and keys given as embeddings; collective when sharded
     t = ids.shape[1]
@@ -324,7 +328,7 @@ def _reranked_ids(db: Database, team: Team, similarity: Similarity, texts: list[
 
 @torch.no_grad()
 def evaluate(
-    db: Database,
+    db: DatabaseProtocol,
     pairs: Sequence[tuple[str, str]],
     *,
     k: int = 10,
