@@ -230,12 +230,12 @@ class ShardedDatabase:
     @property
     def encoder(self) -> Encoder | None:
         """The key encoder (one object shared by this rank's shards), or None."""
-        return next(iter(self.shards.values())).encoder
+        return self._local.encoder
 
     @property
     def value_encoder(self) -> Encoder | None:
         """The value encoder (shared by this rank's shards), or None."""
-        return next(iter(self.shards.values())).value_encoder
+        return self._local.value_encoder
 
     @value_encoder.setter
     def value_encoder(self, encoder: Encoder | None) -> None:
