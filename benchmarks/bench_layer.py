@@ -67,7 +67,7 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int, device: torch
 def make_keys(kind: str, n: int, dim: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
     """Keys (n, dim) of one kind, and a generator of queries like them."""
     if kind == "clustered":  # near-duplicates: n / 100 centres, noise 1e-2 per coordinate
-        centres = torch.randn(max(1, n // 100), dim, generator=g)
+        centres = torch.randn(max(1, -(-n // 100)), dim, generator=g)  # ceil: every key has a centre
         keys = centres.repeat_interleave(100, 0)[:n] + 1e-2 * torch.randn(n, dim, generator=g)
         return keys, centres
     keys = torch.randn(n, dim, generator=g)

@@ -6,7 +6,7 @@ query embedding by :func:`kvsearch.checks.query_tensor`; the retriever and the i
 queries (with the encoders another process may have fine-tuned since: the view is brought up to date first), then,
 inside the read context (:meth:`View.reading <kvsearch.view.View.reading>`: one SQLite snapshot, the view up to
 date with it), asks the retriever and makes the answer: hits of the ids and scores it ranked
-(:meth:`Reads.search`: :meth:`Retriever.ranked <kvsearch.retrieval.Retriever.ranked>`, the hits' values, key texts
+(:meth:`Reads.search`: :func:`~kvsearch.retrieval.rank_candidates` on the candidates, the hits' values, key texts
 and metadata texts read in the same snapshot, the metadata decoded when a hit's is read), attention over the
 candidates it gathered (:meth:`Reads.query`), or the one record with a key. Values are shown as answers show them
 (:meth:`Reads.answer_values`): their text, or their embedding when they have none.
@@ -41,6 +41,7 @@ from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score
 from kvsearch.nn.streaming import attend_candidates
 from kvsearch.results import Answer, Hit, make_answer, make_hits
+from kvsearch.retrieval import rank_candidates
 from kvsearch.storage import queries
 from kvsearch.text.rerank import Rerank, check_rerank, require_texts, rerank_depth, rerank_hits
 
@@ -100,10 +101,11 @@ class Reads:
             store = view.store
             if len(store.table) == 0:
                 return [] if single else [[] for _ in range(q.shape[0])]
-            ids, scores = view.retriever.ranked(q, k if similarity is None else rerank_depth(k), where=where)
-            ids, scores = ids.tolist(), scores.tolist()  # (b, t) each, best first
+            cand = view.retriever.candidates(q, k if similarity is None else rerank_depth(k), where=where)
+            ids, scores = rank_candidates(q, cand, self.score)  # (b, t) each, best first
+            ids, scores = ids.tolist(), scores.tolist()
             found = [i for row in ids for i in row if i >= 0]
-            values = self.answer_values(found)
+            values = self.answer_values(found, gathered=cand)
             hits = make_hits(ids, scores, store.texts.key_of_id, values, store.metadata_texts(found))
         if similarity is not None:
             hits = rerank_hits(similarity, texts, hits, k)  # outside the snapshot: the user's callable may be slow

@@ -10,9 +10,9 @@ serves the saved one or rebuilds it, follows every committed write in it, and an
 picks ids without gradient (filters applied by the index, which guarantees ``min(k, matches)``; the queries were
 checked at the facade, so the index is asked with ``checked=True``), and the keys and values are gathered from the
 store's vector table, on its device, for attention to score and pool: by the rows the search result carries where
-an exact torch index scanned the table's own keys, else by id. For ``Database.search`` it ranks
-(:meth:`Retriever.ranked`): the candidates' scores recomputed in torch with the score's own function
-(:func:`rank_candidates`), so a query scores the same alone and in a batch. It also finds exact-key targets
+an exact torch index scanned the table's own keys, else by id. ``Database.search`` ranks
+them with :func:`rank_candidates`: their scores recomputed in torch with the score's own function, so a query scores
+the same alone and in a batch. It also finds exact-key targets
 (``pooling="exact"``, forced training targets).
 
 It is the one object a sharded retriever replaces: its interface is small and speaks torch tensors. It knows
@@ -251,18 +251,6 @@ class Retriever:
         ids = ids.to(device)  # (b, take)
         match = None if targets is None else (ids == targets.to(device).unsqueeze(1)) & (ids >= 0)  # (b, take)
         return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
-
-    def ranked(self, queries: Tensor, k: int, *, where: Mapping[str, Any] | None = None) -> tuple[Tensor, Tensor]:
-        """``Database.search``'s ranking (not differentiable): the best ``k`` ids of each query and their scores,
-        recomputed in torch on the candidates' stored keys (:func:`rank_candidates`), so that a query scores the
-        same alone and in a batch, on one shard and on many. The queries and ``k`` come checked, as for
-        :meth:`candidates`.
-
-        Returns:
-            ids (batch, t) int64 and scores (batch, t) float32, both on the CPU, best first, t = min(k, records):
-            -1 and -inf where a query has fewer.
-        """
-        return rank_candidates(queries, self.candidates(queries, k, where=where), self.score)
 
     def key_matches(self, queries: Tensor) -> tuple[Tensor, Tensor]:
         """For each query embedding, the stored ids whose key embedding equals it (bit for bit, -0.0 == 0.0).

@@ -333,10 +333,10 @@ class VectorTable:
     def values_of(self, ids: list[int]) -> dict[int, Tensor | None]:
         """id -> its value embedding (value_dim,) on the CPU, of its own storage; None for an id not held."""
         rows = self.rows_of(torch.tensor(ids))  # (r,) -1 for an id not held
-        values = self.values[rows.clamp(min=0).to(self.device)].cpu()  # (r, value_dim)
-        return {
-            i: row.clone() if present else None  # its own storage, not a view of the batch
-            for i, row, present in zip(ids, values, (rows >= 0).tolist())
+        values = self.values[rows.clamp(min=0).to(self.device)].cpu().numpy()  # (r, value_dim)
+        return {  # each row its own storage, not a view of the batch (numpy: ~1 us a row, a tensor's clone ~5)
+            i: torch.from_numpy(values[n].copy()) if present else None
+            for n, (i, present) in enumerate(zip(ids, (rows >= 0).tolist()))
         }
 
 
