@@ -98,6 +98,29 @@ def test_batches_equal_dense_topk_on_either_path(rng, monkeypatch, batch, bound,
         assert faiss.cvar.distance_compute_blas_threshold == 20
 
 
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("batch", [1, 5, 64, 65])
+@pytest.mark.parametrize("k", [1, 10, 100])
+@pytest.mark.parametrize("spread", [3, 50])
+def test_a_few_queries_rank_exactly_with_ties_by_id(metric, batch, k, spread):
+    """A few queries take one product and one top-k, more take the chunked merge; either way the ids are the exact
+    ranking, equal scores ordered by id. Integer keys and queries make every float32 score exact (so the reference is
+    exact too) and give ties: many with entries in [-3, 3], a few planted duplicates with entries in [-50, 50]."""
+    g = torch.Generator().manual_seed(batch * 1000 + k + spread)
+    keys = torch.randint(-spread, spread + 1, (1000, 8), generator=g).float()  # (1000, 8)
+    at = torch.arange(0, 990, 9)  # (110,)
+    keys[at] = keys[at + 4]  # exact duplicates: ties
+    ids = torch.randperm(1000, generator=g) + 1  # (1000,)
+    queries = torch.randint(-spread, spread + 1, (batch, 8), generator=g).float()  # (batch, 8)
+    index = TorchIndex(8, metric, dtype=torch.float32)
+    index.build(ids, keys)
+    q, kk = queries.long(), keys.long()
+    ref = 2 * q @ kk.T - (kk * kk).sum(1) if metric == "l2" else q @ kk.T  # (batch, 1000) exact, larger is better
+    for row, found in zip(ref, index.search(queries, k).ids):
+        order = sorted(range(1000), key=lambda n: (-int(row[n]), int(ids[n])))[:k]
+        assert found.tolist() == [int(ids[n]) for n in order]
+
+
 def test_fewer_vectors_than_k_are_padded(rng):
     ours = TorchIndex(4)
     ours.add(torch.tensor([3, 9]), tensors(rng, 2, 4))
