@@ -1,4 +1,4 @@
-"""The retrieval seam: query tensors in, ranked ids and scores or :class:`~kvsearch.nn.attend.Candidates` out.
+"""The retrieval seam: query tensors in, :class:`~kvsearch.nn.attend.Candidates` out (and their ranking for a search).
 
     retriever = Retriever(store, dim=256, spec="Flat", score="cosine", folder=path)
     retriever.open()                                   # the saved index if it is this store version's, else rebuilt
@@ -54,7 +54,7 @@ def metric_of(score: str) -> Literal["ip", "l2"]:
 
 
 class Retriever:
-    """The candidate index of a store: ranked ids for a batch of query tensors, and their candidates gathered.
+    """The candidate index of a store, and candidates gathered by id (or row) for a batch of query tensors.
 
     Args:
         store: the record store (the single source of truth; its in-memory ids and key / value tensors).
