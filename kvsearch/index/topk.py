@@ -94,10 +94,9 @@ class KeySource(Protocol):
         ids: (n,) int64 ids on the CPU, sorted.
         keys: (n, dim) float32 raw keys (not normalised) on the database's device, or None when empty.
 
-    A source may also have ``loaded_version`` (the version its tensors reflect); a
-    :class:`~kvsearch.index.torch_index.TorchIndex` prefers it to :attr:`version`, which may cost a read. It may
-    have ``keys_shared``: True when ``keys`` is memory other processes share (a file mapping), which an index should
-    read in place rather than copy.
+    A :class:`~kvsearch.index.torch_index.TorchIndex` reads :attr:`version` at every search (a table holds it as a
+    plain attribute: free to read). A source may have ``keys_shared``: True when ``keys`` is memory other processes
+    share (a file mapping), which an index should read in place rather than copy.
     """
 
     ids: Tensor
@@ -109,7 +108,7 @@ class KeySource(Protocol):
 
     @property
     def version(self) -> int:
-        """A counter bumped by every committed write."""
+        """The store version the tensors reflect (a counter bumped by every committed write)."""
         ...
 
 

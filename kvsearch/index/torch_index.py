@@ -445,9 +445,7 @@ class TorchIndex:
         if self.source is None:
             tag: Any = ("own", id(ids), id(keys), keys.data_ptr(), tuple(keys.shape))
         else:
-            version = getattr(self.source, "loaded_version", None)  # what the tensors reflect; free to read
-            version = self.source.version if version is None else version
-            tag = ("source", version, id(ids), id(keys), keys.data_ptr(), tuple(keys.shape))
+            tag = ("source", self.source.version, id(ids), id(keys), keys.data_ptr(), tuple(keys.shape))
         if tag != self._tag or self._derived is None:
             grown = self._appended(self._derived, ids, keys) if self._only_appended else None
             self._derived = self._derive(ids, keys) if grown is None else grown
