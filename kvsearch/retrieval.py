@@ -36,7 +36,7 @@ from kvsearch.index.base import CandidateIndex
 from kvsearch.index.factory import load_index, make_index
 from kvsearch.nn.attend import Candidates
 from kvsearch.nn.precision import autocast_off
-from kvsearch.nn.scores import SCORE_KINDS, check_db_score
+from kvsearch.nn.scores import SCORE_KINDS, check_db_score, checked_scores
 from kvsearch.storage import folder as folders
 from kvsearch.storage.store import Store
 
@@ -335,8 +335,8 @@ def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[Tens
 
     One sort gives the order and the sorted scores (a stable sort: ties keep the index's order); missing candidates
     (mask False, id -1) score -inf and come last. The inputs come checked (the queries at the facade, the keys as
-    stored), so the score's function is called directly (:data:`~kvsearch.nn.scores.SCORE_KINDS`), with the dtypes
-    promoted as :func:`~kvsearch.nn.scores.compute_scores` promotes them.
+    stored), so they go to :func:`~kvsearch.nn.scores.checked_scores` (the registry's function, no check again),
+    with the dtypes promoted as :func:`~kvsearch.nn.scores.compute_scores` promotes them.
 
     Args:
         queries: (batch, dim). cand: candidates (batch, t) of these queries, on the store's device.
@@ -350,6 +350,6 @@ def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[Tens
     if queries.dtype != keys.dtype:
         dtype = torch.promote_types(queries.dtype, keys.dtype)
         queries, keys = queries.to(dtype), keys.to(dtype)
-    scores = SCORE_KINDS[score].fn(queries, keys).squeeze(1)  # (b, t)
+    scores = checked_scores(queries, keys, score).squeeze(1)  # (b, t)
     scores, order = torch.sort(torch.where(cand.mask, scores, -math.inf), dim=-1, descending=True, stable=True)
     return cand.ids.gather(1, order).cpu(), scores.cpu()  # (b, t) each

@@ -44,6 +44,7 @@ __all__ = [
     "reconnect",
     "open_error",
     "select_in",
+    "IN_CHUNK",
     "insert_records",
     "delete_records",
     "init_summary",
@@ -213,11 +214,15 @@ def open_error(exc: sqlite3.Error, path: Path | None) -> Exception:
     return CorruptDatabaseError(f"{path} is not a kvsearch store (SQLite said: {exc})")
 
 
+#: Values bound in one ``IN (...)`` at most: under SQLite's bound-parameter limit.
+IN_CHUNK = 900
+
+
 def select_in(conn: sqlite3.Connection, sql: str, values: Sequence[Any]) -> list[tuple]:
     """The rows of ``sql`` (one ``IN ({})``) for every value, in chunks under SQLite's bound-parameter limit."""
     rows: list[tuple] = []
-    for start in range(0, len(values), 900):
-        chunk = list(values[start : start + 900])
+    for start in range(0, len(values), IN_CHUNK):
+        chunk = list(values[start : start + IN_CHUNK])
         rows.extend(conn.execute(sql.format(",".join("?" * len(chunk))), chunk).fetchall())
     return rows
 

@@ -59,7 +59,7 @@ from kvsearch.storage import catchup, changelog, fileio, migrate, schema
 from kvsearch.storage.embeddings import point_at, slots_of
 from kvsearch.storage.key_texts import KeyTexts, read_key_texts
 from kvsearch.storage.locking import LOCK_FILE, WriteLock
-from kvsearch.storage.schema import METADATA_PLAIN_SQL, METADATA_SQL, select_in
+from kvsearch.storage.schema import IN_CHUNK, METADATA_PLAIN_SQL, METADATA_SQL, select_in
 from kvsearch.storage.table import CatchUp, VectorTable, Views
 from kvsearch.storage.transaction import Transaction
 
@@ -614,26 +614,29 @@ class Store:
             for i, (id_, key, value, meta) in enumerate(rows)
         }
 
+    def _by_ids(self, sql: str, ids: list[int]) -> list[tuple]:
+        """The rows of ``sql`` (one ``IN ({})``) for ``ids``: one statement for a search's few, else
+        :func:`~kvsearch.storage.schema.select_in`'s chunks. Callers hold a snapshot or a transaction, whose start
+        (or the view's sync before it) already reconnected a child of fork(): the connection is used as it is."""
+        if len(ids) > IN_CHUNK:
+            return select_in(self._connection, sql, ids)
+        return self._connection.execute(sql.format(",".join("?" * len(ids))), ids).fetchall() if ids else []
+
     def value_texts(self, ids: Iterable[int]) -> dict[int, str | None]:
         """Value text for ids (None for embedding-only values), in one query."""
         wanted = sorted({int(i) for i in ids if 0 <= int(i) < 2**63})  # SQLite holds int64 ids only
-        return dict(select_in(self.conn, "SELECT id, value FROM records WHERE id IN ({})", wanted))
+        return dict(self._by_ids("SELECT id, value FROM records WHERE id IN ({})", wanted))
 
     def metadata_texts(self, ids: Iterable[int]) -> dict[int, str]:
         """id -> the record's metadata as stored (JSON text), for the ids among ``ids`` that have metadata."""
         wanted = sorted({int(i) for i in ids if int(i) >= 0})
-        if not wanted:
-            return {}
-        conn = self._connection  # callers hold a snapshot, which reconnected a child of fork() already
         try:
-            if len(wanted) <= 900:  # a search's hits: one statement, as select_in runs it
-                return dict(conn.execute(self._metadata_sql.format(",".join("?" * len(wanted))), wanted).fetchall())
-            return dict(select_in(conn, self._metadata_sql, wanted))
+            return dict(self._by_ids(self._metadata_sql, wanted))
         except sqlite3.OperationalError as exc:  # refused when prepared: nothing was read, the snapshot holds
             if self._metadata_sql is METADATA_PLAIN_SQL or "no such index" not in str(exc):
                 raise
         self._metadata_sql = METADATA_PLAIN_SQL
-        return dict(select_in(conn, self._metadata_sql, wanted))
+        return dict(self._by_ids(self._metadata_sql, wanted))
 
     def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:
         """id -> the value as an answer shows it: its text, or its embedding (CPU tensor) when it has no text.
