@@ -164,13 +164,13 @@ ANN_SPECS = [("IVF1024,Flat", {"nprobe": 8}), ("HNSW32", {"efSearch": 64}), ("HN
 
 
 def main() -> None:
-    """Parse the arguments, run every configuration in a fresh process, print and append the tables."""
+    """Parse the arguments, run every configuration in a fresh process, print the tables and write its section."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=1_000_000, help="largest number of records (default 1M)")
     parser.add_argument("--quick", action="store_true", help="m = 100k, batch 64 (< 3 min)")
     parser.add_argument("--index", default="torch", help="the database's index for the top-k rows")
     parser.add_argument("--max-gib", type=float, default=7.0, help="skip dense runs estimated above this")
-    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not write RESULTS.md")
     parser.add_argument("--ann-only", action="store_true", help="only the ANN attention rows (clustered data, m)")
     parser.add_argument(
         "--ann-specs", nargs="+", default=None, help="only these ANN index specs, e.g. IVF1024,Flat (default: all)"
@@ -297,6 +297,7 @@ def ann_section(args: argparse.Namespace, info: dict) -> None:
             )
         ],
         not args.no_append,
+        name="bench_attention-ann",
     )
 
 

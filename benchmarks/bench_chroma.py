@@ -157,12 +157,12 @@ WORKERS = {"ours": w_ours, "chroma": w_chroma}
 
 
 def main() -> None:
-    """Run kvsearch (exact indexes, HNSW32 at two efConstruction) and Chroma in fresh processes; print and append."""
+    """Run kvsearch (exact indexes, HNSW32 at two efConstruction) and Chroma in fresh processes; print, write."""
     import numpy as np
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first 20,000 names only (< 3 min)")
-    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not write RESULTS.md")
     args = parser.parse_args()
     info = common.machine()
     n = 20_000 if args.quick else None

@@ -474,7 +474,7 @@ def main() -> None:
     parser.add_argument("--max-pickle-mib", type=float, default=512, help="skip sdb.query above this estimate")
     parser.add_argument("--max-rank-mib", type=float, default=8192, help="stop a rank whose RSS passes this")
     parser.add_argument("--rebuild", action="store_true", help="build the databases again")
-    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not write RESULTS.md")
     args = parser.parse_args()
     m = 100_000 if args.quick else args.m
     k = args.k

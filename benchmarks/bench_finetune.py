@@ -19,7 +19,7 @@ second: the n-gram and MiniLM databases answer the whole query list in batches (
 re-ranking in torch); rapidfuzz answers one query at a time, as ``process.extract`` does. The CPU is shared
 with other work while this runs: the load average is recorded with the table.
 
-    python benchmarks/bench_finetune.py                 # the full run (~10 min on 2 cores), appends to RESULTS.md
+    python benchmarks/bench_finetune.py                 # the full run (~10 min on 2 cores), its RESULTS.md section
     python benchmarks/bench_finetune.py --names 20000 --no-write     # a quicker look
 """
 
@@ -39,14 +39,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
+sys.path.insert(1, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
 from kvsearch import Database, NgramEncoder, SentenceEncoder, evaluate, finetune  # noqa: E402
 from kvsearch.datasets import NOISE_KINDS, noisy_queries, split_names, surname_directory  # noqa: E402
-
-RESULTS = ROOT / "RESULTS.md"
 
 
 def _machine() -> str:
@@ -109,19 +109,19 @@ def _build_minilm(folder: Path, names: int | None) -> None:
     (folder / "build_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}")
 
 
-def _append(title: str, table: str, notes: list[str], no_write: bool) -> None:
-    """Print a section (its table and notes) and append it to RESULTS.md with the command that made it."""
+def _append(name: str, title: str, table: str, notes: list[str], no_write: bool) -> None:
+    """Print a section (its table and notes) and make it the section ``name`` of RESULTS.md (replaced), with the
+    command that made it."""
     text = table + "\n\n" + "\n".join(notes)
     print(text)
     if not no_write:
         cmd = "python benchmarks/bench_finetune.py " + " ".join(sys.argv[1:])
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write(f"\n## {title}\n\n`{cmd.strip()}`\n\n{text}\n")
-        print(f"\nappended to {RESULTS}")
+        path = common.write_section(name, f"## {title}\n\n`{cmd.strip()}`\n\n{text}\n")
+        print(f"\nsection {name} of {path} replaced")
 
 
 def _headline(args: argparse.Namespace) -> None:
-    """Issue 22's checks (see benchmarks/finetune_study.py: headline), appended to RESULTS.md."""
+    """Issue 22's checks (see benchmarks/finetune_study.py: headline), its section of RESULTS.md."""
     from finetune_study import headline
 
     started = time.perf_counter()
@@ -138,11 +138,12 @@ def _headline(args: argparse.Namespace) -> None:
         f"- both runs side by side (one thread each), {(time.perf_counter() - started) / 60:.0f} min; load average at "
         f"the start {load_before}. Machine: {_machine()}.",
     ]
-    _append("Fine-tuning that pays with the data a user has (issue 22)", table, notes, args.no_write)
+    title = "Fine-tuning that pays with the data a user has (issue 22)"
+    _append("bench_finetune-headline", title, table, notes, args.no_write)
 
 
 def _study(args: argparse.Namespace) -> None:
-    """The study behind finetune's defaults (see benchmarks/finetune_study.py), appended to RESULTS.md."""
+    """The study behind finetune's defaults (see benchmarks/finetune_study.py), its section of RESULTS.md."""
     from finetune_study import study
 
     started = time.perf_counter()
@@ -161,7 +162,7 @@ def _study(args: argparse.Namespace) -> None:
         f"- {len(results)} runs in {minutes:.0f} min, {args.workers} side by side, one thread each; load average "
         f"(1/5/15 min) at the start {load_before}. Machine: {_machine()}.",
     ]
-    _append("Fine-tuning defaults: the study (issue 22)", table, notes, args.no_write)
+    _append("bench_finetune-study", "Fine-tuning defaults: the study (issue 22)", table, notes, args.no_write)
 
 
 def _box_notes(box: dict[str, Any]) -> list[str]:
@@ -458,12 +459,7 @@ def main() -> None:
     ]
     table = "\n".join(lines + [""] + notes)
     print()
-    print(table)
-    if not args.no_write:
-        cmd = "python benchmarks/bench_finetune.py " + " ".join(sys.argv[1:])
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write(f"\n## Fine-tuning on the surname directory (issue 3)\n\n`{cmd.strip()}`\n\n{table}\n")
-        print(f"\nappended to {RESULTS}")
+    _append("bench_finetune", "Fine-tuning on the surname directory (issue 3)", table, [], args.no_write)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reuse", action="store_true", help="keep the databases an earlier run built")
-    parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not write RESULTS.md")
     args = parser.parse_args()
     m = 20_000 if args.quick else args.m
     info = common.machine()
@@ -160,7 +160,7 @@ def main() -> None:
         f"imports to after opening the database and {SEARCHES} searches."
     )
     common.report(
-        "One copy with an ANN index (issue 23)",
+        "bench_index_storage",
         common.command_line(),
         info,
         [("HNSW32 database: disk and a reader's memory", body)],

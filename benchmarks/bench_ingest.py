@@ -94,12 +94,12 @@ WORKERS = {"ingest": w_ingest, "open": w_open, "encode": w_encode}
 
 
 def main() -> None:
-    """Run every configuration, print the tables and append them to RESULTS.md."""
+    """Run every configuration, print the tables and make them its section of RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=1_000_000, help="records in the database (default 1M)")
     parser.add_argument("--quick", action="store_true", help="m = 100k and small encoder samples (< 3 min)")
     parser.add_argument("--index", default="torch", help="index of the database (default torch)")
-    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not write RESULTS.md")
     args = parser.parse_args()
     m = 100_000 if args.quick else args.m
     info = common.machine()

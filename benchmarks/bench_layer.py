@@ -1,6 +1,6 @@
 """kvsearch as a layer inside a model, beside the same math in bare torch, in one run (interleaved medians).
 
-    python benchmarks/bench_layer.py                    # every section, CPU; appends to RESULTS.md
+    python benchmarks/bench_layer.py                    # every section, CPU; replaces its RESULTS.md section
     python benchmarks/bench_layer.py --quick --no-append
     python benchmarks/bench_layer.py --device cuda      # the GPU rows (float16 autocast there)
 
@@ -366,7 +366,8 @@ def main() -> None:
         prec, comp = bench_precision_and_compile(args, device)
         sections += [("Autocast vs float32 (KVAttention model, batch 256)", prec)]
         sections += [("torch.compile vs eager (same model)", comp)]
-    report(f"Layer benchmark ({device.type})", command_line(), info, sections, append=not args.no_append)
+    name = f"bench_layer-{device.type}"  # its section of RESULTS.md, its JSON and plots
+    report(f"Layer benchmark ({device.type})", command_line(), info, sections, append=not args.no_append, name=name)
 
 
 if __name__ == "__main__":

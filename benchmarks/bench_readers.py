@@ -154,13 +154,13 @@ WORKERS = {"reader": w_reader}
 
 
 def main() -> None:
-    """Run every index, print the tables and append them to RESULTS.md."""
+    """Run every index, print the tables and make them its section of RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=50_000, help="records in the database (default 50k)")
     parser.add_argument("--specs", nargs="+", default=["Flat", "HNSW32", "IVF64,Flat"], help="index specs")
     parser.add_argument("--n", type=int, default=21, help="calls per median (default 21)")
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds per ops/s phase (default 10)")
-    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not write RESULTS.md")
     args = parser.parse_args()
     info = common.machine()
     specs = args.specs

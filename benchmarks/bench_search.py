@@ -286,14 +286,14 @@ def ann_section(m: int, nq: int, hnsw_at_m: bool = False) -> list[tuple[str, str
 
 
 def main() -> None:
-    """Parse the arguments, run the sections, print and append the tables."""
+    """Parse the arguments, run the sections, print the tables and make them its section of RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=1_000_000, help="largest database size (default 1M)")
     parser.add_argument("--quick", action="store_true", help="m = 100k only, nq = 1 and 64 (< 3 min)")
     parser.add_argument("--section", choices=("exact", "ann", "all"), default="all")
     parser.add_argument("--hnsw-at-m", action="store_true", help="also build HNSW32 on the m clustered vectors")
     parser.add_argument("--rounds", type=int, default=0, help="timing rounds per method (default 7, quick 5)")
-    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not write RESULTS.md")
     args = parser.parse_args()
     info = common.machine()
     sizes = [100_000] if args.quick else sorted({100_000, args.m})

@@ -27,7 +27,9 @@ built and queried are in ``serving_peers.py``. The figures, each measured in thi
 5. **Per-call overhead** of kvsearch ``Database.search(q, k=10)`` above its bare index
    (``db.index.faiss_index.search`` of the unit query) at the same efSearch, the two taking turns in each round.
 
-The load average is recorded at the start and the end; the machine is shared.
+The load average is recorded at the start and the end; the machine is shared. The run replaces the section
+``bench_serving`` of RESULTS.md (``--no-append``: print only), writes ``results/bench_serving.json`` (figure 3's
+points: every store and setting with its us/call and recall@10) and draws ``plots/bench_serving-qps-recall.png``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ NAMED = {
     "kv-hnsw40": ({"kind": "kvsearch", "index": "HNSW32", "efs": HNSW_EFS}, None),
     "kv-hnsw200": ({"kind": "kvsearch", "index": "HNSW32", "ef_construction": 200, "efs": HNSW_EFS[:7]}, None),
     "kv-bare200": ({"kind": "kvsearch-bare", "ef_construction": 200, "efs": HNSW_EFS[:7]}, "kv-hnsw200"),
+    "faiss-flat": ({"kind": "faiss", "index": "Flat"}, None),
     "faiss-hnsw200": ({"kind": "faiss", "index": "HNSW32", "ef_construction": 200, "efs": HNSW_EFS[:7]}, None),
     "usearch16": ({"kind": "usearch", "connectivity": 16, "expansion_add": 200, "efs": HNSW_EFS[:7]}, None),
     "usearch32": ({"kind": "usearch", "connectivity": 32, "expansion_add": 200, "efs": HNSW_EFS[:7]}, None),
@@ -75,7 +78,7 @@ NAMED = {
         None,
     ),
     "lance": ({"kind": "lance"}, None),
-    "lance-hnsw": ({"kind": "lance", "index": "IVF_HNSW_SQ", "efs": [32, 64, 128, 256]}, None),
+    "lance-hnsw": ({"kind": "lance", "index": "IVF_HNSW_SQ", "efs": [16, 32, 64, 128, 256]}, None),
     "chroma": ({"kind": "chroma"}, None),
 }
 
@@ -225,7 +228,9 @@ def w_qps(root: str, n: int, keys: list[str], single: int, rounds: int, nq: int)
         if found[0] is not None:
             found = np.array([f[: peers.K] + [-1] * (peers.K - len(f)) for f in found])
             recall = common.recall_at(found, truth, peers.K)
-        results.append({"key": key, "label": store.describe(setting), "setting": setting, "times": []})
+        results.append(
+            {"key": key, "store": store.name, "label": store.describe(setting), "setting": setting, "times": []}
+        )
         results[-1]["recall"] = recall
     for r in range(rounds):
         order = list(range(len(configs)))
@@ -327,6 +332,7 @@ def main() -> None:
     parser.add_argument("--rebuild", nargs="*", default=[], help="key prefixes of stores to build anew (e.g. kv)")
     parser.add_argument("--no-hnsw-m", action="store_true", help="no HNSW32 stores at m (their builds take minutes)")
     parser.add_argument("--out", help="also write the Markdown to this file")
+    parser.add_argument("--no-append", action="store_true", help="print only: RESULTS.md, results/, plots/ untouched")
     args = parser.parse_args()
     info = common.machine()
     for name in ("usearch", "lancedb", "kvsearch"):
@@ -426,7 +432,10 @@ def main() -> None:
             f"interpreter `{sys.executable}`.",
         )
     )
-    text = common.report("bench_serving", common.command_line(), info, sections, append=False)
+    points = {} if "error" in qps else {"qps": qps["runs"], "n": qps["n"], "nq": qps["nq"], "recall_target": RECALL}
+    text = common.report(
+        "bench_serving", common.command_line(), info, sections, append=not args.no_append, points=points
+    )
     if args.out:
         Path(args.out).write_text(text + "\n")
 

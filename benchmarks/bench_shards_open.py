@@ -9,7 +9,7 @@ empty (8-d keys and values, no encoder), 64 records added, searched once, closed
 seconds to create and to reopen, the descriptors the process holds with the database open (``/proc/self/fd``) and
 per shard, the growth of the resident set per shard, and the descriptors held after ``close()`` (0 expected). This is
 what ``MAX_SHARDS`` (``kvsearch/distributed/layout.py``) and ``FILES_PER_DATABASE`` (``kvsearch/checks.py``) are
-chosen from. Appends its table to RESULTS.md unless ``--no-append``.
+chosen from. Replaces its section of RESULTS.md unless ``--no-append``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def open_shards(num_shards: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", type=int, nargs="+", default=[16, 128, 1024])
-    parser.add_argument("--no-append", action="store_true", help="print only; do not append to RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="print only; do not write RESULTS.md")
     args = parser.parse_args()
     info = common.machine()
     rows = []

@@ -1,5 +1,5 @@
 """Shared helpers of the benchmarks: data sets (cached under benchmarks/.cache), timing, peak memory measured
-in a fresh process, machine description, and the Markdown tables appended to benchmarks/RESULTS.md.
+in a fresh process, machine description, and the sections of benchmarks/RESULTS.md (each script replaces its own).
 
 Data sets (all float32, rows L2-normalised, seeded):
 
@@ -13,14 +13,23 @@ Workers: every measured configuration runs in its own ``python <script> --worker
 that its peak memory is its own. Peak memory is the kernel's high-water mark (``VmHWM``) after resetting it via
 ``/proc/self/clear_refs`` just before the measured call; "extra" is that peak minus the resident size at the
 reset (the data already loaded).
+
+Results: :func:`report` prints a run's tables and, unless told not to, REPLACES the script's own section of
+``RESULTS.md`` (between ``<!-- section: NAME -->`` and ``<!-- end: NAME -->``; the other sections untouched, the
+sections kept in the order of :data:`SECTIONS`, the contents at the top of the file rewritten), writes the run's
+tables and points as JSON to ``results/NAME.json`` and draws its plots (``plots.py``) into ``plots/``. The
+environment variable ``KVSEARCH_BENCH_OUT`` sends all three to another folder (a trial run that leaves the
+committed files alone).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -70,6 +79,11 @@ def machine() -> dict[str, Any]:
             versions[name] = "-"
     info["versions"] = versions
     try:
+        head = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=REPO)
+        info["commit"] = head.stdout.strip() or "-"
+    except OSError:
+        info["commit"] = "-"
+    try:
         import torch
 
         info["torch_threads"] = torch.get_num_threads()
@@ -84,7 +98,8 @@ def describe_machine(info: dict[str, Any]) -> str:
     return (
         f"{info['date']} — {info['nproc']} cores ({info['cpu']}), {info['memory_gib']} GiB, "
         f"torch threads {info.get('torch_threads')}, load average at start {info['load_average']} "
-        f"(the machine is shared: timings are perturbed by other work), Python {info['python']}, {versions}."
+        f"(the machine is shared: timings are perturbed by other work), Python {info['python']}, {versions}, "
+        f"kvsearch at commit {info.get('commit', '-')}."
     )
 
 
@@ -291,8 +306,15 @@ def recall_at(found: np.ndarray, truth: np.ndarray, k: int = 10) -> float:
 # --------------------------------------------------------------------------------------------- tables
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A Markdown table."""
+class Table(str):
+    """A Markdown table (a ``str``) that also keeps its headers and rows, so a report can save them as JSON."""
+
+    headers: list[str]
+    rows: list[list[Any]]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    """A Markdown table; ``.headers`` and ``.rows`` hold the values it was made of."""
 
     def cell(x: Any) -> str:
         if isinstance(x, float):
@@ -303,28 +325,186 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
-    return "\n".join(lines)
+    out = Table("\n".join(lines))
+    out.headers, out.rows = [str(h) for h in headers], [list(row) for row in rows]
+    return out
 
 
-def report(title: str, command: str, info: dict[str, Any], sections: Sequence[tuple[str, str]], append: bool) -> str:
-    """Print the tables and (unless told not to) append them to RESULTS.md under a dated heading."""
-    end = machine()["load_average"]
+#: The sections of RESULTS.md, in the order they appear (as benchmarks/README.md describes the scripts): name ->
+#: the script that writes it. A name not listed goes after these.
+SECTIONS: dict[str, str] = {
+    "bench_search": "bench_search.py",
+    "bench_exact_path": "bench_exact_path.py",
+    "bench_attention": "bench_attention.py",
+    "bench_attention-ann": "bench_attention.py --ann-only",
+    "bench_layer-cpu": "bench_layer.py",
+    "bench_layer-cuda": "bench_layer.py --device cuda",
+    "bench_serving": "bench_serving.py",
+    "bench_ingest": "bench_ingest.py",
+    "bench_index_storage": "bench_index_storage.py",
+    "bench_readers": "bench_readers.py",
+    "bench_chroma": "bench_chroma.py",
+    "bench_distributed": "bench_distributed.py",
+    "bench_shards_open": "bench_shards_open.py",
+    "bench_finetune": "bench_finetune.py",
+    "bench_finetune-headline": "bench_finetune.py --headline",
+    "bench_finetune-study": "bench_finetune.py --study",
+}
+_SECTION = re.compile(r"<!-- section: (\S+) -->\n.*?<!-- end: \1 -->\n?", re.S)
+_CONTENTS = re.compile(r"<!-- contents -->\n.*?<!-- end: contents -->\n?", re.S)
+
+
+def out_folder() -> Path:
+    """Where RESULTS.md, results/ and plots/ are written: this folder, or ``$KVSEARCH_BENCH_OUT``."""
+    return Path(os.environ.get("KVSEARCH_BENCH_OUT") or ROOT)
+
+
+def results_file() -> Path:
+    """The RESULTS.md that :func:`write_section` edits."""
+    return RESULTS if "KVSEARCH_BENCH_OUT" not in os.environ else out_folder() / "RESULTS.md"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def contents(text: str) -> str:
+    """The contents block of RESULTS.md: a link to each section present, and to its plots."""
+    lines = ["<!-- contents -->"]
+    for match in _SECTION.finditer(text):
+        name = match.group(1)
+        heading = next((ln[3:] for ln in match.group(0).splitlines() if ln.startswith("## ")), name)
+        date = re.search(r"\d{4}-\d\d-\d\d( \d\d:\d\d(-\d\d:\d\d)? UTC)?", match.group(0))
+        line = f"- [{heading}](#{anchor(heading)})" + (f" — {date.group(0)}" if date else "")
+        plots = sorted((out_folder() / "plots").glob(f"{name}*.png"))
+        if plots:
+            line += "; plots: " + ", ".join(f"[{p.stem}](plots/{p.name})" for p in plots)
+        lines.append(line)
+    return "\n".join(lines + ["<!-- end: contents -->", ""])
+
+
+def place_section(text: str, name: str, body: str) -> str:
+    """``text`` (a RESULTS.md) with the section ``name`` replaced by ``body`` (or inserted at its place in
+    :data:`SECTIONS`), the other sections as they were and the contents block rewritten."""
+    block = f"<!-- section: {name} -->\n{body.strip()}\n<!-- end: {name} -->\n"
+    order = list(SECTIONS)
+    rank = order.index(name) if name in order else len(order)
+    found = {m.group(1): m for m in _SECTION.finditer(text)}
+    if name in found:
+        m = found[name]
+        text = text[: m.start()] + block + text[m.end() :]
+    else:
+        later = [m for key, m in found.items() if (order.index(key) if key in order else len(order)) > rank]
+        at = min((m.start() for m in later), default=None)
+        if at is None:
+            text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + block
+        else:
+            text = text[:at] + block + "\n" + text[at:]
+    if _CONTENTS.search(text):
+        text = _CONTENTS.sub(lambda _: contents(text), text, count=1)
+    return text
+
+
+def write_section(name: str, body: str) -> Path:
+    """Replace the section ``name`` of RESULTS.md by ``body`` (a file lock keeps two runs that end together from
+    losing one another's section). Returns the file written."""
+    path = results_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    with open(path, "r+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        text = place_section(f.read(), name, body)
+        f.seek(0)
+        f.write(text)
+        f.truncate()
+    return path
+
+
+def section_name(title: str) -> str:
+    """The section a script's report replaces by default: the script's file name (``bench_search``)."""
+    stem = Path(sys.argv[0]).stem
+    return stem if stem.startswith("bench_") else re.sub(r"\W+", "_", title).strip("_").lower()
+
+
+def save_points(name: str, record: dict[str, Any]) -> Path:
+    """Write ``record`` (a run's machine, tables and points) to ``results/NAME.json``."""
+    folder = out_folder() / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return path
+
+
+def report(
+    title: str,
+    command: str,
+    info: dict[str, Any],
+    sections: Sequence[tuple[str, str]],
+    append: bool,
+    *,
+    name: str | None = None,
+    points: dict[str, Any] | None = None,
+) -> str:
+    """Print a run's tables; unless ``append`` is false, make them the script's section of RESULTS.md.
+
+    Args:
+        title: the section's heading (``## title``; kept stable so that links to it keep working).
+        command: the command line of the run (:func:`command_line`).
+        info: :func:`machine` taken at the start of the run.
+        sections: (sub-heading, Markdown) pairs; a body made by :func:`table` is saved as values in the JSON.
+        append: False: print only (``--no-append``). True: replace the section ``name`` of RESULTS.md, write
+            ``results/NAME.json`` and draw the run's plots (``plots.py``) into ``plots/``.
+        name: the section replaced (default: the script's file name, see :data:`SECTIONS`).
+        points: extra values for the plots (saved in the JSON under ``"points"``).
+
+    Returns:
+        The section's Markdown.
+    """
+    name = name or section_name(title)
+    now = machine()
+    end = now["load_average"]
     text = [
-        f"## {title} — {info['date']}",
+        f"## {title}",
         "",
         f"`{command}`",
         "",
-        describe_machine(info) + f" Load average at the end: {end}.",
+        describe_machine(info) + f" Ended {now['date']}, load average at the end {end}.",
         "",
     ]
     for heading, body in sections:
         text += [f"### {heading}", "", body, ""]
+    plot_files = _plots_of(name)
+    if plot_files:
+        text += ["Plots: " + ", ".join(f"[{p.stem}](plots/{p.name})" for p in plot_files), ""]
     out = "\n".join(text)
     print(out)
-    if append:
-        with open(RESULTS, "a") as f:
-            f.write("\n" + out)
+    if not append:
+        return out
+    tables = [
+        {"heading": heading, "headers": body.headers, "rows": body.rows}
+        for heading, body in sections
+        if isinstance(body, Table)
+    ]
+    record = {"name": name, "title": title, "command": command, "machine": info, "load_end": end}
+    save_points(name, {**record, "tables": tables, "points": points or {}})
+    try:
+        import plots
+
+        plots.draw(name, out_folder())
+    except Exception as exc:  # a plot that fails must not lose the run's tables
+        print(f"plots of {name} failed: {exc!r}", file=sys.stderr)
+    print(f"section {name} of {write_section(name, out)} replaced", file=sys.stderr)
     return out
+
+
+def _plots_of(name: str) -> list[Path]:
+    """The PNGs that plots.py draws for section ``name`` (none for a section without plots)."""
+    try:
+        import plots
+    except ImportError:
+        return []
+    return [out_folder() / "plots" / f"{stem}.png" for stem in plots.PLOTS.get(name, ())]
 
 
 def command_line() -> str:
