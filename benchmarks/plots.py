@@ -99,17 +99,21 @@ def serving(record: dict[str, Any], folder: Path) -> list[Path]:
     groups: dict[str, list[dict]] = {}
     for r in runs:
         groups.setdefault(r["key"], []).append(r)
-    for key, rs in groups.items():
+    colours = plt.get_cmap("tab20").colors  # 20 distinct colours: one per store and build
+    for i, (key, rs) in enumerate(groups.items()):
         rs = sorted(rs, key=lambda r: (r["setting"] is None, r["setting"] or 0))
         x = [r["recall"] for r in rs]
         y = [1e6 / r["us"] for r in rs]
         ours = key.startswith("kv")
         style = dict(marker="o" if ours else "s", linewidth=2.2 if ours else 1.2, markersize=5 if len(rs) > 1 else 8)
+        style["color"] = colours[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
         ax.plot(x, y, label=rs[0].get("store", key), linestyle="-" if ours else "--", **style)
         for r in rs if len(rs) > 1 else ():
             ax.annotate(str(r["setting"]), (r["recall"], 1e6 / r["us"]), fontsize=6, alpha=0.6,
                         xytext=(2, 2), textcoords="offset points")  # fmt: skip
     ax.axvline(RECALL_TARGET, color="grey", linewidth=0.8, linestyle=":")
+    ax.annotate(f"recall@10 = {RECALL_TARGET}", (RECALL_TARGET, 1), xycoords=("data", "axes fraction"),
+                xytext=(3, -12), textcoords="offset points", fontsize=7, color="grey")  # fmt: skip
     ax.set_yscale("log")
     ax.set_xlabel("recall@10 (misspelt-name queries against exact search)")
     ax.set_ylabel("single-query QPS (one query per call, log scale)")
