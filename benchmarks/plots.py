@@ -220,19 +220,24 @@ def _candidates_plot(record: dict[str, Any], t: dict[str, Any], folder: Path, st
 def _memory_plot(record: dict[str, Any], t: dict[str, Any], folder: Path, stem: str) -> Path:
     plt = _pyplot()
     cap = _column(t, "capacity")
+    start = next((i for i, h in enumerate(t["headers"]) if h.startswith("rows at start")), None)
     series = [(i, h.removesuffix(" ms / step")) for i, h in enumerate(t["headers"]) if h.endswith("ms / step")]
-    groups = [("growing" if str(row[cap]) in ("-", "None") else f"capacity {row[cap]}") for row in t["rows"]]
+    groups = []
+    for row in t["rows"]:
+        rows = _number(row[start]) if start is not None else 0.0
+        label = f"from {row[start]} rows" if rows and rows == rows else "from empty"
+        groups.append(label + ("" if str(row[cap]) in ("-", "None") else f",\ncapacity {row[cap]}"))
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     width = 0.8 / len(series)
     for j, (col, label) in enumerate(series):
         xs = [g + (j - (len(series) - 1) / 2) * width for g in range(len(groups))]
         ys = [_number(row[col]) for row in t["rows"]]
-        bars = ax.bar(xs, ys, width, label=label)
-        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        bars = ax.bar(xs, [0.0 if y != y else y for y in ys], width, label=label)
+        ax.bar_label(bars, labels=["not run" if y != y else f"{y:.3g}" for y in ys], fontsize=7)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("ms per training step (add rows, attend, backward)")
     steps = t["rows"][0][_column(t, "steps")] if t["rows"] else "?"
-    ax.set_title(f"kNN memory in a training loop ({steps} steps from empty)")
+    ax.set_title(f"kNN memory in a training loop ({steps} timed steps a row)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.text(0.01, 0.005, _subtitle(record), fontsize=6.5, va="bottom")
