@@ -40,8 +40,7 @@ from kvsearch.nn.attend import Candidates
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score
 from kvsearch.nn.streaming import attend_candidates
-from kvsearch.results import Answer, Hit, make_answer, make_hits
-from kvsearch.retrieval import rank_candidates
+from kvsearch.results import Answer, EmbeddedValue, Hit, make_answer, make_hits
 from kvsearch.storage import queries
 from kvsearch.text.rerank import Rerank, check_rerank, require_texts, rerank_depth, rerank_hits
 
@@ -55,6 +54,15 @@ __all__ = ["Reads", "MISSING"]
 
 #: The default of ``Database.lookup``'s ``default``: none was given, a miss raises.
 MISSING: Any = object()
+
+
+def gather_values(values: Tensor, rows: Tensor) -> np.ndarray:
+    """The value embeddings at ``rows`` (any shape, -1 where none: row 0 stands in) as one float32 numpy block
+    (n, value_dim): read in numpy on the CPU (a search's few rows: ~1 us, a torch op ~3), else gathered on the
+    values' device and copied once."""
+    if values.device.type == "cpu" and rows.device.type == "cpu":
+        return values.detach().numpy()[rows.reshape(-1).numpy().clip(min=0)]  # (n, value_dim)
+    return values.index_select(0, rows.reshape(-1).clamp(min=0).to(values.device)).cpu().numpy()  # (n, value_dim)
 
 
 class Reads:
@@ -88,7 +96,11 @@ class Reads:
         self, queries: Queries, k: int, where: Mapping[str, Any] | None, rerank: Rerank | None = None
     ) -> list[Hit] | list[list[Hit]]:
         """``Database.search``: the k nearest records to each query, best first (re-ranked: see
-        :mod:`kvsearch.text.rerank`). Checked here once; the retriever and the index trust what came."""
+        :mod:`kvsearch.text.rerank`). Checked here once; the retriever and the index trust what came.
+
+        When the view is current and the hits need nothing from SQLite (no filter; values without text, no record
+        with metadata, the key texts in memory) they are answered from memory without a snapshot; else in one
+        snapshot, the hits' value and metadata texts read in one statement."""
         similarity = None if rerank is None else check_rerank(rerank)
         k = check_k(k)
         if where is not None:
@@ -96,20 +108,47 @@ class Reads:
         q, texts, single = self.prepare_queries(queries)
         if similarity is not None:
             texts = require_texts(texts, q.shape[0])  # InvalidArgumentError for query embeddings
-        view = self.view
-        with view.reading():
-            store = view.store
-            if len(store.table) == 0:
-                return [] if single else [[] for _ in range(q.shape[0])]
-            cand = view.retriever.candidates(q, k if similarity is None else rerank_depth(k), where=where)
-            ids, scores = rank_candidates(q, cand, self.score)  # (b, t) each, best first
-            ids, scores = ids.tolist(), scores.tolist()
-            found = [i for row in ids for i in row if i >= 0]
-            values = self.answer_values(found, gathered=cand)
-            hits = make_hits(ids, scores, store.texts.key_of_id, values, store.metadata_texts(found))
+        depth = k if similarity is None else rerank_depth(k)
+        view, store = self.view, self.view.store
+        with store.lock:
+            view.check_open()
+            if where is None and view.current() and store.texts_held and store.metadata_known_absent():
+                hits = self._hits(q, depth, None, needs_snapshot=False)
+            else:
+                with view.reading():
+                    hits = self._hits(q, depth, where)
         if similarity is not None:
             hits = rerank_hits(similarity, texts, hits, k)  # outside the snapshot: the user's callable may be slow
         return hits[0] if single else hits
+
+    def _hits(
+        self, q: Tensor, k: int, where: Mapping[str, Any] | None, *, needs_snapshot: bool = True
+    ) -> list[list[Hit]]:
+        """The hits of each query (b, dim), ranked by the retriever, their values and metadata read in one statement
+        where any may be stored. Callers hold the store lock, and a snapshot unless no record has metadata (as known
+        at the table's version): then, where no value has text either, nothing is read from SQLite and the hits are
+        made from memory; where one may, ``needs_snapshot`` False says this call holds none, and it is redone in
+        one."""
+        store = self.store
+        value_texts = self.encoders.value is not None or bool(store.texts.given_values)  # values given with text
+        if value_texts and not needs_snapshot:
+            with self.view.reading():
+                return self._hits(q, k, where)
+        if len(store.table) == 0:
+            return [[] for _ in range(q.shape[0])]
+        ranked = self.retriever.search(q, k, where=where)
+        ids = ranked.ids.tolist()
+        flat = ids[0] if len(ids) == 1 else [i for row in ids for i in row]  # (b * t,)
+        found = [i for i in flat if i >= 0]
+        metadata = not store.metadata_known_absent() and store.has_metadata()
+        texts, meta = store.hit_texts(found, values=value_texts, metadata=metadata)
+        values: dict[int, str | Tensor | EmbeddedValue | None] = texts  # type: ignore[assignment]
+        if len(texts) < len(found):  # values without text: their embeddings, at the rows the search found
+            block = gather_values(store.table.values, ranked.rows)  # (b * t, value_dim)
+            for n, id_ in enumerate(flat):
+                if id_ >= 0 and id_ not in texts:  # made a tensor of its own storage when the hit's value is read
+                    values[id_] = EmbeddedValue(block, n)
+        return make_hits(ids, ranked.scores.tolist(), store.texts.key_of_id, values, meta)
 
     def query(
         self,

@@ -57,6 +57,40 @@ class _StoredMetadata:
         hit.__dict__[self.slot] = None if value is self else value  # the field's default is this descriptor
 
 
+class EmbeddedValue:
+    """A hit's value embedding not yet made a tensor: row ``n`` of a search's gathered values (a numpy block read in
+    its snapshot). :class:`_StoredValue` makes it a tensor of its own storage when the hit's value is first read.
+
+    Args:
+        block: (t, value_dim) float32 numpy array. n: the row.
+    """
+
+    __slots__ = ("block", "n")
+
+    def __init__(self, block: Any, n: int) -> None:
+        self.block, self.n = block, n
+
+
+class _StoredValue:
+    """A field descriptor: the value given as it is (text, tensor, None), or as an :class:`EmbeddedValue` made a
+    (value_dim,) CPU tensor of its own storage (not a view of the search's batch) at first access."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, hit: Hit | None, owner: type | None = None) -> Any:
+        if hit is None:
+            return None
+        value = hit.__dict__[self.slot]
+        if type(value) is EmbeddedValue:
+            value = torch.from_numpy(value.block[value.n].copy())  # (value_dim,)
+            hit.__dict__[self.slot] = value
+        return value
+
+    def __set__(self, hit: Hit, value: str | Tensor | EmbeddedValue | None) -> None:
+        hit.__dict__[self.slot] = value
+
+
 @dataclass(frozen=True, repr=False)
 class Hit:
     """One search result.
@@ -72,7 +106,7 @@ class Hit:
 
     id: int
     key: str | None
-    value: str | Tensor | None
+    value: str | Tensor | None  # made a tensor when first read: see _StoredValue, set on the class below
     score: float
     metadata: dict[str, Any] = field(default=_StoredMetadata(), hash=False)  # compared, not hashed (a dict)
 
@@ -248,11 +282,18 @@ class LazyMetadata(_LazyRows):
         return decode_metadata(self._source.get(id_))
 
 
+# The value field's descriptor, set after the dataclass is made (a field default would give ``value`` a default,
+# and every later field one): the generated __init__, __eq__ and replace() read and write it through the descriptor.
+_value_field = _StoredValue()
+_value_field.__set_name__(Hit, "value")
+Hit.value = _value_field  # type: ignore[assignment]
+
+
 def make_hits(
     ids: Tensor | Sequence[Sequence[int]],
     scores: Tensor | Sequence[Sequence[float]],
     key_of_id: Mapping[int, str],
-    values: Mapping[int, str | Tensor | None],
+    values: Mapping[int, str | Tensor | EmbeddedValue | None],
     metadata: Mapping[int, str] | None = None,
 ) -> list[list[Hit]]:
     """One list of :class:`Hit` per query, best first, from ranked ids and scores.
@@ -266,14 +307,23 @@ def make_hits(
     metadata = metadata or {}
     ids = ids.tolist() if isinstance(ids, Tensor) else ids
     scores = scores.tolist() if isinstance(scores, Tensor) else scores
+    key, value, meta = key_of_id.get, values.get, metadata.get
     return [
-        [
-            Hit(id=i, key=key_of_id.get(i), value=values.get(i), score=s, metadata=metadata.get(i))  # decoded lazily
-            for i, s in zip(row, row_s)
-            if i >= 0
-        ]
+        [_hit(i, key(i), value(i), s, meta(i)) for i, s in zip(row, row_s) if i >= 0]  # metadata decoded lazily
         for row, row_s in zip(ids, scores)
     ]
+
+
+def _hit(
+    id_: int, key: str | None, value: str | Tensor | EmbeddedValue | None, score: float, metadata: str | None
+) -> Hit:
+    """``Hit(id, key, value, score, metadata)`` with its fields set in its ``__dict__`` directly: the frozen
+    dataclass's ``__init__`` sets each through ``object.__setattr__`` (~2 us a hit, a tenth of a search's own
+    Python work). ``value`` may be an :class:`EmbeddedValue` and ``metadata`` the stored JSON text (or None):
+    each is made what it stands for when first read."""
+    hit = object.__new__(Hit)
+    hit.__dict__.update(id=id_, key=key, _value=value, score=score, _metadata=metadata)
+    return hit
 
 
 def make_answer(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from kvsearch.nn.scores import SCORE_KINDS, check_db_score, checked_scores
 from kvsearch.storage import folder as folders
 from kvsearch.storage.store import Store
 
-__all__ = ["Retriever", "metric_of", "rank_candidates"]
+__all__ = ["Retriever", "Ranked", "metric_of", "database_scores", "rank_rows", "rank_candidates"]
 
 
 def metric_of(score: str) -> Literal["ip", "l2"]:
@@ -237,7 +238,7 @@ class Retriever:
         check_fits(queries.shape[0] * take * per_candidate, lambda: f"gathering {len(queries):,} x {take:,} candidates")
         with _autocast_off(queries.device, device):  # the index scores in its own dtype, never autocast's
             found = self.index.search(queries.detach(), take, allowed=allowed, checked=True)  # checked at the door
-        ids = found.ids.cpu()  # (b, take)
+        ids = found.ids if targets is None else found.ids.cpu()  # (b, take) without targets: no read to the host
         rows = found.rows if self.index.source is store.table else None  # (b, take) rows of the store's keys, or None
         if targets is not None:
             targets = targets.cpu()
@@ -251,6 +252,43 @@ class Retriever:
         ids = ids.to(device)  # (b, take)
         match = None if targets is None else (ids == targets.to(device).unsqueeze(1)) & (ids >= 0)  # (b, take)
         return Candidates(ids=ids, keys=keys, values=values, mask=mask, match=match)
+
+    def search(self, queries: Tensor, k: int, *, where: Mapping[str, Any] | None = None) -> Ranked:
+        """``Database.search``'s ranking: the k best records of each query, best first, with their scores.
+
+        The scores never depend on the other queries of a batch (a query scores alike alone and in any batch), and
+        nothing is gathered that the ranking does not need:
+
+        - an exact torch index scanned the store's own keys: the few rows it found are scored again in torch with
+          the score's own function (:func:`rank_rows`: a matrix product's rounding depends on the batch);
+        - another index that scores the stored float32 vectors themselves (:attr:`CandidateIndex.exact_scores
+          <kvsearch.index.base.CandidateIndex.exact_scores>`: FAISS HNSW-Flat, IVF-Flat) gives the database's
+          scores up to float rounding (:func:`database_scores`), each computed alone: they are reported as they are;
+        - a lossy index (SQ, PQ codes, a PCA / OPQ transform), or a filtered FAISS search (which may redo some
+          queries exactly, as a batch), picks the ids, whose scores are recomputed in torch on the stored keys
+          (:func:`rank_rows`).
+
+        Args:
+            queries: (batch, dim) finite floats, checked at the facade. k: an int in [1, MAX_K], checked there.
+            where: a metadata filter: only matching records come back.
+
+        Returns:
+            :class:`Ranked`: ids and scores (batch, t) on the CPU (t = min(k, records); -1 / -inf where fewer
+            records match), and the rows of the ids in the store's table.
+        """
+        table, index = self.store.table, self.index
+        allowed = None if where is None else self.store.ids_where(where)  # (m,) sorted ids
+        take = max(1, min(k, len(table) if allowed is None else len(allowed)))
+        with _autocast_off(queries.device, self.store.device):  # the index scores in its own dtype
+            found = index.search(queries.detach(), take, allowed=allowed, checked=True)  # checked at the door
+        if found.rows is not None and index.source is table:  # the store's own keys, scanned in a batch
+            return rank_rows(queries, found.ids, found.rows, table.keys, self.score)
+        ids = found.ids.cpu()  # (b, take)
+        if allowed is None and index.exact_scores:
+            return Ranked(ids, database_scores(found.scores.cpu(), self.score, self.dim), table.rows_of(ids))
+        # lossy scores, or a filtered graph search some of whose queries were redone exactly as a batch
+        check_fits(queries.shape[0] * take * (self.dim * 4 * 2 + 8), lambda: f"scoring {len(queries):,} x {take:,}")
+        return rank_rows(queries, ids, table.rows_of(ids).to(self.store.device), table.keys, self.score)
 
     def key_matches(self, queries: Tensor) -> tuple[Tensor, Tensor]:
         """For each query embedding, the stored ids whose key embedding equals it (bit for bit, -0.0 == 0.0).
@@ -330,6 +368,58 @@ def _fingerprint(rows: Tensor, weights: Tensor) -> Tensor:
     return (bits * weights).sum(-1)  # (n,)
 
 
+@dataclass
+class Ranked:
+    """A search's ranking (:meth:`Retriever.search`).
+
+    Attributes:
+        ids: (batch, t) int64 on the CPU, best first, -1 where fewer records match.
+        scores: (batch, t) float32 on the CPU: the database's score (-inf or NaN where ids are -1).
+        rows: (batch, t) int64, the row of each id in the store's table (-1 where none), on any device.
+    """
+
+    ids: Tensor
+    scores: Tensor
+    rows: Tensor
+
+
+def database_scores(scores: Tensor, score: str, dim: int) -> Tensor:
+    """An index's scores of the stored vectors as the database's ``score``: the inner product (of unit vectors for
+    cosine) is ``dot`` and ``cosine`` itself, over ``sqrt(dim)`` ``scaled_dot``; a squared distance ``d`` is the
+    ``gaussian`` score ``-d / 2``. NaN stays where the index found nothing.
+
+    Args:
+        scores: (batch, t) an index's float32 scores. score: a database score.
+        dim: the key dimension.
+
+    Returns:
+        (batch, t) float32 scores.
+    """
+    if score == "scaled_dot":
+        return scores / math.sqrt(dim)  # (b, t)
+    if score == "gaussian":
+        return scores * -0.5  # (b, t)
+    return scores  # (b, t)
+
+
+def rank_rows(queries: Tensor, ids: Tensor, rows: Tensor, keys: Tensor, score: str) -> Ranked:
+    """The ids an exact torch index found in ``keys``, ranked by their scores recomputed in torch on those rows
+    (:func:`rank_candidates`' arithmetic: a query scores alike alone and in a batch).
+
+    Args:
+        queries: (batch, dim). ids: (batch, t), -1 where none. rows: (batch, t) their rows in ``keys`` (-1 where
+            none), on the keys' device. keys: (m, dim) the store's keys. score: the database's score.
+
+    Returns:
+        :class:`Ranked` on the CPU (rows on the keys' device).
+    """
+    mask = rows >= 0  # (b, t)
+    gathered = keys.index_select(0, rows.clamp(min=0).reshape(-1)).reshape(*rows.shape, keys.shape[-1])  # (b, t, dim)
+    cand = Candidates(ids=ids.to(keys.device), keys=gathered, values=gathered[..., :0], mask=mask)
+    ranked_ids, scores, order = _rank(queries, cand, score)  # (b, t) each
+    return Ranked(ranked_ids, scores, rows.gather(1, order))
+
+
 def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[Tensor, Tensor]:
     """The candidates of each query ranked by the database's score recomputed in torch on their stored keys.
 
@@ -345,6 +435,12 @@ def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[Tens
     Returns:
         ids (batch, t) and scores (batch, t) on the CPU, best first.
     """
+    ids, scores, _ = _rank(queries, cand, score)
+    return ids, scores
+
+
+def _rank(queries: Tensor, cand: Candidates, score: str) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`rank_candidates`, and the order (b, t) it sorted the candidates in (on their device)."""
     keys = cand.keys  # (b, t, dim)
     queries = queries.to(keys.device).unsqueeze(1)  # (b, 1, dim)
     if queries.dtype != keys.dtype:
@@ -352,4 +448,4 @@ def rank_candidates(queries: Tensor, cand: Candidates, score: str) -> tuple[Tens
         queries, keys = queries.to(dtype), keys.to(dtype)
     scores = checked_scores(queries, keys, score).squeeze(1)  # (b, t)
     scores, order = torch.sort(torch.where(cand.mask, scores, -math.inf), dim=-1, descending=True, stable=True)
-    return cand.ids.gather(1, order).cpu(), scores.cpu()  # (b, t) each
+    return cand.ids.gather(1, order).cpu(), scores.cpu(), order  # (b, t) each

@@ -227,6 +227,21 @@ class View:
         else:
             self.retriever.apply(removed=caught.removed, added=caught.added, keys=caught.keys)
 
+    def current(self) -> bool:
+        """Whether this view is up to date with the store, asked without reading it (callers hold the store lock): in
+        memory always; on disk when the folder still holds the file opened and no other connection committed since
+        the last sync (``PRAGMA data_version``: one statement, no table read). A read that needs nothing from SQLite
+        may then answer from this process's memory, outside a snapshot (a commit after this check is not seen: the
+        answer is that of the moment before it).
+
+        Raises:
+            StoreChangedError: the store file was deleted or replaced.
+        """
+        if self.path is None:
+            return True
+        self.store.check_file()
+        return not self.store.is_stale()
+
     def catch_up(self) -> None:
         """Bring this view up to date outside a snapshot (text queries are encoded with the encoders as they are)."""
         with self.store.lock:

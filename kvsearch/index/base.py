@@ -71,6 +71,13 @@ class CandidateIndex(Protocol):
         ...
 
     @property
+    def exact_scores(self) -> bool:
+        """True when the scores a search returns are those of the stored float32 vectors themselves (exact inner
+        products or squared distances, up to float rounding): a search may report them as they are. False for lossy
+        codes (SQ, PQ) and transformed spaces (PCA, OPQ), whose candidates are scored again on the stored keys."""
+        ...
+
+    @property
     def persisted(self) -> bool:
         """True when :meth:`save` is worth it (trained or graph FAISS types); False where rebuilding from the
         source is as fast as reading a file ("Flat", every torch index)."""

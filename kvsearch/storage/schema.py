@@ -35,6 +35,7 @@ __all__ = [
     "METADATA_INDEX",
     "METADATA_SQL",
     "METADATA_PLAIN_SQL",
+    "METADATA_ANY_SQL",
     "GIVEN_KEY",
     "GIVEN_VALUE",
     "SQLITE_CANTOPEN",
@@ -71,6 +72,8 @@ SCHEMA += METADATA_INDEX
 METADATA_SQL = (
     "SELECT id, metadata FROM records INDEXED BY records_with_metadata WHERE metadata IS NOT NULL AND id IN ({})"
 )
+#: Whether any record has metadata: one step into the partial index (a store without it raises "no such index").
+METADATA_ANY_SQL = "SELECT 1 FROM records INDEXED BY records_with_metadata WHERE metadata IS NOT NULL LIMIT 1"
 #: The same without the index: a store of an earlier version opened read-only, or one whose records table another
 #: process rebuilt (until the next writable open makes the index again).
 METADATA_PLAIN_SQL = "SELECT id, metadata FROM records WHERE id IN ({}) AND metadata IS NOT NULL"
