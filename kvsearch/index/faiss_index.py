@@ -14,13 +14,15 @@ training (IVF, PQ, OPQ) are served by an exact flat index until enough vectors e
 (or :meth:`Index.build`).
 
 An HNSW graph (``IndexHNSWFlat``) bound to a source reads the source's keys instead of holding its own copy where
-they are its vectors in order (:attr:`Index.shares_storage`, :mod:`kvsearch.index.graph_storage`), and its saved
-file holds the graph without the vectors.
+they are its vectors in order (:attr:`Index.shares_storage`, :mod:`kvsearch.index.graph_storage`), and it is saved
+without the vectors, the graph in a file of its own that a reader maps (:mod:`kvsearch.index.graph_file`). A graph's
+labels (insertion positions) and the id each holds are :class:`~kvsearch.index.labels.Labels`.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import faiss
 import numpy as np
@@ -46,6 +48,7 @@ from kvsearch.index.faiss_spec import (
     search_parameters,
     tune_faiss,
 )
+from kvsearch.index.graph_file import own_graph, read_index_file, write_index_file
 from kvsearch.index.graph_storage import (
     GraphVectors,
     delta_bound,
@@ -53,6 +56,7 @@ from kvsearch.index.graph_storage import (
     is_flat_graph,
     return_freed_memory,
 )
+from kvsearch.index.labels import Labels
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
     KeySource,
@@ -65,7 +69,6 @@ from kvsearch.index.topk import (
     check_queries,
     exact_search,
 )
-from kvsearch.storage.fileio import write_atomic
 
 __all__ = ["Index"]
 
@@ -124,10 +127,7 @@ class Index:
         self.removable = can_remove(template)
         self.min_train = min_train(template, spec)
         self._faiss: faiss.Index = template
-        self._labels = np.empty(0, dtype=np.int64)  # label -> id, used where FAISS cannot remove (graphs)
-        self._dead = np.zeros(0, dtype=bool)  # label is a tombstone
-        self._tombstones = 0  # how many labels are dead: a search asks this, never scans _dead
-        self._label_of: dict[int, int] = {}  # live id -> label (graphs only)
+        self._labels = Labels()  # label -> id, tombstones, id -> live label: where FAISS cannot remove (graphs)
         self._core_of: tuple[faiss.Index, faiss.Index] | None = None  # (_faiss, its core): see _core
         self._fallback = False  # serving an exact flat index until enough vectors exist to train
         self._vectors = GraphVectors(metric, self.normalize)  # an HNSW graph's storage (a view?) and delta
@@ -142,7 +142,7 @@ class Index:
         """The number of live (searchable) vectors."""
         if self._removable_now:
             return int(self._faiss.ntotal)
-        return len(self._label_of)
+        return self._labels.live
 
     @property
     def is_fallback(self) -> bool:
@@ -154,7 +154,7 @@ class Index:
         """True when tombstones outnumber live vectors, or when an untrained spec could now be trained."""
         if self._fallback:
             return self.ntotal >= self.min_train
-        return self._tombstones > max(self.ntotal, 1024)
+        return self._labels.tombstones > max(self.ntotal, 1024)
 
     @property
     def persisted(self) -> bool:
@@ -253,24 +253,17 @@ class Index:
         if self._removable_now:
             self._faiss.remove_ids(faiss.IDSelectorBatch(ids))
             return
-        for id_ in ids.tolist():
-            label = self._label_of.pop(id_, None)
-            if label is not None:
-                self._dead[label] = True
-                self._tombstones += 1
+        self._labels.kill(ids)
 
     def _build(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         self._faiss = self._new_faiss(vectors)
         self._vectors.reset()  # after the old graph went: it read the storage kept there
         self._removable_now = self.removable or self._fallback
-        self._labels = np.empty(0, dtype=np.int64)
-        self._dead = np.zeros(0, dtype=bool)
-        self._tombstones = 0
-        self._label_of = {}
+        self._labels = Labels()
         self._apply_params()
         if len(ids):
             self._add(ids, vectors)
-        self._vectors.share(self._faiss, self.source, self._labels)  # built from the source: read its keys
+        self._vectors.share(self._faiss, self.source, self._labels.ids)  # built from the source: read its keys
 
     def _add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         if not len(ids):
@@ -278,18 +271,15 @@ class Index:
         if self._removable_now:
             self._faiss.add_with_ids(vectors, ids)
             return
-        start = len(self._labels)
         if self._vectors.shared:  # a view cannot grow: the new vectors wait in the delta
             self._vectors.add(vectors)
         else:
+            own_graph(self._faiss)  # a mapped graph cannot grow either: its neighbour lists copied first
             self._faiss.add(vectors)
-        self._labels = np.concatenate([self._labels, ids])
-        self._dead = np.concatenate([self._dead, np.zeros(len(ids), dtype=bool)])
-        for offset, id_ in enumerate(ids.tolist()):
-            self._label_of[id_] = start + offset
+        self._labels.append(ids)
         if self._vectors.delta is not None and len(self._vectors.delta) > delta_bound(self._faiss.ntotal):
             self._vectors.fold(self._faiss)
-            self._vectors.share(self._faiss, self.source, self._labels)
+            self._vectors.share(self._faiss, self.source, self._labels.ids)
 
     # ------------------------------------------------------------------ reading
 
@@ -348,14 +338,14 @@ class Index:
         params = self._search_parameters(search_k) if allowed is None else self._allowed_parameters(allowed, search_k)
         d, i = self._faiss.search(queries, search_k, params=params) if params else self._faiss.search(queries, search_k)
         if self._vectors.delta is not None:
-            d, i = self._vectors.with_delta(queries, (d, i), self._labels, self._dead, allowed)
+            d, i = self._vectors.with_delta(queries, (d, i), self._labels.ids, self._labels.dead, allowed)
         valid = i >= 0  # (batch, search_k)
         if not valid.all():
             d = np.where(valid, d, np.float32(np.nan))  # (batch, search_k)
             if not self._removable_now:
-                i = np.where(valid, self._labels[np.where(valid, i, 0)], -1)
+                i = np.where(valid, self._labels.ids[np.where(valid, i, 0)], -1)
         elif not self._removable_now:
-            i = self._labels[i]  # (batch, search_k) label -> id
+            i = self._labels.ids[i]  # (batch, search_k) label -> id
         if search_k == k:
             return d, i
         D = np.full((batch, k), np.nan, dtype=np.float32)
@@ -399,7 +389,7 @@ class Index:
         if self._removable_now:
             present = np.isin(ids, self._id_array())
         else:
-            present = np.fromiter((i in self._label_of for i in ids.tolist()), dtype=bool, count=len(ids))
+            present = self._labels.find(ids) >= 0
         return np.ascontiguousarray(ids[present]), None
 
     def _source_search(
@@ -435,8 +425,8 @@ class Index:
             labels = np.flatnonzero(np.isin(label_ids, live)).astype(np.int64)
             inner = faiss.downcast_index(self._faiss.index)
         else:  # a graph: labels in insertion order
-            label_ids = self._labels
-            labels = np.fromiter((self._label_of[i] for i in live.tolist()), dtype=np.int64, count=len(live))
+            label_ids = self._labels.ids
+            labels = self._labels.find(live)
             inner = self._faiss
         if isinstance(inner, faiss.IndexPreTransform):
             for step in range(inner.chain.size()):
@@ -474,7 +464,8 @@ class Index:
         """Search parameters whose selector admits only ``allowed`` ids (live ones, for graph indexes)."""
         allowed = np.ascontiguousarray(np.asarray(allowed, dtype=np.int64).reshape(-1))
         if not self._removable_now:  # graphs search by label: map live ids to their labels
-            allowed = np.fromiter((self._label_of[i] for i in allowed.tolist() if i in self._label_of), dtype=np.int64)
+            allowed = self._labels.find(allowed)
+            allowed = np.ascontiguousarray(allowed[allowed >= 0])
         selector = faiss.IDSelectorBatch(allowed)
         params = self._parameters(k, selector, len(allowed))
         params._keep = (selector, allowed)  # keep the selector and its ids alive as long as the parameters
@@ -482,11 +473,11 @@ class Index:
 
     def _search_parameters(self, k: int) -> faiss.SearchParameters | None:
         """Parameters of an unfiltered search: a selector that skips a graph's tombstones, if it has any."""
-        if self._removable_now or not self._tombstones:
+        if self._removable_now or not self._labels.tombstones:
             if self._fallback or self.ntotal >= self.min_train:  # no IVF to probe whole: FAISS's own settings
                 return None
             return self._parameters(k, None, self.ntotal)
-        dead = np.flatnonzero(self._dead).astype(np.int64)
+        dead = np.flatnonzero(self._labels.dead).astype(np.int64)
         selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(dead))
         params = self._parameters(k, selector, self.ntotal)
         params._keep = selector  # keep the selector alive as long as the parameters
@@ -558,23 +549,28 @@ class Index:
         """Write the index to ``path`` atomically (a temporary file, then a rename); read it with :func:`load_index`.
 
         An HNSW graph (``IndexHNSWFlat``) with a source is written without its vectors (they are the source's
-        keys): the graph, the id of each label, the tombstones and the tombstones' vectors (ids the source no
-        longer holds); the delta's labels are written, their vectors read back from the source on load. Its
-        storage is shared with the source first where it can be (:attr:`shares_storage`: a writer's graph reads
-        the store's keys from its first save on). Other types, or without a source, hold their vectors.
+        keys): the graph to a file of its own beside ``path``, which readers map (:mod:`kvsearch.index.graph_file`),
+        and in ``path`` the id of each label, the tombstones, the tombstones' vectors (ids the source no longer
+        holds) and the source's version where the graph reads its keys; the delta's labels are written, their
+        vectors read back from the source on load. Its storage is shared with the source first where it can be
+        (:attr:`shares_storage`: a writer's graph reads the store's keys from its first save on). Other types, or
+        without a source, hold their vectors in ``path``.
 
         Raises:
-            OSError: the file cannot be written (the temporary file is removed; ``path`` is as it was).
+            OSError: a file cannot be written (the files it made are removed; ``path`` is as it was).
         """
-        arrays = {"labels": self._labels, "dead": self._dead, "fallback": np.array(self._fallback)}
+        labels = self._labels
+        arrays = {"labels": labels.ids, "dead": labels.dead, "fallback": np.array(self._fallback)}
+        graph = None
         if is_flat_graph(self._faiss) and self.source is not None:
-            self._vectors.share(self._faiss, self.source, self._labels)
-            arrays["faiss"] = graph_blob(self._faiss)  # uint8 array: the graph only
+            shared = self._vectors.share(self._faiss, self.source, labels.ids)
+            graph = graph_blob(self._faiss)  # uint8 array: the graph only
             arrays["graph_size"] = np.array(int(self._faiss.ntotal))
-            arrays["dead_vectors"] = self._vectors.dead_vectors(self._faiss, np.flatnonzero(self._dead))
+            arrays["dead_vectors"] = self._vectors.dead_vectors(self._faiss, np.flatnonzero(labels.dead))
+            arrays["source_version"] = np.array(int(self.source.version) if shared else -1)
         else:
             arrays["faiss"] = faiss.serialize_index(self._faiss)  # uint8 array
-        write_atomic(path, lambda f: np.savez(f, **arrays), sync=False)  # derived data: a torn file fails its hash
+        write_index_file(Path(path), arrays, graph)
 
     @classmethod
     def load(
@@ -590,48 +586,49 @@ class Index:
     ) -> Index:
         """Read an index written by :meth:`save` (see :func:`load_index`).
 
-        A graph saved without its vectors re-attaches them from ``source`` (a view over its keys where they are the
-        graph's in order, else a copy gathered by id: see :attr:`shares_storage`).
+        A graph saved without its vectors is read from its own file with its neighbour lists mapped (shared with
+        every process that reads it; copied before the graph first grows) and re-attaches its vectors from
+        ``source`` (a view over its keys where they are the graph's in order, else a copy gathered by id: see
+        :attr:`shares_storage`).
 
         Raises:
-            CorruptDatabaseError: the file is missing, truncated, foreign or of another dim / metric; or it holds a
-                graph without vectors and ``source`` is None or lacks ids the graph holds.
+            CorruptDatabaseError: the file (or the graph file it names) is missing, truncated, damaged, foreign or of
+                another dim / metric; or it holds a graph without vectors and ``source`` is None or lacks ids the
+                graph holds.
         """
         index = cls(dim, spec, metric, normalize=normalize, source=source)
+        arrays, loaded = read_index_file(Path(path))
         try:
-            with np.load(path, allow_pickle=False) as data:
-                blob, labels, dead = data["faiss"], data["labels"], data["dead"]
-                fallback = bool(data["fallback"])
-                graph_size = int(data["graph_size"]) if "graph_size" in data else None
-                dead_vectors = data["dead_vectors"] if graph_size is not None else None
-            loaded = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
-        except Exception as exc:  # numpy and FAISS raise many types on damaged input
+            labels, dead = np.asarray(arrays["labels"], dtype=np.int64), np.asarray(arrays["dead"], dtype=bool)
+            fallback = bool(arrays["fallback"])
+            graph_size = int(arrays["graph_size"]) if "graph_size" in arrays else None
+            saved_version = int(arrays.get("source_version", -1))
+        except (ValueError, TypeError) as exc:
             raise CorruptDatabaseError(f"index file {path} cannot be read: {exc}".splitlines()[0]) from None
-        if loaded.d != dim or loaded.metric_type != METRICS[metric] or len(labels) != len(dead):
+        if loaded.d != dim or loaded.metric_type != METRICS[metric] or labels.shape != dead.shape or labels.ndim != 1:
             raise CorruptDatabaseError(f"index file {path} does not match dim {dim} and metric {metric!r}")
         if graph_size is not None:  # a graph without vectors: they are the source's keys
             if source is None:
                 raise CorruptDatabaseError(f"index file {path} holds a graph without vectors, and no source is given")
+            same = saved_version >= 0 and saved_version == int(source.version)  # the keys the graph read when saved
             try:
-                labels, dead = labels.astype(np.int64), dead.astype(bool)
-                index._vectors.attach(loaded, graph_size, source, labels, dead, dead_vectors)
-            except CorruptDatabaseError as exc:
+                index._vectors.attach(loaded, graph_size, source, labels, dead, arrays["dead_vectors"], same_keys=same)
+            except (CorruptDatabaseError, KeyError) as exc:
                 raise CorruptDatabaseError(f"index file {path}: {exc}") from None
         index._faiss = loaded
         index._fallback = fallback
         index._removable_now = index.removable or fallback
-        index._labels = labels.astype(np.int64)
-        index._dead = dead.astype(bool)
-        index._tombstones = int(index._dead.sum())
-        index._label_of = {int(i): n for n, i in enumerate(index._labels.tolist()) if not index._dead[n]}
+        index._labels = Labels(labels, dead)
         if graph_size is None:  # a file that holds its vectors: shared from now on if they are the source's
-            index._vectors.share(index._faiss, index.source, index._labels)
+            index._vectors.share(index._faiss, index.source, labels)
         index.set_params(**(params or {}))  # the parameters in effect, defaults included, not the file's
         return_freed_memory()  # the file's bytes, read and deserialised, are freed: out of the resident set too
         return index
 
     def ids(self) -> Tensor:
         """The live ids, sorted: (n,) int64 on the CPU (for consistency checks against the store)."""
+        if not self._removable_now:
+            return torch.from_numpy(self._labels.live_ids())  # (n,) sorted
         return torch.from_numpy(np.sort(self._id_array()))  # (n,)
 
     def _id_array(self) -> np.ndarray:
@@ -647,7 +644,7 @@ class Index:
                 if invlists.list_size(lst)
             ]
             return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, dtype=np.int64)
-        return np.fromiter(self._label_of.keys(), dtype=np.int64, count=len(self._label_of))
+        return self._labels.live_ids(sort=False)
 
     # ------------------------------------------------------------------ helpers
 

@@ -6,9 +6,11 @@ view): a graph built over, or loaded beside, the store reads the store's keys an
 saved file holds the graph only (:func:`graph_blob`), the vectors being re-attached on load.
 
 A view cannot grow or shrink: FAISS *aborts the process* (an assertion, not an exception) when a view storage is
-asked to add, reset or remove. :class:`~kvsearch.index.faiss_index.Index` therefore never adds to a graph whose
-storage is a view: its new vectors go to a small exact *delta* (:func:`delta_search`, merged by score with
-:func:`merge_results`) until it is folded in (the storage copied back, the graph grown, then shared again).
+asked to add, reset or remove (and when a graph whose neighbour lists are mapped from its file grows:
+:func:`~kvsearch.index.graph_file.own_graph` copies them first, wherever a graph is added to).
+:class:`~kvsearch.index.faiss_index.Index` therefore never adds to a graph whose storage is a view: its new vectors
+go to a small exact *delta* (:func:`delta_search`, merged by score with :func:`merge_results`) until it is folded in
+(the storage copied back, the graph grown, then shared again).
 
 It knows nothing of ids, tombstones, files or the store: the index holds those.
 """
@@ -25,10 +27,12 @@ from torch import Tensor
 
 from kvsearch.checks import COSINE_EPS
 from kvsearch.errors import CorruptDatabaseError
+from kvsearch.index.graph_file import own_graph
 from kvsearch.index.topk import KeySource, Metric, exact_search
 
 __all__ = [
     "UNIT_TOLERANCE",
+    "UNIT_SAMPLE",
     "DELTA_MIN",
     "DELTA_FRACTION",
     "DELTA_MAX",
@@ -57,6 +61,9 @@ UNIT_TOLERANCE = 1e-5
 DELTA_MIN = 256
 DELTA_FRACTION = 8
 DELTA_MAX = 8192
+#: Rows at each end of the source's keys checked for unit length when a cosine graph re-attaches the keys it read as
+#: they are when it was saved, at the same source version (the same keys): a guard against another source.
+UNIT_SAMPLE = 512
 
 _malloc_trim = None  # glibc's malloc_trim once looked up (False: none)
 _COMPARE_ROWS = 4096  # rows compared at a time by same_vectors: a mismatch is usually seen in the first block
@@ -154,10 +161,13 @@ def same_vectors(a: np.ndarray, b: np.ndarray, tolerance: float) -> bool:
     return True
 
 
-def is_unit(keys: Tensor) -> bool:
-    """Whether every row of ``keys`` (n, dim) has length 1 within :data:`UNIT_TOLERANCE`."""
+def is_unit(keys: Tensor, *, sample: bool = False) -> bool:
+    """Whether every row of ``keys`` (n, dim) has length 1 within :data:`UNIT_TOLERANCE` (with ``sample``: the first
+    and the last :data:`UNIT_SAMPLE` rows; contiguous rows: few pages of a mapping touched)."""
     if len(keys) == 0:
         return True
+    if sample and len(keys) > 2 * UNIT_SAMPLE:
+        keys = torch.cat([keys[:UNIT_SAMPLE], keys[-UNIT_SAMPLE:]])  # (2 UNIT_SAMPLE, dim)
     norms = torch.linalg.vector_norm(keys, dim=-1)  # (n,)
     return bool(((norms - 1).abs() <= UNIT_TOLERANCE).all())
 
@@ -271,16 +281,21 @@ class GraphVectors:
         labels: np.ndarray,
         dead: np.ndarray,
         dead_vectors: np.ndarray,
+        *,
+        same_keys: bool = False,
     ) -> None:
         """Give a graph loaded without vectors (:func:`graph_blob`) its storage, and the delta its vectors.
 
         A view over the source's keys where its first ids are the graph's labels' ids in order, none is a tombstone
         and (cosine) they are unit; otherwise a copy gathered by id from the source, tombstones' vectors from
-        ``dead_vectors``. Labels past the graph are the delta: kept beside a view, added to a copy.
+        ``dead_vectors``. Labels past the graph are the delta: kept beside a view, added to a copy (a mapped
+        graph's neighbour lists copied first: :func:`~kvsearch.index.graph_file.own_graph`).
 
         Args:
             graph: the loaded graph without storage, of ``graph_size`` vectors. labels: (L,) the id of each label.
             dead: (L,) bool tombstones. dead_vectors: (dead.sum(), dim) float32 their vectors, in label order.
+            same_keys: the graph read these very keys when it was saved (the source is at the version it was
+                then): a cosine graph checks a sample of them for unit length, not every row.
 
         Raises:
             CorruptDatabaseError: the parts disagree, or a live label's id is not in the source.
@@ -292,7 +307,7 @@ class GraphVectors:
         if dead_vectors.shape != shape or dead_vectors.dtype != np.float32:
             raise CorruptDatabaseError(f"expected tombstone vectors of shape {shape}, got {dead_vectors.shape}")
         try:
-            self._attach(graph, source, labels, dead, dead_vectors)
+            self._attach(graph, source, labels, dead, dead_vectors, same_keys)
         except CorruptDatabaseError:
             self.reset()
             raise
@@ -301,7 +316,13 @@ class GraphVectors:
             raise CorruptDatabaseError(f"its vectors cannot be attached: {exc}".splitlines()[0]) from None
 
     def _attach(
-        self, graph: faiss.Index, source: KeySource, labels: np.ndarray, dead: np.ndarray, dead_vectors: np.ndarray
+        self,
+        graph: faiss.Index,
+        source: KeySource,
+        labels: np.ndarray,
+        dead: np.ndarray,
+        dead_vectors: np.ndarray,
+        same_keys: bool,
     ) -> None:
         n = int(graph.ntotal)
         keys, ids = source.keys, source.ids
@@ -311,7 +332,7 @@ class GraphVectors:
             and keys is not None
             and len(ids) >= n
             and np.array_equal(ids[:n].numpy(), labels[:n])
-            and (not self.normalize or is_unit(keys[:n]))
+            and (not self.normalize or is_unit(keys[:n], sample=same_keys))
         ):
             self.storage = view_storage(keys[:n].detach(), graph.metric_type)
             if self.storage is not None:
@@ -325,6 +346,7 @@ class GraphVectors:
             if self.shared:
                 self.delta = vectors
             else:
+                own_graph(graph)  # a mapped graph cannot grow: its neighbour lists copied first
                 graph.add(vectors)  # the storage is a copy: it grows
 
     def _gather(
@@ -383,10 +405,12 @@ class GraphVectors:
         self.delta = vectors if self.delta is None else np.concatenate([self.delta, vectors])
 
     def fold(self, graph: faiss.Index) -> None:
-        """Add the delta to the graph: its vectors are copied into a storage of its own first (a view cannot grow)."""
+        """Add the delta to the graph: its vectors are copied into a storage of its own first (a view cannot grow),
+        and a mapped graph's neighbour lists too."""
         own = owned_storage(storage_vectors(graph), graph.metric_type)  # (n, dim) copied
         set_storage(graph, own)
         self.keys, self.storage = None, own
         delta, self.delta = self.delta, None
         if delta is not None:
+            own_graph(graph)  # a mapped graph cannot grow either
             graph.add(delta)
