@@ -129,6 +129,7 @@ class Index:
         self._faiss: faiss.Index = template
         self._labels = Labels()  # label -> id, tombstones, id -> live label: where FAISS cannot remove (graphs)
         self._core_of: tuple[faiss.Index, faiss.Index] | None = None  # (_faiss, its core): see _core
+        self._exact_of: tuple[faiss.Index, bool] | None = None  # (_faiss, whether exact): see exact_scores
         self._fallback = False  # serving an exact flat index until enough vectors exist to train
         self._vectors = GraphVectors(metric, self.normalize)  # an HNSW graph's storage (a view?) and delta
         self._build(np.empty(0, dtype=np.int64), np.empty((0, dim), dtype=np.float32))
@@ -442,6 +443,25 @@ class Index:
             D, L = found.scores.numpy(), found.ids.numpy()
         I = np.where(L >= 0, label_ids[np.maximum(L, 0)], -1)  # noqa: E741
         return np.where(I >= 0, D, np.nan), I
+
+    @property
+    def exact_scores(self) -> bool:
+        """Whether this type scores the float32 vectors as stored: Flat, HNSW over a flat storage, IVF-Flat (and
+        the flat index an untrained spec falls back to); not SQ / PQ codes nor a PCA / OPQ pre-transform."""
+        if self._exact_of is not None and self._exact_of[0] is self._faiss:  # its layers never change
+            return self._exact_of[1]
+        index = self._faiss
+        if isinstance(index, faiss.IndexIDMap):
+            index = faiss.downcast_index(index.index)
+        core = self._core()
+        if isinstance(index, faiss.IndexPreTransform):
+            exact = False
+        elif isinstance(core, faiss.IndexHNSW):
+            exact = isinstance(faiss.downcast_index(core.storage), faiss.IndexFlat)
+        else:
+            exact = isinstance(core, (faiss.IndexFlat, faiss.IndexIVFFlat))
+        self._exact_of = (self._faiss, exact)
+        return exact
 
     def _takes_selector(self) -> bool:
         """Whether a FAISS search of this type takes an ``IDSelector`` (IVF, HNSW, Flat, SQ do; PQ, RQ don't)."""
