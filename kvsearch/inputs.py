@@ -38,6 +38,7 @@ from kvsearch.errors import (
     MissingEncoderError,
 )
 from kvsearch.metadata.codec import check as check_stored_metadata
+from kvsearch.nn.precision import host_reads
 
 __all__ = [
     "Queries",
@@ -154,7 +155,7 @@ def query_batch(queries: object, dim: int, targets: object = None) -> tuple[Tens
         InvalidArgumentError: not a dense floating-point tensor, targets that are not a dense integer tensor
             (:func:`~kvsearch.checks.check_dense`), too many queries.
         DimensionMismatchError: queries not (batch, dim), targets not (batch,).
-        NonFiniteError: NaN or Inf in the queries.
+        NonFiniteError: NaN or Inf in the queries (not looked for on a GPU).
     """
     if isinstance(queries, Tensor):
         check_dense(queries, "queries")
@@ -164,7 +165,8 @@ def query_batch(queries: object, dim: int, targets: object = None) -> tuple[Tens
     if queries.dim() != 2 or queries.shape[1] != dim:
         raise DimensionMismatchError(f"expected queries of shape (batch, {dim}), got {tuple(queries.shape)}")
     check_batch(queries.shape[0], "queries")
-    check_finite(queries, "queries")
+    if host_reads(queries.device):  # a GPU's candidates read nothing back to the host (nn.precision.host_reads)
+        check_finite(queries, "queries")
     if targets is None:
         return queries, None
     if isinstance(targets, Tensor):

@@ -19,7 +19,8 @@ path is then kept only where its median time per query was at most :data:`HALF_M
 :data:`RETRY_EVERY` calls the path not taken is timed once more (the keys or the load may have changed). Every path
 returns the same ids, so the choice changes speed only.
 
-- fewer than :data:`HALF_MIN_BATCH` queries, or no fast half type on the device: float32, untimed;
+- fewer than :data:`HALF_MIN_BATCH` queries, or no fast half type on the device: float32, untimed (the chooser is
+  out of the way: :meth:`PathChooser.times` says so before a call, which then reads no clock);
 - CUDA: float16 (tensor cores) against float32; CPU with ``avx512_bf16`` / ``amx_bf16``: bfloat16 against float32.
 
 float16 is never tried on a CPU without fast float16 arithmetic (``avx512_fp16`` or ``amx_fp16``): there a 64-query
@@ -175,8 +176,10 @@ class PathChooser:
             if forced == "faiss" and not (faiss_ok and device.type == "cpu"):
                 return "float32"
             return forced  # type: ignore[return-value]
+        if batch < HALF_MIN_BATCH:  # nothing to choose: asked before the device's half types
+            return "float32"
         half = fast_half_dtypes(device)
-        if batch < HALF_MIN_BATCH or not half:
+        if not half:
             return "float32"
         alt: ExactPath = "float16" if half[0] == torch.float16 else "bfloat16"
         cls = (batch.bit_length(), rows.bit_length())
@@ -191,6 +194,17 @@ class PathChooser:
         if calls % RETRY_EVERY == RETRY_EVERY - 1:  # time the other path again
             return "float32" if fast == alt else alt
         return fast
+
+    @staticmethod
+    def times(batch: int, device: torch.device) -> bool:
+        """Whether a call of ``batch`` queries on ``device`` is timed (:meth:`record`): only where there is a path to
+        choose (no path forced, at least :data:`HALF_MIN_BATCH` queries, a fast half type on the device); the other
+        calls run float32 without a clock read or a record.
+
+        Raises:
+            UnknownOptionError: ``$KVSEARCH_EXACT_PATH`` names an unknown path.
+        """
+        return batch >= HALF_MIN_BATCH and forced_path() == "auto" and bool(fast_half_dtypes(device))
 
     def record(self, batch: int, rows: int, path: str, seconds: float) -> None:
         """Note that a call of ``batch`` queries over ``rows`` keys on ``path`` took ``seconds`` (all its

@@ -1,6 +1,7 @@
 """The half-precision scan with exact float32 rescoring.
 
-This module owns :func:`half_candidates` (scan a bfloat16 / float16 copy of the keys for the best ``k'`` rows,
+This module owns :func:`half_keys` (the half-precision copy of the keys and the norms its bound needs),
+:func:`half_candidates` (scan a bfloat16 / float16 copy of the keys for the best ``k'`` rows,
 rescore those in float32, check per query that nothing left out can belong to the top k),
 :func:`half_error` (the proven bound that check uses); the id tie-break every exact path ends with is
 :mod:`kvsearch.index.topk`'s. :class:`kvsearch.index.torch_index.TorchIndex` drives them; this module knows nothing of
@@ -12,14 +13,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from kvsearch.checks import COSINE_EPS
 from kvsearch.index.topk import Metric, chunked_topk
 
 __all__ = [
     "UNIT_ROUNDOFF",
     "FP16_SAFE",
     "half_error",
+    "half_keys",
     "half_candidates",
 ]
 
@@ -29,9 +33,38 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 FP16_SAFE = 3.0e4
 
 
+def half_keys(keys: Tensor, dtype: torch.dtype, *, unit: bool) -> tuple[Tensor, float, float]:
+    """The half-precision copy of ``keys`` (n, dim) in ``dtype`` (unit rows where ``unit``: cosine over raw keys),
+    made 65,536 rows at a time, with its largest row norm and largest element (what :func:`half_error` needs).
+
+    Returns:
+        half (n, dim) on the keys' device, max_norm, max_abs (0.0 for no keys).
+    """
+    parts, max_norm, max_abs = [], 0.0, 0.0
+    for start in range(0, len(keys), 65_536):
+        block = keys[start : start + 65_536].float()  # (c, dim)
+        scored = F.normalize(block, dim=-1, eps=COSINE_EPS) if unit else block  # (c, dim)
+        half = scored.to(dtype)  # (c, dim)
+        parts.append(half)
+        as_float = half.float()  # (c, dim)
+        max_norm = max(max_norm, float(as_float.norm(dim=-1).max()))
+        max_abs = max(max_abs, float(as_float.abs().max()))
+    if not parts:
+        return torch.empty(0, keys.shape[1], dtype=dtype, device=keys.device), 0.0, 0.0
+    return torch.cat(parts), max_norm, max_abs
+
+
 def half_error(q: Tensor, dtype: torch.dtype, max_norm: float, max_abs: float, metric: Metric) -> Tensor:
-    """A proven bound (batch,) on |half-precision score - float32 score| of any key (see
-    :meth:`kvsearch.index.torch_index.TorchIndex.half_error_bound` for the derivation).
+    """A proven bound (batch,) on |half-precision score - float32 score| of any key.
+
+    Rounding q and k to the half type moves each product q_i k_i by at most (2u + u^2) |q_i k_i|; the
+    float32 accumulation by at most dim * 2^-24 * sum |q_i k_i|; rounding the half output by u |s|. With
+    sum |q_i k_i| <= |q| |k| (Cauchy-Schwarz) that is at most c |q| max|k|, c = 3u + 3u^2 + 2 dim 2^-24.
+    Below the type's smallest normal number ``tiny`` rounding is absolute (or a flush to zero on some
+    hardware): an element smaller than ``tiny`` may be lost whole, at most tiny (1 + u) sqrt(dim) (|q| +
+    max|k|) over the sum, and the output at most ``tiny``. For l2 the maximised score is
+    2 q.k - |k|^2 (|k|^2 exact): twice the error. Where a float16 score or element could overflow the
+    bound is infinite (such a query is searched in float32).
 
     Args:
         q: (batch, dim) float32 queries as scored (normalised for cosine), on the keys' device.

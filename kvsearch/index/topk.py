@@ -28,6 +28,7 @@ __all__ = [
     "Metric",
     "merge_candidates",
     "SearchResult",
+    "no_result",
     "KeySource",
     "EXACT_FILTER_MAX",
     "SCAN_CHUNK_ELEMENTS",
@@ -85,6 +86,15 @@ class SearchResult:
     def __iter__(self) -> Iterator[Tensor]:
         """``scores`` then ``ids``: a result unpacks as the pair it is."""
         return iter((self.scores, self.ids))
+
+
+def no_result(batch: int, k: int, device: torch.device, *, path: str = "") -> SearchResult:
+    """A result with no ids: scores (batch, k) NaN, ids (batch, k) -1, no rows; ``path`` the scan took."""
+    return SearchResult(
+        torch.full((batch, k), math.nan, dtype=torch.float32, device=device),
+        torch.full((batch, k), -1, dtype=torch.long, device=device),
+        path=path,
+    )
 
 
 class KeySource(Protocol):

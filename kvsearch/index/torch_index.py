@@ -18,14 +18,15 @@ search takes a gradient). It is exact, like FAISS's ``Flat``, but:
   the check (near-duplicate keys) is rescored again with a wider k' (at least 2,048 candidates), and only one
   that fails that too is searched again in float32. The ids are therefore those of the float32 search, at
   half-precision speed (:attr:`TorchIndex.last_widened`, :attr:`TorchIndex.last_rechecked` count them);
-- made from the spec ``"Flat"`` (the default index, ``dtype="auto"``) it picks the path of each call -- float32
-  scan or half-precision scan + exact rescoring -- from the device, the batch size and timings of its own recent
-  calls (:mod:`kvsearch.index.exact_path`); the half copy is made at the first call that takes it. Over keys that
-  processes share (a store's file mapping, ``source.keys_shared``) it stays float32: the half copy would be each
-  process's own half of the keys (ask for it with the spec ``"torch:bfloat16"``);
+- made from the spec ``"Flat"`` (``dtype="auto"``) it picks the path of each CPU call -- float32 scan or
+  half-precision scan + exact rescoring -- from the batch size and timings of its own recent calls
+  (:mod:`kvsearch.index.exact_path`); the half copy is made at the first call that takes it. Over keys that processes
+  share (``source.keys_shared``) it stays float32 (a half copy would be each process's own; spec ``"torch:bfloat16"``);
 - every path returns the same ids and scores: keys whose scores tie are ordered by id (smaller first); the
   :class:`~kvsearch.index.topk.SearchResult` says which path it took, and with a source the rows of its ids in the
-  source's key tensor;
+  source's key tensor. On a GPU a search reads nothing back to the host (no host-device sync,
+  :func:`~kvsearch.nn.precision.host_reads`): float32 unless a path is forced, and the ties are ordered by id among
+  the best ``k + 8`` (where more than 8 keys tie exactly with the k-th score, ``torch.topk`` picks which come back);
 - without a source (standalone) it holds the vectors given to ``build`` / ``add`` itself.
 
 Scores are computed a chunk of keys at a time by :func:`kvsearch.index.topk.chunked_topk` (memory O(batch x chunk)),
@@ -48,9 +49,9 @@ from torch import Tensor
 
 from kvsearch.checks import COSINE_EPS, check_k
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
-from kvsearch.index.exact_path import PathChooser
+from kvsearch.index.exact_path import PathChooser, forced_path
 from kvsearch.index.faiss_spec import check_search_param, tune_faiss
-from kvsearch.index.half_scan import half_candidates, half_error
+from kvsearch.index.half_scan import half_candidates, half_error, half_keys
 from kvsearch.index.topk import (
     EXACT_FILTER_MAX,
     SCAN_CHUNK_ELEMENTS,
@@ -67,6 +68,8 @@ from kvsearch.index.topk import (
     chunked_topk,
     settled,
 )
+from kvsearch.index.topk import no_result as _nothing
+from kvsearch.nn.precision import host_reads
 from kvsearch.storage.buffers import RowWindow
 
 __all__ = ["TorchIndex", "DerivedKeys", "KeySource", "TORCH_DTYPES"]
@@ -88,15 +91,6 @@ _TIE_EXTRA = 8
 #: The most queries :meth:`TorchIndex._direct_top` scans as one product: above, the chunked scan's merge was as fast
 #: or faster (20,480 x 64 keys, 2 cores: 1 query 0.26 vs 0.57 ms, 64 queries 2.9 vs 3.5, 1,024 queries 60 vs 53).
 _DIRECT_MAX_BATCH = 64
-
-
-def _nothing(batch: int, k: int, device: torch.device, *, path: str = "") -> SearchResult:
-    """A result with no ids: scores (batch, k) NaN, ids (batch, k) -1, no rows; ``path`` the scan took."""
-    return SearchResult(
-        torch.full((batch, k), math.nan, dtype=torch.float32, device=device),
-        torch.full((batch, k), -1, dtype=torch.long, device=device),
-        path=path,
-    )
 
 
 @dataclass
@@ -210,6 +204,11 @@ class TorchIndex:
     def is_fallback(self) -> bool:
         """Always False: an exact index needs no training."""
         return False
+
+    @property
+    def exact_scores(self) -> bool:
+        """Always True: every path returns float32 scores of the keys as stored (a half scan is rescored)."""
+        return True
 
     @property
     def needs_rebuild(self) -> bool:
@@ -361,8 +360,8 @@ class TorchIndex:
             if len(rows) <= max(8 * k, self.exact_filter_max):  # few: score exactly those rows, all of them
                 return self._search_rows(q, d, rows, k, queries.device)
             keep = torch.zeros(n, dtype=torch.bool, device=device).index_fill_(0, rows.to(device), True)  # (n,)
-        vals, found, path = self._top(q, d, min(k, n), keep)  # (batch, take) each
-        return self._finish(q, d, vals, found, k, queries.device, path)
+        vals, found, path, complete = self._top(q, d, min(k, n), keep)  # (batch, take) each
+        return self._finish(q, d, vals, found, k, queries.device, path, complete=complete)
 
     def _search_rows(self, q: Tensor, d: DerivedKeys, rows: Tensor, k: int, device: torch.device) -> SearchResult:
         """The exact top ``k`` among the key ``rows`` (m,) (CPU, ascending) of a small admitted set, scanned whole in
@@ -385,17 +384,31 @@ class TorchIndex:
         return self._finish(q, d, vals, found, k, device, "float32")
 
     def _finish(
-        self, q: Tensor, d: DerivedKeys, vals: Tensor, rows: Tensor, k: int, device: torch.device, path: str
+        self,
+        q: Tensor,
+        d: DerivedKeys,
+        vals: Tensor,
+        rows: Tensor,
+        k: int,
+        device: torch.device,
+        path: str,
+        *,
+        complete: bool = False,
     ) -> SearchResult:
         """Scores (l2: distances) and ids (batch, k) of the top rows (batch, take), padded past take, on ``device``;
-        with a source and ``take == k``, the rows themselves (batch, k) (its reader gathers by them, no id lookup)."""
+        with a source and ``take == k``, the rows themselves (batch, k) (its reader gathers by them, no id lookup).
+        ``complete``: no row is -1 (nothing to mask)."""
         take = vals.shape[1]
         if self.metric == "l2":
             q_sq = q.pow(2).sum(-1, keepdim=True)  # (batch, 1)
             vals = (q_sq - vals).clamp_(min=0)  # (batch, take): |q|^2 - (2 q.k - |k|^2); -inf -> inf
-        missing = rows < 0  # (batch, take) filtered out or absent
-        scores = vals.masked_fill(missing, math.nan)  # (batch, take)
-        ids = d.device_ids[rows.clamp(min=0)].masked_fill(missing, -1)  # (batch, take)
+        if complete:
+            scores = vals  # (batch, take)
+            ids = d.device_ids.index_select(0, rows.reshape(-1)).view(rows.shape)  # (batch, take)
+        else:
+            missing = rows < 0  # (batch, take) filtered out or absent
+            scores = vals.masked_fill(missing, math.nan)  # (batch, take)
+            ids = d.device_ids[rows.clamp(min=0)].masked_fill(missing, -1)  # (batch, take)
         if take == k:
             return self._on(SearchResult(scores, ids, rows if self.source is not None else None, path), device)
         out = _nothing(len(ids), k, ids.device, path=path)  # (batch, k) each: NaN / -1 beyond take
@@ -403,16 +416,8 @@ class TorchIndex:
         return self._on(out, device)
 
     def half_error_bound(self, queries: Tensor) -> Tensor:
-        """A proven bound (batch,) on |half-precision score - float32 score| of any key, for each query.
-
-        Rounding q and k to the half type moves each product q_i k_i by at most (2u + u^2) |q_i k_i|; the
-        float32 accumulation by at most dim * 2^-24 * sum |q_i k_i|; rounding the half output by u |s|. With
-        sum |q_i k_i| <= |q| |k| (Cauchy-Schwarz) that is at most c |q| max|k|, c = 3u + 3u^2 + 2 dim 2^-24.
-        Below the type's smallest normal number ``tiny`` rounding is absolute (or a flush to zero on some
-        hardware): an element smaller than ``tiny`` may be lost whole, at most tiny (1 + u) sqrt(dim) (|q| +
-        max|k|) over the sum, and the output at most ``tiny``. For l2 the maximised score is
-        2 q.k - |k|^2 (|k|^2 exact): twice the error. Where a float16 score or element could overflow the
-        bound is infinite (such a query is searched in float32).
+        """A proven bound (batch,) on |half-precision score - float32 score| of any key, for each query (the
+        derivation: :func:`~kvsearch.index.half_scan.half_error`).
 
         Args:
             queries: (batch, dim) raw queries, as given to :meth:`search` (normalised here for cosine).
@@ -457,33 +462,44 @@ class TorchIndex:
 
     # ------------------------------------------------------------------ the scans
 
-    def _path(self, batch: int, device: torch.device, d: DerivedKeys, filtered: bool) -> str:
-        """The path of this call: the spec's dtype; for ``"Flat"`` float32 over keys other processes share (a half
-        copy would be this process's own 0.5x of them: there is nothing to choose), else the pick of
-        :class:`~kvsearch.index.exact_path.PathChooser`."""
+    def _path(self, batch: int, device: torch.device, d: DerivedKeys, filtered: bool) -> tuple[str, bool]:
+        """The path of this call, and whether it is timed for the chooser: the spec's dtype; for ``"Flat"`` float32
+        over keys other processes share (a half copy would be this process's own 0.5x of them), float32 where there
+        is nothing to choose (a few queries, no fast half type) and on a GPU (timing a call would wait for the
+        device: a host sync in every step of a model), unless a path is forced; else the pick of
+        :class:`~kvsearch.index.exact_path.PathChooser`, timed."""
         if self.dtype is not None:
-            return str(self.dtype).removeprefix("torch.")
+            return str(self.dtype).removeprefix("torch."), False
         if not self._chooses():
-            return "float32"
+            return "float32", False
+        timed = device.type == "cpu" and PathChooser.times(batch, device)
+        if not timed and forced_path() == "auto":
+            return "float32", False
         faiss_ok = self.metric == "ip" and d.norm_term is None and not filtered and d.keys.is_contiguous()
-        return self.paths.choose(batch, len(d.ids), device, faiss_ok=faiss_ok)
+        return self.paths.choose(batch, len(d.ids), device, faiss_ok=faiss_ok), timed
 
     def _chooses(self) -> bool:
         """Whether the path chooser picks this index's paths: a ``"Flat"`` index over keys of its own."""
         return self.dtype is None and not getattr(self.source, "keys_shared", False)
 
-    def _top(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor, str]:
+    def _top(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor, str, bool]:
         """The exact top ``take`` rows of every query, ties by id: values (batch, take) (maximised: ip, or
-        2 q.k - |k|^2; -inf where absent) and rows (batch, take) (-1 there), on the keys' path of this call, and
-        that path."""
+        2 q.k - |k|^2; -inf where absent) and rows (batch, take) (-1 there), on the keys' path of this call, that
+        path, and whether every row is present (the direct scan's)."""
         batch, n = q.shape[0], len(d.ids)
-        path = chosen = self._path(batch, q.device, d, keep is not None)
-        started = time.perf_counter()
+        path, timed = self._path(batch, q.device, d, keep is not None)
+        chosen, timed = path, timed and keep is None
+        started = time.perf_counter() if timed else 0.0
         if path in ("bfloat16", "float16"):
             vals, rows, todo = self._top_half(q, d, take, keep, TORCH_DTYPES[path])
             path = "float32"
+        elif path == "float32" and not host_reads(q.device):  # a GPU: nothing waits for the device
+            vals, rows = self._device_top(q, d, take, keep)  # (batch, take) each
+            return vals, rows, chosen, False
         elif path == "float32" and keep is None and (direct := self._direct_top(q, d, take)) is not None:
-            (vals, rows), todo = direct, None  # (batch, take) each
+            if timed:
+                self.paths.record(batch, n, chosen, time.perf_counter() - started)
+            return direct[0], direct[1], chosen, True  # (batch, take) each, every row present
         else:  # the whole batch at once first (no indexing): it almost always settles
             vals, rows, ok = self._scan_top(q, d, min(n, take + _TIE_EXTRA), keep, path, take)  # (batch, take) each
             todo = None if ok is None else ~ok  # (batch,)
@@ -495,9 +511,15 @@ class TorchIndex:
             vals[at[ok]], rows[at[ok]] = v[ok], r[ok]
             todo[at[ok]] = False
             width = min(n, 8 * width)
-        if keep is None and self._chooses():  # todo.any() above waited for the device: the time is the call's
+        if timed:  # a CPU call: the time is the call's
             self.paths.record(batch, n, chosen, time.perf_counter() - started)
-        return vals, rows, chosen
+        return vals, rows, chosen, False
+
+    def _device_top(self, q: Tensor, d: DerivedKeys, take: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The float32 scan where nothing is read back to the host (a GPU): the best ``take + 8``, ordered by score
+        then id; values and rows (batch, take), -inf / -1 where absent (see the module docstring on ties)."""
+        v, r = self._scan32(q, d, min(len(d.ids), take + _TIE_EXTRA), keep, "float32")  # (batch, width) each
+        return best_by_score_then_id(v, r, d.device_ids, take)  # (batch, take) each
 
     def _direct_top(self, q: Tensor, d: DerivedKeys, take: int) -> tuple[Tensor, Tensor] | None:
         """An unfiltered float32 scan of a few queries (at most ``_DIRECT_MAX_BATCH``) that fits one chunk, as bare
@@ -513,7 +535,9 @@ class TorchIndex:
         elif d.norm_term is not None:
             scores = scores.mul_(d.norm_term)  # (batch, n)
         vals, rows = torch.topk(scores, min(n, take + 1), dim=1)  # (batch, take + 1) each, best first
-        if bool(((vals[:, 1:] == vals[:, :-1]) | torch.isneginf(vals[:, 1:])).any()):
+        # strictly decreasing (a difference of two -inf is NaN: refused) and no -inf among the first take (a row a
+        # scan counts absent); one reduction and one number read
+        if not bool((vals.diff(dim=1) < 0).all()) or (n <= take and bool(torch.isneginf(vals[:, -1]).any())):
             return None
         return vals[:, :take], rows[:, :take]
 
@@ -591,18 +615,8 @@ class TorchIndex:
         """The half copy of the keys in ``dtype`` (made at first use: a ``"Flat"`` index keeps none until a call
         takes a half path), its largest row norm and element."""
         if d.half is None or d.half.dtype != dtype:
-            raw_cosine = self.normalize and self.source is not None
-            parts, max_norm, max_abs = [], 0.0, 0.0
-            for start in range(0, len(d.keys), 65_536):
-                block = d.keys[start : start + 65_536].float()  # (c, dim)
-                scored = F.normalize(block, dim=-1, eps=COSINE_EPS) if raw_cosine else block  # (c, dim)
-                half = scored.to(dtype)  # (c, dim)
-                parts.append(half)
-                as_float = half.float()  # (c, dim)
-                max_norm = max(max_norm, float(as_float.norm(dim=-1).max()))
-                max_abs = max(max_abs, float(as_float.abs().max()))
-            empty = torch.empty(0, self.dim, dtype=dtype, device=d.keys.device)
-            d.half, d.half_max_norm, d.half_max_abs = (torch.cat(parts) if parts else empty), max_norm, max_abs
+            unit = self.normalize and self.source is not None  # cosine over raw keys: the copy holds unit rows
+            d.half, d.half_max_norm, d.half_max_abs = half_keys(d.keys, dtype, unit=unit)
         return d.half, d.half_max_norm, d.half_max_abs
 
     # ------------------------------------------------------------------ helpers

@@ -23,11 +23,18 @@ from torch import Tensor
 
 from kvsearch.checks import all_finite, check_dense, check_finite, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError
-from kvsearch.nn.pooling import POOLINGS, exact_matches, keep_mask, pool
-from kvsearch.nn.precision import autocast_dtype, compute_dtype, eager_checks, full_precision, output_dtype
+from kvsearch.nn.pooling import POOLINGS, exact_matches, keep_mask, pool_checked
+from kvsearch.nn.precision import (
+    autocast_dtype,
+    compute_dtype,
+    eager_checks,
+    full_precision,
+    host_reads,
+    output_dtype,
+)
 from kvsearch.nn.scores import SCORE_KINDS, ScoreFn, check_float_tensor, check_option, check_score, describe
 
-__all__ = ["Candidates", "attend", "check_pairing", "check_dropout"]
+__all__ = ["Candidates", "attend", "attend_candidates", "check_pairing", "check_dropout"]
 
 
 @dataclass
@@ -162,16 +169,19 @@ def _score_pool_blend(
     match: Tensor | None,
     temperature: float,
     dropout: float,
+    reads: bool,
 ) -> tuple[Tensor, Tensor]:
     """``attend``'s math on checked inputs of one dtype: queries (..., n, dim), keys (..., m, dim) -> output
-    (..., n, value_dim) and weights (..., n, m)."""
+    (..., n, value_dim) and weights (..., n, m); ``keep`` and ``match`` None or of the weights' shape. ``reads``:
+    the overflow checks of a built-in score (and the NaN / +inf check of a callable's) may read back to the host."""
     score_fn = score if callable(score) else SCORE_KINDS[score].fn  # checked_scores' dispatch, without its frame
     scores = score_fn(queries, keys)  # (..., n, m): checked by attend, one dtype
     expected = torch.Size((*queries.shape[:-1], keys.shape[-2]))
     if not isinstance(scores, Tensor) or scores.shape != expected:
         got = tuple(scores.shape) if isinstance(scores, Tensor) else describe(scores)
         raise DimensionMismatchError(f"the score function must return shape {tuple(expected)}, got {got}")
-    if isinstance(score, str) and eager_checks() and not all_finite(scores):
+    finite = isinstance(score, str) and reads  # a built-in score's scores are checked here: finite below
+    if finite and not all_finite(scores):
         raise NonFiniteError(
             f"the {score} scores overflowed: expected queries and keys whose scores fit in {scores.dtype}, got "
             f"{_count_nonfinite(scores)} non-finite scores from finite inputs (largest entry "
@@ -179,7 +189,11 @@ def _score_pool_blend(
         )
     if pooling == "exact" and match is None:
         match = exact_matches(queries, keys)  # (..., n, m)
-    weights = pool(scores, keep, pooling, temperature=temperature, match=match)  # (..., n, m)
+    if keep is None:
+        keep = torch.ones(expected, dtype=torch.bool, device=scores.device)  # (..., n, m)
+    if pooling == "exact":
+        keep = keep & match  # (..., n, m)
+    weights = pool_checked(scores, keep, pooling, temperature=temperature, finite=finite, reads=reads)  # (..., n, m)
     if dropout > 0:
         weights = F.dropout(weights, p=dropout, training=True)  # (..., n, m)
     return weights @ values, weights  # (..., n, value_dim), (..., n, m)
@@ -269,7 +283,8 @@ def attend(
     check_float_tensor(values, "values")
     gathered = _check_layout(queries, keys, values, score)
     check_pairing(score, pooling)
-    if eager_checks():
+    reads = eager_checks()
+    if reads:
         check_finite(queries)
         check_finite(keys, "keys")
         check_finite(values, "values")
@@ -296,16 +311,70 @@ def attend(
 
     with full_precision(device, amp):  # autocast off: scores, pooling and the blend in ``dtype``
         output, weights = _score_pool_blend(
-            queries, keys, values, score, pooling, keep, match, temperature, dropout if training else 0.0
+            queries, keys, values, score, pooling, keep, match, temperature, dropout if training else 0.0, reads
         )  # (n, value_dim) | (b, 1, value_dim) | (b, n, value_dim), like the scores
     output = output.to(output_dtype(dtype, amp))  # the autocast dtype under autocast
-    if eager_checks() and not all_finite(output):
+    if reads:
+        _check_output(output, weights, values)
+    if gathered:
+        output = output.squeeze(-2)  # (b, value_dim)
+        weights = weights.squeeze(-2)  # (b, k)
+    return output, weights
+
+
+def _check_output(output: Tensor, weights: Tensor, values: Tensor) -> None:
+    """NonFiniteError where the output overflowed (a read back to the host)."""
+    if not all_finite(output):
         raise NonFiniteError(
             f"the output overflowed: expected weights @ values to fit in {output.dtype}, got "
             f"{_count_nonfinite(output)} non-finite entries (largest weight {_largest(weights):.3g}, "
             f"largest value {_largest(values):.3g})"
         )
-    if gathered:
-        output = output.squeeze(-2)  # (b, value_dim)
-        weights = weights.squeeze(-2)  # (b, k)
-    return output, weights
+
+
+def attend_candidates(
+    queries: Tensor, cand: Candidates, *, score: str | ScoreFn, pooling: str, temperature: float, dropout: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`attend` over the candidates a database gathered (``KVAttention``'s call), one pass: nothing that was
+    checked is checked again.
+
+    The options were checked when the layer was made, the queries at its door (a floating-point (batch, dim),
+    finite where :func:`~kvsearch.nn.precision.host_reads`), and the keys and values are the database's own (finite:
+    checked when they were added); only the layout the database handed back is looked at (shapes: nothing read).
+    Where :func:`~kvsearch.nn.precision.host_reads` is False (a GPU) nothing is read back to the host: the scores
+    and the output are not checked for overflow.
+
+    Args:
+        queries: (batch, dim). cand: gathered candidates (keys (batch, k, dim), values (batch, k, value_dim), mask and
+            match (batch, k) or None), or shared ones (k="all": keys (m, dim)), which go through :func:`attend`.
+        score, pooling, temperature: checked options. dropout: the probability applied (0 outside training).
+
+    Returns:
+        ``(output, weights)`` as :func:`attend`'s: (batch, value_dim), (batch, k | m).
+
+    Raises:
+        DimensionMismatchError: the candidates do not line up with the queries.
+        NonFiniteError: (where values are read back) a built-in score or the output overflowed; a callable score
+            gave NaN or +inf on a kept candidate.
+    """
+    keys, values = cand.keys, cand.values
+    if keys.dim() != 3 or not keys.is_floating_point() or not values.is_floating_point():
+        return attend(queries, keys, values, score=score, pooling=pooling, mask=cand.mask, match=cand.match,
+                      temperature=temperature, dropout=dropout, training=dropout > 0)  # fmt: skip
+    _check_layout(queries, keys, values, score)  # shapes only
+    device = queries.device
+    amp = autocast_dtype(device)  # None unless autocast is on for the queries' device
+    dtype = compute_dtype(torch.promote_types(torch.promote_types(queries.dtype, keys.dtype), values.dtype), amp)
+    q = queries.to(dtype).unsqueeze(-2)  # (b, 1, dim)
+    keys, values = keys.to(device, dtype), values.to(device, dtype)  # (b, k, dim), (b, k, value_dim)
+    keep = None if cand.mask is None else cand.mask.to(device).unsqueeze(-2)  # (b, 1, k)
+    match = None if cand.match is None else cand.match.to(device).unsqueeze(-2)  # (b, 1, k)
+    reads = host_reads(device)
+    with full_precision(device, amp):  # autocast off: scores, pooling and the blend in ``dtype``
+        output, weights = _score_pool_blend(
+            q, keys, values, score, pooling, keep, match, temperature, dropout, reads
+        )  # (b, 1, value_dim), (b, 1, k)
+    output = output.to(output_dtype(dtype, amp))  # the autocast dtype under autocast
+    if reads:
+        _check_output(output, weights, values)
+    return output.squeeze(-2), weights.squeeze(-2)  # (b, value_dim), (b, k)

@@ -4,10 +4,11 @@
     output = layer(queries)                  # (batch, dim) -> (batch, value_dim); layer.last_weights, last_ids
 
 It owns the layer's options (k, score, pooling, temperature, dropout; ``score="additive"`` creates an
-:class:`~kvsearch.nn.scores.AdditiveScore` submodule), asks the database for candidates and hands them to
-:func:`~kvsearch.nn.attend.attend` (the call into the database runs eagerly: under ``torch.compile`` it is the
-layer's one graph break). The database is duck-typed (``dim``, ``candidates``, optionally
-``exact_targets``): this module knows nothing of FAISS, SQLite, text or files.
+:class:`~kvsearch.nn.scores.AdditiveScore` submodule) and its door: the queries are checked here once, the database
+is asked for candidates and they go to :func:`~kvsearch.nn.attend.attend_candidates`, which checks nothing again (the
+call into the database runs eagerly: under ``torch.compile`` it is the layer's one graph break). On a GPU the forward
+and backward read nothing back to the host (:func:`~kvsearch.nn.precision.host_reads`). The database is duck-typed
+(``dim``, ``candidates``, optionally ``exact_targets``): this module knows nothing of FAISS, SQLite, text or files.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from torch import Tensor, nn
 
 from kvsearch.checks import check_finite, check_k, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError
-from kvsearch.nn.attend import Candidates, attend, check_dropout, check_pairing
+from kvsearch.nn.attend import Candidates, attend_candidates, check_dropout, check_pairing
 from kvsearch.nn.pooling import POOLINGS
+from kvsearch.nn.precision import host_reads
 from kvsearch.nn.scores import AdditiveScore, ScoreFn, check_float_tensor, check_option, check_score
 
 __all__ = ["KVAttention"]
@@ -44,6 +46,11 @@ class KVAttention(nn.Module):
     (``torch.get_autocast_dtype(device_type)`` of the queries' device) and ``last_weights`` in float32.
     Without autocast the output has the promoted dtype of queries, keys and values (float32 for a
     ``Database``). Gradients reach low-precision queries in their own dtype.
+
+    On a GPU (where :func:`~kvsearch.nn.precision.host_reads` is False) forward and backward make no host-device
+    synchronisation, so a model's step never waits for the device: the queries are not looked at for NaN / Inf and
+    the scores and output not for overflow (as torch's own ops do not look: NaN comes out), and the candidates stay
+    on the device (with a ``Database`` whose torch index is on that device).
 
     Under ``torch.compile`` the call into the database (``candidates``, ``exact_targets``) is a graph
     break (``torch.compiler.disable``): it runs eagerly and checks the queries for NaN / Inf there; the
@@ -115,24 +122,20 @@ class KVAttention(nn.Module):
         Raises:
             InvalidArgumentError: queries are not a floating-point tensor.
             DimensionMismatchError: queries are not (batch, db.dim), or the candidates do not line up.
-            NonFiniteError: queries hold NaN or Inf.
+            NonFiniteError: queries hold NaN or Inf (where values are read back: not on a GPU).
             EmptyDatabaseError: (raised by a Database's ``candidates``) the database holds no records; an empty
                 batch (0, dim) is answered with an empty output (0, value_dim).
         """
         check_float_tensor(queries, "queries")
         cand = self._candidates(queries)  # eager: a graph break under torch.compile
-        output, weights = attend(
+        output, weights = attend_candidates(
             queries,
-            cand.keys,
-            cand.values,
+            cand,
             score=self.score_fn,
             pooling=self.pooling,
-            mask=cand.mask,
-            match=cand.match,
             temperature=self.temperature,
-            dropout=self.dropout,
-            training=self.training,
-        )  # (batch, value_dim), (batch, k | m)
+            dropout=self.dropout if self.training else 0.0,
+        )  # (batch, value_dim), (batch, k | m): nothing checked again below this door
         ids = cand.ids if cand.ids.dim() == 2 else cand.ids.expand_as(weights)  # (batch, k | m)
         self.last_weights = weights.detach()  # (batch, k | m)
         self.last_ids = ids.detach()  # (batch, k | m)
@@ -151,7 +154,8 @@ class KVAttention(nn.Module):
             raise DimensionMismatchError(
                 f"expected queries of shape (batch, {self.db.dim}), got {tuple(queries.shape)}"
             )
-        check_finite(queries)  # before the index sees them
+        if host_reads(queries.device):  # on a GPU nothing is read back (see nn.precision.host_reads)
+            check_finite(queries)  # before the index sees them
         exact_targets = getattr(self.db, "exact_targets", None)
         if self.pooling == "exact" and callable(exact_targets):  # the database's rule: one equal stored key
             return self.db.candidates(queries, self.k, targets=exact_targets(queries))

@@ -2,7 +2,8 @@
 
 ``pool(scores, mask, pooling)`` owns the modes (``softmax``, ``normalize``, ``nonnegative``, ``hard``, ``exact``,
 ``average``), the masked softmax that never gives NaN, the keep-mask check (``keep_mask``) and the exact-match
-comparison of embeddings (``exact_matches``). A dropped candidate always gets weight 0; a row with nothing kept
+comparison of embeddings (``exact_matches``); ``pool_checked`` is its math on arguments checked by the caller
+(``attend``), which nothing checks again. A dropped candidate always gets weight 0; a row with nothing kept
 gets zeros, forward and backward.
 
 It knows nothing of how the scores were computed, of candidates, FAISS, SQLite or text.
@@ -21,7 +22,7 @@ from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFin
 from kvsearch.nn.precision import eager_checks
 from kvsearch.nn.scores import check_float_tensor, check_option, describe
 
-__all__ = ["PoolingName", "POOLINGS", "pool", "keep_mask", "exact_matches"]
+__all__ = ["PoolingName", "POOLINGS", "pool", "pool_checked", "keep_mask", "exact_matches"]
 
 PoolingName = Literal["softmax", "normalize", "nonnegative", "hard", "exact", "average"]
 
@@ -95,15 +96,16 @@ def _masked_softmax(scores: Tensor, keep: Tensor, temperature: float) -> Tensor:
     return torch.where(keep, weights, 0)  # (..., m)
 
 
-def _keep_finite_scores(scores: Tensor, keep: Tensor) -> Tensor:
+def _keep_finite_scores(scores: Tensor, keep: Tensor, reads: bool = True) -> Tensor:
     """The keep-mask with the candidates scored -inf dropped; NaN or +inf on a kept candidate raises.
 
-    Under ``torch.compile`` nothing is read back to the host: -inf still drops, NaN or +inf is not looked for.
+    Under ``torch.compile`` or without ``reads`` (nothing may be read back to the host) -inf still drops, NaN or
+    +inf is not looked for.
 
     Raises:
         NonFiniteError: (eager mode) a kept candidate's score is NaN or +inf.
     """
-    if not eager_checks():
+    if not reads or not eager_checks():
         return keep & (scores != -math.inf)  # (..., m)
     if all_finite(scores):
         return keep
@@ -168,8 +170,33 @@ def pool(
         if match is None:
             raise InvalidArgumentError("exact pooling needs match: expected a bool tensor, got None")
         keep = keep & keep_mask(match, shape, "match", device)  # (..., m)
-    keep = _keep_finite_scores(scores, keep)  # (..., m) a -inf score drops its candidate
+    return pool_checked(scores, keep, pooling, temperature=temperature)
 
+
+def pool_checked(
+    scores: Tensor,
+    keep: Tensor,
+    pooling: str,
+    *,
+    temperature: float = 1.0,
+    finite: bool = False,
+    reads: bool = True,
+) -> Tensor:
+    """:func:`pool` on checked arguments (nothing is checked again): weights (..., m).
+
+    Args:
+        scores: floating-point (..., m).
+        keep: bool keep-mask of ``scores``' shape (for ``exact``: already ANDed with the matches).
+        pooling: a name from ``POOLINGS``. temperature: finite and > 0.
+        finite: the scores are known to hold no NaN or Inf (checked by the caller): no candidate is dropped for -inf.
+        reads: whether NaN or +inf on a kept candidate may be looked for (a read back to the host).
+
+    Raises:
+        NonFiniteError: (``reads``, eager mode) a kept candidate's score is NaN or +inf.
+    """
+    if not finite:
+        keep = _keep_finite_scores(scores, keep, reads)  # (..., m) a -inf score drops its candidate
+    shape = scores.shape
     if pooling == "softmax":
         return _masked_softmax(scores, keep, temperature)  # (..., m)
     if pooling in ("normalize", "nonnegative"):

@@ -10,16 +10,35 @@ The rule is fused ``scaled_dot_product_attention``'s: under autocast the scores,
 run in float32 (float64 inputs stay float64, which autocast never casts), and the output comes out in the autocast
 dtype; weights stay in the computing dtype. Without autocast nothing changes: the inputs' promoted dtype.
 
+It also owns the rule of when code may read a tensor's values back to the host (:func:`host_reads`): on the CPU,
+where nothing waits; never on an accelerator, where ``bool(t)`` or ``t.item()`` waits for the device to finish its
+queue (a host-device sync in each step of a model) -- the hot paths (``KVAttention`` forward + backward, the
+candidates a database gathers, the exact index's scan) take a form that reads nothing back there; and nowhere inside
+:func:`sync_free`, which runs that form on the CPU too (the tests that check it, on machines without a GPU).
+
 It knows nothing of scores, pooling, candidates, FAISS, SQLite or text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["autocast_dtype", "compute_dtype", "output_dtype", "full_precision", "autocast_off", "eager_checks"]
+__all__ = [
+    "autocast_dtype",
+    "compute_dtype",
+    "output_dtype",
+    "full_precision",
+    "autocast_off",
+    "eager_checks",
+    "host_reads",
+    "sync_free",
+]
+
+_SYNC_FREE: contextvars.ContextVar[bool] = contextvars.ContextVar("kvsearch_sync_free", default=False)
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -65,3 +84,26 @@ def eager_checks() -> bool:
     checked for non-finite inputs or overflow (the database still checks the queries it searches with).
     """
     return not torch.compiler.is_compiling()
+
+
+def host_reads(device: torch.device) -> bool:
+    """Whether code may read tensor values on ``device`` back to the host (``bool(t)``, ``t.item()``, ``t.cpu()``)
+    to check or branch on them: on the CPU, in eager mode, outside :func:`sync_free`; never on an accelerator.
+
+    On a GPU a read waits for every kernel queued before it (a host-device synchronisation): in a model's step the
+    host would stop feeding the device. There the layer's hot path reads nothing back: NaN / Inf queries and
+    overflowing scores are not looked for (torch's own ops do not look either; the output holds NaN), the exact
+    index orders ties by id among a fixed number of extra candidates, candidates stay on the device.
+    """
+    return not torch.compiler.is_compiling() and device.type == "cpu" and not _SYNC_FREE.get()
+
+
+@contextlib.contextmanager
+def sync_free() -> Iterator[None]:
+    """A context in which :func:`host_reads` is False on every device: the CPU runs the form of the hot paths that an
+    accelerator runs (nothing read back to the host), so that a machine without a GPU can check that form."""
+    token = _SYNC_FREE.set(True)
+    try:
+        yield
+    finally:
+        _SYNC_FREE.reset(token)

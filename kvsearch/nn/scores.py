@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from kvsearch.checks import COSINE_EPS, all_finite, check_dense, check_dim
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, UnknownOptionError
+from kvsearch.nn.precision import host_reads
 
 __all__ = [
     "ScoreName",
@@ -132,12 +133,13 @@ def _unit_rows(x: Tensor) -> Tensor:
     """Rows scaled to unit norm as ``F.normalize`` does (norms clamped to ``COSINE_EPS``: a zero row stays zero).
 
     A row whose squared norm overflows (entries near 1e19 and above in float32) is first divided by its largest
-    entry, which the cosine does not see: its norm is then finite and its direction exact (in eager mode: under
-    ``torch.compile`` such a row is not looked for, and scores 0).
+    entry, which the cosine does not see: its norm is then finite and its direction exact (where values are read
+    back, :func:`~kvsearch.nn.precision.host_reads`: under ``torch.compile`` and on a GPU such a row is not looked
+    for, and scores 0).
     """
     norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
-    # nn.precision.eager_checks and checks.all_finite's first test inline (a query's scores run this twice)
-    if not torch.compiler.is_compiling() and not math.isfinite(norms.sum().item()) and not all_finite(norms):
+    # checks.all_finite's first test inline (a query's scores run this twice)
+    if host_reads(x.device) and not math.isfinite(norms.sum().item()) and not all_finite(norms):
         peak = x.detach().abs().amax(-1, keepdim=True)  # (..., 1)
         x = x / torch.where(peak > 1, peak, 1)  # (..., dim) huge rows brought to [-1, 1]; small rows as they are
         norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
