@@ -12,7 +12,9 @@ built and queried are in ``serving_peers.py``. The figures, each measured in thi
 
 1. **Memory per extra reader** (m random unit vectors, d=384, float32; ``--m``, 1M by default): one reader
    process, then 4 at once; each imports its library, opens the store, answers 33 single queries and one batch
-   of 256, then reports ``/proc/self/smaps_rollup`` and stays alive until all 4 have reported. Per extra reader =
+   of 256, then reports ``/proc/self/smaps_rollup`` and stays alive until all 4 have reported; then each reports it
+   again, all alive and done, and that is the figure (PSS shares of one moment: a reader that finished first no
+   longer counts whole the pages the others had not mapped yet). Per extra reader =
    (sum of the 4 readers' PSS - the single reader's PSS) / 3; private = mean of Private_Clean + Private_Dirty of
    the 4; both also over the vectors' bytes (m * 384 * 4). The page cache is warm (it cannot be dropped without
    root): every file of the store is read once before its first reader.
@@ -125,6 +127,14 @@ def start_readers(spec: dict, folder: Path, m: int, count: int) -> list[dict]:
     for proc in procs:
         line = proc.stdout.readline()
         reports.append(json.loads(line) if line.startswith("{") else {"error": line.strip()})
+    for proc in procs:  # all have reported: each measures again while all are alive (PSS shares of one moment)
+        if proc.poll() is None:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+    for proc, report in zip(procs, reports):
+        line = proc.stdout.readline() if proc.poll() is None else ""
+        if line.startswith("{") and "error" not in report:
+            report["after"] = json.loads(line)["together"]
     for proc, report in zip(procs, reports):
         _, err = proc.communicate("go\n", timeout=120)
         if "error" in report:

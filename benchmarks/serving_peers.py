@@ -432,6 +432,8 @@ def reader(spec: dict[str, Any], folder: str, m: int) -> None:
     after = smaps()
     out = {"import_s": import_s, "open_first_s": open_first_s, "hits": len(found), "before": before, "after": after}
     print(json.dumps(out), flush=True)
+    sys.stdin.readline()  # every reader has reported: measured again, all alive and done (one moment's sharing)
+    print(json.dumps({"together": smaps()}), flush=True)
     sys.stdin.readline()
 
 

@@ -13,7 +13,8 @@ A database folder holds:
   before generations holds its encoder files at the top of the folder instead (generation 0). What they hold, and
   how they are written and checked, is :mod:`kvsearch.storage.encoder_files`'s;
 - ``index.npz`` and ``manifest.json`` — a saved index and what it is the index of (:func:`write_index`,
-  :func:`saved_index_path`).
+  :func:`saved_index_path`); beside them the graph file ``index.npz.<random>.graph`` that a saved HNSW index names,
+  with its size and CRC-32, and that readers map (written and read by the index: ``kvsearch.index.graph_file``).
 
 A folder holds one kind of database or none (:func:`kind_of`): a plain one (``store.sqlite``) or a sharded one
 (``shards.json`` and ``shard-0000/`` ..., :mod:`kvsearch.distributed.layout`). A new database is made only in an
