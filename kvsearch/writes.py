@@ -21,6 +21,7 @@ spec.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -141,34 +142,44 @@ class Writes:
         # which texts came with their own embedding: kept as given, never re-encoded from the text
         given = (GIVEN_KEY if key_embeddings is not None else 0) | (GIVEN_VALUE if value_embeddings is not None else 0)
         with self.view.writing():
-            existing = self.store.texts.stored_ids_of_keys(key_texts, allow=upsert)  # raises DuplicateKeyError
+            if key_texts.count(None) < n:  # keys with text: those stored already (keys as embeddings have none)
+                existing = self.store.texts.stored_ids_of_keys(key_texts, allow=upsert)  # raises DuplicateKeyError
+            else:  # the key maps are not even read (a kNN memory's adds never read them)
+                existing = [None] * n
             if upsert and n and key_texts[0] is None:  # keys as embeddings: the same key is an equal embedding
                 existing = self.equal_keys(key_embs)  # raises DuplicateKeyError
             if n == 0:
                 return []
             key_embs = encode_side(key_texts, key_embs, self.encoder, self.dim, "keys")  # (n, dim)
             value_embs = encode_side(value_texts, value_embs, self.value_encoder, self.value_dim, "values")
+            fresh = existing.count(None) == n  # every record new: its ids ascend past every stored one
             over = self.capacity is not None and len(self.store.table) + existing.count(None) > self.capacity
             with self.view.atomic() if over else contextlib.nullcontext():  # the write and the drop: all or nothing
                 ids = self.store.write(key_texts, value_texts, metadata, key_embs, value_embs, existing, [given] * n)
-                dropped = set(self.drop_oldest()) if over else set()
-            removed, added = [i for i in existing if i is not None], ids
-            if dropped:  # the index loses what it held of them, and never gets those of this write
+                dropped = self.drop_oldest() if over else []  # ascending
+            removed, added = [] if fresh else [i for i in existing if i is not None], ids
+            if dropped and fresh:  # the dropped ids of this write are its first ones: slices, no set of ids
+                mine = len(dropped) - bisect.bisect_left(dropped, ids[0])  # how many of this write's were dropped
+                removed, added = dropped[: len(dropped) - mine], ids[mine:]
+                key_embs = key_embs[mine:]  # (kept, dim)
+            elif dropped:  # the index loses what it held of them, and never gets those of this write
+                gone = set(dropped)
                 new = {id_ for id_, stored in zip(ids, existing) if stored is None}  # the ids this write made
-                removed = sorted(set(removed) | (dropped - new))
-                kept = [p for p, id_ in enumerate(ids) if id_ not in dropped]  # positions still stored
+                removed = sorted(set(removed) | (gone - new))
+                kept = [p for p, id_ in enumerate(ids) if id_ not in gone]  # positions still stored
                 added = [ids[p] for p in kept]
                 key_embs = key_embs[torch.tensor(kept, dtype=torch.long, device=key_embs.device)]  # (kept, dim)
             self.retriever.apply(removed=removed, added=added, keys=key_embs)
         return ids
 
     def drop_oldest(self) -> list[int]:
-        """Delete the oldest records (the smallest ids) beyond the capacity: their ids (the caller holds the lock)."""
+        """Delete the oldest records (the smallest ids) beyond the capacity: their ids, ascending (the caller holds
+        the lock)."""
         excess = len(self.store.table) - self.capacity
         if excess <= 0:
             return []
-        oldest = self.store.table.ids[:excess].tolist()  # the table is sorted by id
-        self.store.delete(oldest)
+        oldest = self.store.table.ids[:excess].tolist()  # the table is sorted by id, and up to date under the lock
+        self.store.delete(oldest, held=True)
         return oldest
 
     def clear(self) -> None:

@@ -95,7 +95,9 @@ class RowWindow:
     outnumber them (and :data:`MIN_ROOM`): so a window that keeps its newest ``c`` rows copies each row about once,
     holds at most about ``2 c`` rows, and every operation costs O(rows added or dropped), amortised. A new buffer
     has room for an eighth more rows, or twice as many as were dropped since the last copy (at most as many as it
-    holds); a large CPU one is reserved (:func:`row_buffer`: it grows without a copy).
+    holds), or, while the doubled buffer stays under :data:`RESERVE_FROM_BYTES`, as many rows as it holds (a small
+    growing memory copies each row about once, as a doubling buffer in bare torch does, instead of about eight
+    times); a large CPU one is reserved (:func:`row_buffer`: it grows without a copy).
 
     A tensor handed out before stays valid (a later append writes past its end, a copy goes to a new buffer), but it
     no longer is the window's view: only :meth:`holds` tells whether a tensor still is.
@@ -140,7 +142,9 @@ class RowWindow:
         fits = self.buffer is not None and self.stop + a <= len(self.buffer)
         if not fits or self.start > max(live, MIN_ROOM):
             need = live + a
-            room = max(MIN_ROOM, need // 8, min(2 * self.start, need))
+            row_bytes = max(1, math.prod(rows.shape[1:]) * rows.element_size())
+            small = max(0, min(need, RESERVE_FROM_BYTES // row_bytes - need))  # doubled while under 16 MiB
+            room = max(MIN_ROOM, need // 8, min(2 * self.start, need), small)
             buffer = row_buffer(need + room, tuple(rows.shape[1:]), like=rows)  # (capacity, *shape)
             buffer[:live] = rows
             self.buffer, self.start, self.stop = buffer, 0, live

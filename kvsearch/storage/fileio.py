@@ -36,9 +36,11 @@ from kvsearch.errors import (
     KVSearchError,
     ReadOnlyDatabaseError,
     StorageError,
+    StoreChangedError,
 )
 
 __all__ = [
+    "check_same_file",
     "sqlite_code",
     "is_disk_full",
     "is_read_only",
@@ -259,6 +261,28 @@ def file_identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
+
+
+def check_same_file(path: Path, identity: tuple[int, int]) -> None:
+    """Check that ``path`` still names the file of ``identity`` (``(st_dev, st_ino)`` when it was opened).
+
+    Raises:
+        StoreChangedError: the file was deleted, or replaced by another file, since.
+    """
+    try:  # file_identity, inline: every read and write of a store asks
+        st = os.stat(path)
+        now: tuple[int, int] | None = (st.st_dev, st.st_ino)
+    except FileNotFoundError:
+        now = None
+    if now == identity:
+        return
+    what = "deleted" if now is None else "replaced by another file"
+    raise StoreChangedError(
+        f"{path} was {what} while this database was open (expected the file of device {identity[0]} inode "
+        f"{identity[1]}, found {'none' if now is None else f'inode {now[1]}'}): nothing more is written, it would be "
+        "acknowledged into a file no longer in the folder. Restore the store from a backup if it was lost, then open "
+        "the folder again"
+    )
 
 
 def unwritable_reason(path: str | os.PathLike[str]) -> str | None:

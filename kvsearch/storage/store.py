@@ -37,7 +37,6 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,41 +49,19 @@ from kvsearch.errors import (
     DatabaseLockedError,
     KeyNotFoundError,
     ReadOnlyDatabaseError,
-    StoreChangedError,
 )
 from kvsearch.metadata.codec import decode as decode_metadata
-from kvsearch.metadata.codec import encode as encode_metadata
 from kvsearch.metadata.filters import where_sql
 from kvsearch.storage import catchup, changelog, fileio, migrate, schema
-from kvsearch.storage.embeddings import point_at, slots_of
+from kvsearch.storage.embeddings import point_at
 from kvsearch.storage.key_texts import KeyTexts, read_key_texts
 from kvsearch.storage.locking import LOCK_FILE, WriteLock
+from kvsearch.storage.record_rows import Record, last_id, seed_ids, write_rows
 from kvsearch.storage.schema import IN_CHUNK, METADATA_PLAIN_SQL, METADATA_SQL, select_in
 from kvsearch.storage.table import CatchUp, VectorTable, Views
 from kvsearch.storage.transaction import Transaction
 
 __all__ = ["Record", "Store"]
-
-
-@dataclass(frozen=True)
-class Record:
-    """One stored record.
-
-    Attributes:
-        id: the global id.
-        key: the key text, or None for a key given as an embedding.
-        value: the value text, or None for a value given as an embedding.
-        metadata: the metadata dict ({} when none was given).
-        key_embedding: (dim,) float32 tensor on the CPU.
-        value_embedding: (value_dim,) float32 tensor on the CPU.
-    """
-
-    id: int
-    key: str | None
-    value: str | None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    key_embedding: Tensor | None = field(default=None, repr=False)
-    value_embedding: Tensor | None = field(default=None, repr=False)
 
 
 class Store:
@@ -211,27 +188,13 @@ class Store:
         return conn
 
     def check_file(self) -> None:
-        """Check that ``path`` still names the file this store opened.
+        """Check that ``path`` still names the file this store opened (every read and write asks).
 
         Raises:
             StoreChangedError: it was deleted, or replaced by another file, since the store was opened.
         """
-        if self._identity is None:
-            return
-        try:  # fileio.file_identity, inline: every read and write asks
-            st = os.stat(self.path)
-            now: tuple[int, int] | None = (st.st_dev, st.st_ino)
-        except FileNotFoundError:
-            now = None
-        if now == self._identity:
-            return
-        what = "deleted" if now is None else "replaced by another file"
-        raise StoreChangedError(
-            f"{self.path} was {what} while this database was open (expected the file of device {self._identity[0]} "
-            f"inode {self._identity[1]}, found {'none' if now is None else f'inode {now[1]}'}): nothing more is "
-            "written, it would be acknowledged into a file no longer in the folder. Restore the store from a backup "
-            "if it was lost, then open the folder again"
-        )
+        if self._identity is not None:
+            fileio.check_same_file(self.path, self._identity)
 
     # ------------------------------------------------------------------ fork safety
 
@@ -433,69 +396,42 @@ class Store:
         Returns:
             The ids of the records, in order (new ids are fresh, never reused).
         """
-        n = len(keys)
-        ids = [None] * n if ids is None else list(ids)
+        ids = [None] * len(keys) if ids is None else list(ids)
         key_np = key_embs.detach().to("cpu", torch.float32).contiguous().numpy()  # (n, dim)
         value_np = value_embs.detach().to("cpu", torch.float32).contiguous().numpy()  # (n, value_dim)
-
-        def meta(i: int) -> str | None:
-            return encode_metadata(metadata[i])
-
         with self.lock:
             with self.transaction():
-                seq = self.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
-                next_id = (seq[0] if seq else 0) + 1
-                out: list[int] = []
-                carried = None if new_ids is None else iter(new_ids)
-                for id_ in ids:
-                    out.append(int(id_) if id_ is not None else next_id if carried is None else int(next(carried)))
-                    next_id += id_ is None
-                new = [i for i in range(n) if ids[i] is None]
-                old = [i for i in range(n) if ids[i] is not None]
-                if new:
-                    every = len(new) == n  # the usual add: no row selection to copy
-                    new_ids = np.array([out[i] for i in new], dtype=np.int64)
-                    slots = self.vectors.append(
-                        self.conn, new_ids, key_np if every else key_np[new], value_np if every else value_np[new]
-                    ).tolist()
-                    rows = ([keys[i] for i in new], [values[i] for i in new], [meta(i) for i in new])
-                    schema.insert_records(self.conn, *rows, slots, [out[i] for i in new])
-                if old:
-                    old_ids = np.array([out[i] for i in old], dtype=np.int64)
-                    slots_now = slots_of(self.conn, old_ids)
-                    moved = self.vectors.replace(self.conn, slots_now, old_ids, key_np[old], value_np[old])
-                    if moved is not None:  # file sets are append-only: the new embeddings are in new slots
-                        point_at(self.conn, old_ids, moved, old=slots_now)
-                    self.conn.executemany(  # metadata None: keep the stored
-                        "UPDATE records SET key = ?, value = ?, metadata = CASE WHEN ? THEN metadata ELSE ? END "
-                        "WHERE id = ?",
-                        ((keys[i], values[i], metadata[i] is None, meta(i), out[i]) for i in old),
-                    )
-                flagged = [(out[i], int(given[i])) for i in range(n) if given is not None and given[i]]
-                if old:
-                    self.conn.executemany("DELETE FROM given WHERE id = ?", ((out[i],) for i in old))
-                self.conn.executemany("INSERT INTO given (id, side) VALUES (?, ?)", flagged)
-                self.bump_version({"added": [out[i] for i in new], "replaced": [out[i] for i in old]})
+                rows = (keys, values, metadata)
+                done = write_rows(self.conn, self.vectors, rows, (key_np, value_np), ids, given, new_ids,
+                                  flags=self._texts is not None)  # fmt: skip
+                out, new, old = done.ids, done.new, done.old
+                added = out if len(new) == len(out) else [out[i] for i in new]
+                self.bump_version({"added": added, "replaced": [out[i] for i in old]})
                 views = self._shared_views()
             # Committed: now the table and the key maps follow (still under the lock: readers never see half of it).
             if self._texts is not None:  # else read at their first use
-                self._texts.follow(out, keys, [out[i] for i in old], flagged)
+                self._texts.follow(out, keys, [out[i] for i in old], done.flagged)
             self.table.write(out, key_embs, value_embs, replaced=old, added=new, views=views)
         return out
 
-    def delete(self, ids: Sequence[int]) -> None:
+    def delete(self, ids: Sequence[int], *, held: bool = False) -> None:
         """Delete records by id in one transaction.
+
+        Args:
+            ids: distinct ids. held: they are ints taken from :attr:`table` under the write lock (a memory's oldest
+                records): not looked up again.
 
         Raises:
             KeyNotFoundError: an id is not stored (nothing is deleted then).
         """
         with self.lock:
-            missing = self.table.missing_ids(ids)
+            missing = [] if held else self.table.missing_ids(ids)
             if missing:
                 raise KeyNotFoundError(f"expected stored ids, got unknown ids {missing[:10]}")
+            ids = ids if held else [int(i) for i in ids]
             with self.transaction():
                 self._delete_rows(ids)
-                self.bump_version({"deleted": [int(i) for i in ids]})
+                self.bump_version({"deleted": ids})
                 dims = self.table.keys.shape[1], self.table.values.shape[1]
                 repacked = self.vectors.repack_if_needed(self.conn, *dims)  # holes outnumber the records
                 if repacked is not None:
@@ -522,8 +458,7 @@ class Store:
 
     def last_id(self) -> int:
         """The last id SQLite's AUTOINCREMENT sequence handed out (0: none yet); deleted ids included."""
-        row = self.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
-        return 0 if row is None else int(row[0])
+        return last_id(self.conn)
 
     def start_ids_after(self, floor: int, *, exactly: bool = False) -> None:
         """Make the next new id ``floor + 1`` or more: seeds SQLite's AUTOINCREMENT sequence (a shard's id range).
@@ -533,8 +468,7 @@ class Store:
         """
         with self.lock, self.transaction():
             if exactly or self.last_id() < floor:
-                self.conn.execute("DELETE FROM sqlite_sequence WHERE name = 'records'")
-                self.conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)", (int(floor),))
+                seed_ids(self.conn, floor)
 
     def replace_embeddings(
         self, keys: Tensor | None = None, values: Tensor | None = None, *, meta: Mapping[str, Any] | None = None
@@ -558,8 +492,8 @@ class Store:
             self._tidy_files()
             self.table.replace_all(keys, values, views=views)
 
-    def _delete_rows(self, ids: Iterable[int]) -> None:
-        self.vectors.erase(self.conn, schema.delete_records(self.conn, [int(i) for i in ids]))  # slots emptied
+    def _delete_rows(self, ids: list[int]) -> None:
+        self.vectors.erase(self.conn, schema.delete_records(self.conn, ids))  # slots emptied
 
     def _shared_views(self) -> Views | None:
         """Inside a write transaction: the records as it leaves them on the shared file mappings (CPU), or None."""

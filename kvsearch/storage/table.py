@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvsearch.nn.precision import host_reads
 from kvsearch.storage.buffers import RowWindow
 
 __all__ = ["VectorTable", "Delta", "CatchUp", "Views", "find_rows", "gather_rows"]
@@ -212,7 +211,8 @@ class VectorTable:
             add_keys = dev_keys if every else dev_keys[sel]  # (n_new, dim)
             add_values = dev_values if every else dev_values[sel]  # (n_new, value_dim)
             # copied: the table never shares memory with the caller's tensors (.to() may return them as they are)
-            self._append(torch.tensor([ids[i] for i in added], dtype=torch.long), add_keys, add_values)
+            new_ids = torch.tensor(list(ids) if every else [ids[i] for i in added], dtype=torch.long)  # (n_new,)
+            self._append(new_ids, add_keys, add_values)
 
     def clear(self) -> None:
         """Follow a committed deletion of every record: no rows (the dims kept)."""
@@ -371,7 +371,7 @@ def gather_rows(keys: Tensor, values: Tensor, rows: Tensor) -> tuple[Tensor, Ten
     flat = rows.clamp(min=0).reshape(-1)  # (n,) index_select: far cheaper than fancy indexing for small n
     out_k = keys.index_select(0, flat).reshape(*rows.shape, keys.shape[-1])  # (*shape, dim)
     out_v = values.index_select(0, flat).reshape(*rows.shape, values.shape[-1])  # (*shape, value_dim)
-    if not host_reads(keys.device) or not bool(mask.all()):  # a GPU reads nothing back: masked either way
+    if not bool(mask.all()):
         out_k = out_k * mask.unsqueeze(-1)  # (*shape, dim) zeros where missing
         out_v = out_v * mask.unsqueeze(-1)  # (*shape, value_dim)
     return out_k, out_v, mask
