@@ -16,11 +16,13 @@ every query is rescored wider or searched again in float32 (2.8-6x the float32 t
 *measured*, per index and per class of call (batch size and key count, each to the next power of two), by
 :class:`PathChooser`: the first calls of a class time float32 and the half path (:data:`TRIALS` each), the half
 path is then kept only where its median time per query was at most :data:`HALF_MARGIN` of float32's, and every
-:data:`RETRY_EVERY` calls the path not taken is timed once more (the keys or the load may have changed). Every path
-returns the same ids, so the choice changes speed only.
+:data:`RETRY_EVERY` calls the path not taken is timed once more (the keys or the load may have changed). A class of
+twice as many keys as a decided one (the same batch size: a memory that grew) starts on that class's path instead
+of timing both afresh, and is timed on the other one at the retries only: a kNN memory growing from empty would
+otherwise time the half path (2-3x float32's time on unnormalised keys) at every doubling. Every path returns the
+same ids, so the choice changes speed only.
 
-- fewer than :data:`HALF_MIN_BATCH` queries, or no fast half type on the device: float32, untimed (the chooser is
-  out of the way: :meth:`PathChooser.times` says so before a call, which then reads no clock);
+- fewer than :data:`HALF_MIN_BATCH` queries, or no fast half type on the device: float32, untimed;
 - CUDA: float16 (tensor cores) against float32; CPU with ``avx512_bf16`` / ``amx_bf16``: bfloat16 against float32.
 
 float16 is never tried on a CPU without fast float16 arithmetic (``avx512_fp16`` or ``amx_fp16``): there a 64-query
@@ -153,6 +155,7 @@ class PathChooser:
     def __init__(self) -> None:
         self._times: dict[tuple[int, int, str], deque[float]] = {}
         self._calls: Counter[tuple[int, int]] = Counter()
+        self._taken_over: dict[tuple[int, int], ExactPath | None] = {}  # class -> the path of the class below it
 
     def choose(self, batch: int, rows: int, device: torch.device, *, faiss_ok: bool) -> ExactPath:
         """The path of one call.
@@ -176,35 +179,30 @@ class PathChooser:
             if forced == "faiss" and not (faiss_ok and device.type == "cpu"):
                 return "float32"
             return forced  # type: ignore[return-value]
-        if batch < HALF_MIN_BATCH:  # nothing to choose: asked before the device's half types
-            return "float32"
         half = fast_half_dtypes(device)
-        if not half:
+        if batch < HALF_MIN_BATCH or not half:
             return "float32"
         alt: ExactPath = "float16" if half[0] == torch.float16 else "bfloat16"
         cls = (batch.bit_length(), rows.bit_length())
         calls = self._calls[cls]
         self._calls[cls] += 1
-        t32, t_half = self._times.get((*cls, "float32"), ()), self._times.get((*cls, alt), ())
-        if len(t32) < TRIALS:
-            return "float32"
-        if len(t_half) < TRIALS:
-            return alt
-        fast: ExactPath = alt if statistics.median(t_half) <= HALF_MARGIN * statistics.median(t32) else "float32"
-        if calls % RETRY_EVERY == RETRY_EVERY - 1:  # time the other path again
+        retry = calls % RETRY_EVERY == RETRY_EVERY - 1
+        fast = self._kept(cls, alt)
+        if fast is None:  # not timed on both paths yet: twice as many keys as a decided class (a memory grown)
+            fast = self._taken_over[cls] = self._kept((cls[0], cls[1] - 1), alt)  # takes its path over, or None
+        if fast is None:
+            t32 = self._times.get((*cls, "float32"), ())
+            return "float32" if len(t32) < TRIALS else alt
+        if retry:  # time the other path again
             return "float32" if fast == alt else alt
         return fast
 
-    @staticmethod
-    def times(batch: int, device: torch.device) -> bool:
-        """Whether a call of ``batch`` queries on ``device`` is timed (:meth:`record`): only where there is a path to
-        choose (no path forced, at least :data:`HALF_MIN_BATCH` queries, a fast half type on the device); the other
-        calls run float32 without a clock read or a record.
-
-        Raises:
-            UnknownOptionError: ``$KVSEARCH_EXACT_PATH`` names an unknown path.
-        """
-        return batch >= HALF_MIN_BATCH and forced_path() == "auto" and bool(fast_half_dtypes(device))
+    def _kept(self, cls: tuple[int, int], alt: ExactPath) -> ExactPath | None:
+        """The path a class keeps: by its own times of both paths, else the one it took over; None: undecided."""
+        t32, t_half = self._times.get((*cls, "float32"), ()), self._times.get((*cls, alt), ())
+        if len(t32) < TRIALS or len(t_half) < TRIALS:
+            return self._taken_over.get(cls)
+        return alt if statistics.median(t_half) <= HALF_MARGIN * statistics.median(t32) else "float32"
 
     def record(self, batch: int, rows: int, path: str, seconds: float) -> None:
         """Note that a call of ``batch`` queries over ``rows`` keys on ``path`` took ``seconds`` (all its
