@@ -36,10 +36,10 @@ from kvsearch.errors import (
 from kvsearch.inputs import Queries, id_tensor, query_batch, query_texts, text_list
 from kvsearch.metadata.codec import decode as decode_metadata
 from kvsearch.metadata.filters import check_where
-from kvsearch.nn.attend import Candidates
+from kvsearch.nn.attend import Candidates, attend_candidates, check_pairing
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score
-from kvsearch.nn.streaming import attend_candidates
+from kvsearch.nn.streaming import attend_candidates as attend_every
 from kvsearch.results import Answer, EmbeddedValue, Hit, make_answer, make_hits
 from kvsearch.storage import queries
 from kvsearch.text.rerank import Rerank, check_rerank, require_texts, rerank_depth, rerank_hits
@@ -166,6 +166,7 @@ class Reads:
             check_score(score)
         if pooling not in POOLINGS:
             raise UnknownOptionError(f"expected pooling among {POOLINGS}, got {pooling!r}")
+        check_pairing(self.score if score is None else score, pooling)
         temperature = check_temperature(temperature)
         if where is not None:
             check_where(where)
@@ -181,14 +182,11 @@ class Reads:
                 else:
                     targets = torch.tensor([self.store.texts.id_of(t) for t in texts], dtype=torch.long)
             cand = self.retriever.candidates(q, k, targets=targets, where=where)
-            output, weights = attend_candidates(
-                q,
-                cand,
-                every=k == "all",
-                score=self.score if score is None else score,
-                pooling=pooling,
-                temperature=temperature,
-            )  # (b, value_dim), (b, t)
+            options = {"score": self.score if score is None else score, "pooling": pooling, "temperature": temperature}
+            if k == "all":  # every record: streamed where it can be
+                output, weights = attend_every(q, cand, every=True, **options)  # (b, value_dim), (b, m)
+            else:  # checked above and at the door, the candidates the store's own: nothing checked again
+                output, weights = attend_candidates(q, cand, dropout=0.0, **options)  # (b, value_dim), (b, t)
             answer = make_answer(
                 output,
                 weights,
