@@ -42,6 +42,9 @@ SYNC_OPS = {
     aten.is_nonzero.default,
 }
 
+#: Indexing operators: with a boolean mask they run a hidden ``nonzero``.
+INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
 #: Tensor methods that hand a tensor's values to Python (no aten operator runs for some of them).
 SYNC_METHODS = {
     torch.Tensor.tolist,
@@ -76,7 +79,7 @@ class _Ops(TorchDispatchMode):
             name = str(func)
         elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             name = str(func)
-        elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default):
+        elif func in INDEXING:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
                 name = f"{func} with a boolean mask"

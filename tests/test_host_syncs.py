@@ -1,4 +1,4 @@
-"""No host-device synchronisation in ``KVAttention`` forward + backward (and in ``add``) where the tensors live on a GPU.
+"""No host-device synchronisation in ``KVAttention`` forward + backward (and ``add``) where the tensors are on a GPU.
 
 On a machine without a GPU (CI) the paths a GPU takes are run on the CPU inside :func:`kvsearch.nn.precision.sync_free`
 (``host_reads`` is then False, as on a GPU), and every operation that would make the host wait for a CUDA device is
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _host_syncs import HostSyncs
+
 from kvsearch import Database, KVAttention
 from kvsearch.nn.precision import host_reads, sync_free
 

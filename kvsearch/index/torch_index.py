@@ -667,7 +667,9 @@ class TorchIndex:
         """Norm term of ``keys`` (n, dim), computed a block of rows at a time (the half copy: at first use)."""
         raw_cosine = self.normalize and self.source is not None  # standalone vectors are normalised on the way in
         device = keys.device
-        device_ids = ids.to(device)  # (n,) once per change, not per search
+        # (n,) once per change, not per search; to a GPU from page-locked memory, not waited for (a plain copy of a
+        # CPU tensor waits for the device: a memory's every add would sync its next search)
+        device_ids = ids if device.type == "cpu" else ids.pin_memory().to(device, non_blocking=True)
         if self.metric != "l2" and not raw_cosine:  # inner product: the keys are scanned as they are
             return DerivedKeys(ids, device_ids, keys)
         parts = []
