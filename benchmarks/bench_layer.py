@@ -17,7 +17,11 @@ Sections (each ratio is measured against its peer in the same process, same tens
    softmax and blend, written out). Target: <= 1.1x its time.
 3. A kNN memory in a training loop (memorizing transformers): each step adds ``--grow`` rows to the memory, then
    ``--batch`` queries attend over their top-k and backward; against the same loop in bare torch over a
-   preallocated buffer. Target: <= 1.2x. With ``--capacity``, both keep the newest rows only.
+   preallocated buffer, and lucidrains' ``KNNMemory`` (``pip install --no-deps memorizing-transformers-pytorch
+   einops-exts``: its own requirements pull faiss-gpu, whose files replace faiss-cpu's) with the same attention over
+   the pairs it finds (HNSW: approximate). From empty, from empty with ``--capacity`` (the newest rows kept), and
+   from ``--prefill`` rows (175,000, filled before the timed steps). Targets: <= 1.2x bare torch, and lucidrains'
+   time >= 2x ours.
 4. bf16 autocast (CUDA: float16) against float32 for the KVAttention forward + backward, and its error.
 5. ``torch.compile`` against eager for a model holding KVAttention (forward + backward).
 """
@@ -26,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -238,10 +244,73 @@ class BareMemory:
         return bare_topk_attention(q, keys, values, min(k, len(keys)))
 
 
+class LucidrainsMemory:
+    """lucidrains' ``KNNMemory`` (memorizing-transformers-pytorch) in the same loop: its ``add`` of (1, rows, 2, dim)
+    key / value pairs (a FAISS ``IndexHNSWFlat`` M=15, inner product, and a numpy memmap of the pairs) and its
+    ``search`` (the top-k by HNSW, then the pairs read from the memmap), then the same scaled-dot softmax attention
+    over the k found pairs as :func:`bare_topk_attention`, forward and backward (the gradient reaches the queries and
+    ``proj``; the memory's keys and values are constants there, as in ours and bare torch's)."""
+
+    def __init__(self, dim: int, capacity: int, folder: str) -> None:
+        from memorizing_transformers_pytorch.knn_memory import KNNMemory  # the bench extra's peer
+
+        # multiprocessing=False: one memory, joblib in this process (its default forks a pool per call on 2 cores)
+        self.mem = KNNMemory(dim, max_memories=capacity, memmap_filename=f"{folder}/knn.memmap", multiprocessing=False)
+
+    def add(self, keys: Tensor, values: Tensor) -> None:
+        self.mem.add(torch.stack([keys, values], dim=1).unsqueeze(0))  # (1, rows, 2, dim)
+
+    def attend(self, q: Tensor, k: int) -> Tensor:
+        kv, mask = self.mem.search(q.unsqueeze(0), k)  # (1, b, k, 2, dim), (1, b, k)
+        cand_k, cand_v, mask = kv[0, :, :, 0], kv[0, :, :, 1], mask[0]  # (b, k, dim) x2, (b, k)
+        scores = (cand_k @ q.unsqueeze(-1)).squeeze(-1) / math.sqrt(q.shape[-1])  # (b, k)
+        scores = scores.masked_fill(~mask, -math.inf)  # (b, k) no pair found: weight 0
+        return (torch.softmax(scores, dim=-1).unsqueeze(1) @ cand_v).squeeze(1)  # (b, dim)
+
+
+def lucidrains_available() -> bool:
+    try:
+        import memorizing_transformers_pytorch.knn_memory  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def memory_rounds(
+    contenders: dict[str, Callable[[], Callable[[Tensor, Tensor, Tensor], None]]],
+    stream: list[tuple[Tensor, Tensor, Tensor]],
+    rounds: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """Median seconds of the steps of each contender: each round makes every contender's memory (pre-filled where
+    asked: not timed), then times its ``len(stream)`` steps; the contenders' order rotates every round."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            step = contenders[name]()  # the memory made and pre-filled
+            sync(device)
+            start = time.perf_counter()
+            for new_k, new_v, q in stream:
+                step(new_k, new_v, q)
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench_memory(args: argparse.Namespace, device: torch.device) -> str:
+    """Section 3: the same loop -- add ``--grow`` rows, attend ``--batch`` queries over their top ``--k``, forward
+    and backward -- for ``--steps`` steps, in three memories: kvsearch (``Database(None)`` + ``KVAttention``, exact
+    top-k, ``score="dot"``: scaled-dot softmax), bare torch (:class:`BareMemory`: a doubling buffer,
+    ``torch.topk(q @ K.T, k)``), and lucidrains' ``KNNMemory`` (:class:`LucidrainsMemory`: HNSW, approximate top-k;
+    its memory holds ``capacity`` rows or the rows of the run, and resets its HNSW index when it would hold more).
+    Rows: from empty; from empty with ``--capacity`` (the newest rows kept); and from ``--prefill`` rows (175,000:
+    the memory filled before the timed steps, not timed). lucidrains' peer runs on the CPU only (FAISS-CPU)."""
     dim, value_dim, k = 64, 64, args.k
+    peer = lucidrains_available() and device.type == "cpu"
     rows = []
-    for capacity in (None, args.capacity):
+    folder = tempfile.mkdtemp(prefix="knn-memory-")
+    for capacity, prefill in ((None, 0), (args.capacity, 0), (None, args.prefill)):
         g = torch.Generator().manual_seed(2)
         stream = [
             (
@@ -251,25 +320,56 @@ def bench_memory(args: argparse.Namespace, device: torch.device) -> str:
             )
             for _ in range(args.steps)
         ]
+        first_k = torch.randn(prefill, dim, generator=g).to(device)  # (prefill, dim)
+        first_v = torch.randn(prefill, value_dim, generator=g).to(device)  # (prefill, value_dim)
         proj = nn.Linear(dim, dim).to(device)
 
-        def ours(capacity: int | None = capacity, stream: list = stream, proj: nn.Module = proj) -> None:
+        def ours(capacity: int | None = capacity, first_k: Tensor = first_k, first_v: Tensor = first_v,
+                 proj: nn.Module = proj) -> Callable[[Tensor, Tensor, Tensor], None]:  # fmt: skip
             kwargs = {} if capacity is None else {"capacity": capacity}
             db = Database(None, dim=dim, value_dim=value_dim, score="dot", device=device, **kwargs)
+            if len(first_k):
+                db.add(first_k, first_v)
             layer = KVAttention(db, k=k)
-            for new_k, new_v, q in stream:
+
+            def step(new_k: Tensor, new_v: Tensor, q: Tensor) -> None:
                 db.add(new_k, new_v)
                 layer(proj(q)).sum().backward()
 
-        def bare(capacity: int | None = capacity, stream: list = stream, proj: nn.Module = proj) -> None:
+            return step
+
+        def bare(capacity: int | None = capacity, first_k: Tensor = first_k, first_v: Tensor = first_v,
+                 proj: nn.Module = proj) -> Callable[[Tensor, Tensor, Tensor], None]:  # fmt: skip
             mem = BareMemory(dim, value_dim, device, capacity)
-            for new_k, new_v, q in stream:
+            if len(first_k):
+                mem.add(first_k, first_v)
+
+            def step(new_k: Tensor, new_v: Tensor, q: Tensor) -> None:
                 mem.add(new_k, new_v)
                 mem.attend(proj(q), k).sum().backward()
 
-        t = interleaved({"bare": bare, "ours": ours}, args.memory_rounds, device)
+            return step
+
+        def lucidrains(capacity: int | None = capacity, first_k: Tensor = first_k, first_v: Tensor = first_v,
+                       proj: nn.Module = proj) -> Callable[[Tensor, Tensor, Tensor], None]:  # fmt: skip
+            held = capacity or len(first_k) + args.steps * args.grow  # the run's rows: its index is never reset
+            mem = LucidrainsMemory(dim, held, folder)
+            for start in range(0, len(first_k), 8192):
+                mem.add(first_k[start : start + 8192], first_v[start : start + 8192])
+
+            def step(new_k: Tensor, new_v: Tensor, q: Tensor) -> None:
+                mem.add(new_k, new_v)
+                mem.attend(proj(q), k).sum().backward()
+
+            return step
+
+        contenders = {"bare": bare, "ours": ours} | ({"lucidrains": lucidrains} if peer else {})
+        if not rows:  # the process's first calls (kernels made, modules imported): untimed
+            memory_rounds(contenders, stream[:4], 1, device)
+        t = memory_rounds(contenders, stream, args.memory_rounds, device)
         rows.append(
             [
+                f"{prefill:,}",
                 "-" if capacity is None else f"{capacity:,}",
                 args.steps,
                 args.grow,
@@ -277,12 +377,16 @@ def bench_memory(args: argparse.Namespace, device: torch.device) -> str:
                 k,
                 t["bare"] * 1e3 / args.steps,
                 t["ours"] * 1e3 / args.steps,
+                t["lucidrains"] * 1e3 / args.steps if peer else "-",
                 t["ours"] / t["bare"],
+                t["lucidrains"] / t["ours"] if peer else "-",
             ]
         )
         print(rows[-1], flush=True)
-    headers = ["capacity", "steps", "rows added / step", "queries / step", "k", "bare torch ms / step",
-               "kvsearch ms / step", "x bare (<= 1.2)"]  # fmt: skip
+    shutil.rmtree(folder, ignore_errors=True)
+    headers = ["rows at start", "capacity", "steps", "rows added / step", "queries / step", "k", "bare torch ms / step",
+               "kvsearch ms / step", "lucidrains KNNMemory ms / step", "x bare (<= 1.2)",
+               "lucidrains / kvsearch (>= 2)"]  # fmt: skip
     return table(headers, rows)
 
 
@@ -349,6 +453,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--capacity", type=int, default=20_000)
     parser.add_argument("--memory-rounds", type=int, default=3)
+    parser.add_argument("--prefill", type=int, default=175_000, help="rows in the memory before the third row's steps")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     if args.quick:
