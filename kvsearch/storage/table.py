@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvsearch.nn.precision import host_reads
 from kvsearch.storage.buffers import RowWindow
 
 __all__ = ["VectorTable", "Delta", "CatchUp", "Views", "find_rows", "gather_rows"]
@@ -371,7 +372,7 @@ def gather_rows(keys: Tensor, values: Tensor, rows: Tensor) -> tuple[Tensor, Ten
     flat = rows.clamp(min=0).reshape(-1)  # (n,) index_select: far cheaper than fancy indexing for small n
     out_k = keys.index_select(0, flat).reshape(*rows.shape, keys.shape[-1])  # (*shape, dim)
     out_v = values.index_select(0, flat).reshape(*rows.shape, values.shape[-1])  # (*shape, value_dim)
-    if not bool(mask.all()):
+    if not host_reads(keys.device) or not bool(mask.all()):  # a GPU reads nothing back: masked either way
         out_k = out_k * mask.unsqueeze(-1)  # (*shape, dim) zeros where missing
         out_v = out_v * mask.unsqueeze(-1)  # (*shape, value_dim)
     return out_k, out_v, mask
