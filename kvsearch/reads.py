@@ -56,13 +56,15 @@ __all__ = ["Reads", "MISSING"]
 MISSING: Any = object()
 
 
-def gather_values(values: Tensor, rows: Tensor) -> np.ndarray:
-    """The value embeddings at ``rows`` (any shape, -1 where none: row 0 stands in) as one float32 numpy block
-    (n, value_dim): read in numpy on the CPU (a search's few rows: ~1 us, a torch op ~3), else gathered on the
-    values' device and copied once."""
-    if values.device.type == "cpu" and rows.device.type == "cpu":
-        return values.detach().numpy()[rows.reshape(-1).numpy().clip(min=0)]  # (n, value_dim)
-    return values.index_select(0, rows.reshape(-1).clamp(min=0).to(values.device)).cpu().numpy()  # (n, value_dim)
+def gather_values(values: Tensor, rows: Tensor | np.ndarray) -> np.ndarray:
+    """The value embeddings at ``rows`` (any shape, a tensor or a numpy array; -1 where none, which reads some row
+    the caller skips) as one float32 numpy block (n, value_dim), for a non-empty table: read in numpy on the CPU (a
+    search's few rows: ~1 us, a torch op ~3), else gathered on the values' device and copied once."""
+    if values.device.type == "cpu":
+        flat = rows.reshape(-1) if isinstance(rows, np.ndarray) else rows.reshape(-1).cpu().numpy()  # (n,)
+        return values.detach().numpy()[flat]  # (n, value_dim): numpy reads row -1 as the last
+    at = torch.as_tensor(rows).reshape(-1).clamp(min=0).to(values.device)  # (n,)
+    return values.index_select(0, at).cpu().numpy()  # (n, value_dim)
 
 
 class Reads:

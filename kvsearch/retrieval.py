@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -285,7 +286,8 @@ class Retriever:
             return rank_rows(queries, found.ids, found.rows, table.keys, self.score)
         ids = found.ids.cpu()  # (b, take)
         if allowed is None and index.exact_scores:
-            return Ranked(ids, database_scores(found.scores.cpu(), self.score, self.dim), table.rows_of(ids))
+            rows = table.rows_array(ids.numpy().reshape(-1)).reshape(ids.shape)  # (b, take) in numpy: a few ids
+            return Ranked(ids, database_scores(found.scores.cpu(), self.score, self.dim), rows)
         # lossy scores, or a filtered graph search some of whose queries were redone exactly as a batch
         check_fits(queries.shape[0] * take * (self.dim * 4 * 2 + 8), lambda: f"scoring {len(queries):,} x {take:,}")
         return rank_rows(queries, ids, table.rows_of(ids).to(self.store.device), table.keys, self.score)
@@ -375,12 +377,13 @@ class Ranked:
     Attributes:
         ids: (batch, t) int64 on the CPU, best first, -1 where fewer records match.
         scores: (batch, t) float32 on the CPU: the database's score (-inf or NaN where ids are -1).
-        rows: (batch, t) int64, the row of each id in the store's table (-1 where none), on any device.
+        rows: (batch, t) int64, the row of each id in the store's table (-1 where none): a tensor on any device, or
+            a numpy array (a FAISS index's few ids, looked up in numpy).
     """
 
     ids: Tensor
     scores: Tensor
-    rows: Tensor
+    rows: Tensor | np.ndarray
 
 
 def database_scores(scores: Tensor, score: str, dim: int) -> Tensor:

@@ -303,6 +303,10 @@ class VectorTable:
         shape, on the CPU."""
         return find_rows(self.ids, ids)
 
+    def rows_array(self, ids: np.ndarray) -> np.ndarray:
+        """:meth:`rows_of` for a numpy array of ids (n,), in numpy: (n,) int64 rows, -1 where not held."""
+        return find_rows_array(self.ids.numpy(), ids)
+
     def gather(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Key and value embeddings for ids (any shape, -1 allowed), gathered by id.
 
@@ -347,13 +351,17 @@ def find_rows(stored: Tensor, ids: Tensor) -> Tensor:
 
     numpy: a search's few ids cost ~1 us per op there, ~3 in torch.
     """
-    flat = ids.reshape(-1).cpu().numpy()  # (n,)
-    known = stored.numpy()  # (m,) sorted
+    return torch.from_numpy(find_rows_array(stored.numpy(), ids.reshape(-1).cpu().numpy())).reshape(ids.shape)
+
+
+def find_rows_array(known: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    """:func:`find_rows` in numpy: the row of each id of ``flat`` (n,) among ``known`` (m,) sorted ids (every one
+    >= 0, so a -1 never matches), -1 where absent: (n,) int64."""
     if len(known) == 0:
-        return torch.full_like(ids.cpu(), -1)
-    pos = np.minimum(np.searchsorted(known, flat), len(known) - 1)  # (n,)
-    found = (known[pos] == flat) & (flat >= 0)
-    return torch.from_numpy(np.where(found, pos, -1)).reshape(ids.shape)
+        return np.full(len(flat), -1, dtype=np.int64)
+    pos = known.searchsorted(flat)  # (n,) the method: no array-function dispatch
+    found = known.take(pos, mode="clip") == flat  # (n,) clip: past the end reads the last id
+    return np.where(found, pos, -1)  # (n,)
 
 
 def gather_rows(keys: Tensor, values: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
