@@ -22,7 +22,8 @@ of timing both afresh, and is timed on the other one at the retries only: a kNN 
 otherwise time the half path (2-3x float32's time on unnormalised keys) at every doubling. Every path returns the
 same ids, so the choice changes speed only.
 
-- fewer than :data:`HALF_MIN_BATCH` queries, or no fast half type on the device: float32, untimed;
+- fewer than :data:`HALF_MIN_BATCH` queries, or no fast half type on the device: float32, untimed (the chooser is
+  out of the way: :meth:`PathChooser.times` says so before a call, which then reads no clock);
 - CUDA: float16 (tensor cores) against float32; CPU with ``avx512_bf16`` / ``amx_bf16``: bfloat16 against float32.
 
 float16 is never tried on a CPU without fast float16 arithmetic (``avx512_fp16`` or ``amx_fp16``): there a 64-query
@@ -179,8 +180,10 @@ class PathChooser:
             if forced == "faiss" and not (faiss_ok and device.type == "cpu"):
                 return "float32"
             return forced  # type: ignore[return-value]
+        if batch < HALF_MIN_BATCH:  # nothing to choose: asked before the device's half types
+            return "float32"
         half = fast_half_dtypes(device)
-        if batch < HALF_MIN_BATCH or not half:
+        if not half:
             return "float32"
         alt: ExactPath = "float16" if half[0] == torch.float16 else "bfloat16"
         cls = (batch.bit_length(), rows.bit_length())
@@ -203,6 +206,17 @@ class PathChooser:
         if len(t32) < TRIALS or len(t_half) < TRIALS:
             return self._taken_over.get(cls)
         return alt if statistics.median(t_half) <= HALF_MARGIN * statistics.median(t32) else "float32"
+
+    @staticmethod
+    def times(batch: int, device: torch.device) -> bool:
+        """Whether a call of ``batch`` queries on ``device`` is timed (:meth:`record`): only where there is a path to
+        choose (no path forced, at least :data:`HALF_MIN_BATCH` queries, a fast half type on the device); the other
+        calls run float32 without a clock read or a record.
+
+        Raises:
+            UnknownOptionError: ``$KVSEARCH_EXACT_PATH`` names an unknown path.
+        """
+        return batch >= HALF_MIN_BATCH and forced_path() == "auto" and bool(fast_half_dtypes(device))
 
     def record(self, batch: int, rows: int, path: str, seconds: float) -> None:
         """Note that a call of ``batch`` queries over ``rows`` keys on ``path`` took ``seconds`` (all its
