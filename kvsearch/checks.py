@@ -249,7 +249,7 @@ def check_dense(x: Tensor, name: str) -> None:
         InvalidArgumentError: ``x`` is of another layout or on the meta device; the message names the layout
             and the conversion (``.to_dense()``, ``.dequantize()``...).
     """
-    # is_meta is 6x faster than device.type, but torch.compile traces it into the graph: a traced tensor is not meta
+    # is_meta is 6x faster than device.type, but torch.compile traces it into the graph (a break): asked outside it
     meta = not torch.compiler.is_compiling() and x.is_meta
     if x.layout == torch.strided and not x.is_nested and not x.is_quantized and not meta:
         return

@@ -40,7 +40,7 @@ from kvsearch.nn.attend import Candidates, attend_candidates, check_pairing
 from kvsearch.nn.pooling import POOLINGS
 from kvsearch.nn.scores import ScoreFn, check_score
 from kvsearch.nn.streaming import attend_candidates as attend_every
-from kvsearch.results import Answer, EmbeddedValue, Hit, make_answer, make_hits
+from kvsearch.results import Answer, Hit, hits_at, make_answer
 from kvsearch.storage import queries
 from kvsearch.text.rerank import Rerank, check_rerank, require_texts, rerank_depth, rerank_hits
 
@@ -140,17 +140,11 @@ class Reads:
             return [[] for _ in range(q.shape[0])]
         ranked = self.retriever.search(q, k, where=where)
         ids = ranked.ids.tolist()
-        flat = ids[0] if len(ids) == 1 else [i for row in ids for i in row]  # (b * t,)
-        found = [i for i in flat if i >= 0]
+        found = [i for row in ids for i in row if i >= 0]
         metadata = not store.metadata_known_absent() and store.has_metadata()
         texts, meta = store.hit_texts(found, values=value_texts, metadata=metadata)
-        values: dict[int, str | Tensor | EmbeddedValue | None] = texts  # type: ignore[assignment]
-        if len(texts) < len(found):  # values without text: their embeddings, at the rows the search found
-            block = gather_values(store.table.values, ranked.rows)  # (b * t, value_dim)
-            for n, id_ in enumerate(flat):
-                if id_ >= 0 and id_ not in texts:  # made a tensor of its own storage when the hit's value is read
-                    values[id_] = EmbeddedValue(block, n)
-        return make_hits(ids, ranked.scores.tolist(), store.texts.key_of_id, values, meta)
+        block = None if len(texts) == len(found) else gather_values(store.table.values, ranked.rows)  # (b * t, v)
+        return hits_at(ids, ranked.scores.tolist(), store.texts.key_of_id, texts, block, meta)
 
     def query(
         self,

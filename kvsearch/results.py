@@ -20,7 +20,7 @@ from torch import Tensor
 
 from kvsearch.metadata.codec import decode as decode_metadata
 
-__all__ = ["Hit", "Answer", "LazyKeys", "LazyMetadata", "make_hits", "make_answer"]
+__all__ = ["Hit", "Answer", "EmbeddedValue", "LazyKeys", "LazyMetadata", "make_hits", "hits_at", "make_answer"]
 
 #: How many candidates (and queries of a batch) a repr shows.
 REPR_TOP = 3
@@ -57,18 +57,16 @@ class _StoredMetadata:
         hit.__dict__[self.slot] = None if value is self else value  # the field's default is this descriptor
 
 
-class EmbeddedValue:
-    """A hit's value embedding not yet made a tensor: row ``n`` of a search's gathered values (a numpy block read in
-    its snapshot). :class:`_StoredValue` makes it a tensor of its own storage when the hit's value is first read.
+class EmbeddedValue(tuple):
+    """A hit's value embedding not yet made a tensor: ``(block, n)``, row ``n`` of a search's gathered values (a
+    (t, value_dim) float32 numpy block read in its snapshot). :class:`_StoredValue` makes it a tensor of its own
+    storage when the hit's value is first read. A plain ``(block, n)`` tuple stands for one too (what
+    :func:`hits_at` stores: no call per hit), as a tuple is never a value."""
 
-    Args:
-        block: (t, value_dim) float32 numpy array. n: the row.
-    """
+    __slots__ = ()
 
-    __slots__ = ("block", "n")
-
-    def __init__(self, block: Any, n: int) -> None:
-        self.block, self.n = block, n
+    def __new__(cls, block: Any, n: int) -> EmbeddedValue:
+        return super().__new__(cls, (block, n))
 
 
 class _StoredValue:
@@ -82,8 +80,9 @@ class _StoredValue:
         if hit is None:
             return None
         value = hit.__dict__[self.slot]
-        if type(value) is EmbeddedValue:
-            value = torch.from_numpy(value.block[value.n].copy())  # (value_dim,)
+        if isinstance(value, tuple):  # an EmbeddedValue, or the (block, n) pair hits_at stores
+            block, n = value
+            value = torch.from_numpy(block[n].copy())  # (value_dim,)
             hit.__dict__[self.slot] = value
         return value
 
@@ -312,6 +311,49 @@ def make_hits(
         [_hit(i, key(i), value(i), s, meta(i)) for i, s in zip(row, row_s) if i >= 0]  # metadata decoded lazily
         for row, row_s in zip(ids, scores)
     ]
+
+
+def hits_at(
+    ids: list[list[int]],
+    scores: list[list[float]],
+    key_of_id: Mapping[int, str],
+    texts: Mapping[int, str],
+    block: Any,
+    metadata: Mapping[int, str],
+) -> list[list[Hit]]:
+    """:func:`make_hits` for a search's ranked rows, built without a call per field: one list of :class:`Hit` per
+    query, best first, ids -1 skipped.
+
+    Args:
+        ids: (batch, t) lists of ids. scores: (batch, t) lists of floats.
+        key_of_id: id -> key text. texts: id -> value text, for the values that have one.
+        block: (batch * t, value_dim) numpy float32, the value embeddings at each position (row-major): a hit whose
+            value has no text gets its row, made a tensor of its own storage when first read; None when every value
+            has text.
+        metadata: id -> the stored metadata JSON (decoded when first read).
+    """
+    new, set_dict = object.__new__, object.__setattr__
+    key, text, meta = key_of_id.get, texts.get, metadata.get  # C methods: cheaper than any test around them
+    embedded = block is not None
+    out: list[list[Hit]] = []
+    start = 0
+    for row, row_s in zip(ids, scores):
+        # one Hit per found id, its __dict__ set in one call (h is a fresh Hit; set_dict returns None)
+        out.append(
+            [
+                set_dict(h := new(Hit), "__dict__", {
+                    "id": i,
+                    "key": key(i),
+                    "_value": v if (v := text(i)) is not None else (block, n) if embedded else None,
+                    "score": s,
+                    "_metadata": meta(i),
+                }) or h
+                for n, i, s in zip(range(start, start + len(row)), row, row_s)
+                if i >= 0
+            ]
+        )  # fmt: skip
+        start += len(row)
+    return out
 
 
 def _hit(

@@ -280,8 +280,11 @@ class Retriever:
         table, index = self.store.table, self.index
         allowed = None if where is None else self.store.ids_where(where)  # (m,) sorted ids
         take = max(1, min(k, len(table) if allowed is None else len(allowed)))
-        with _autocast_off(queries.device, self.store.device):  # the index scores in its own dtype
-            found = index.search(queries.detach(), take, allowed=allowed, checked=True)  # checked at the door
+        if _autocast_on(queries.device, self.store.device):  # the index scores in its own dtype
+            with autocast_off(queries.device, self.store.device):
+                found = index.search(queries.detach(), take, allowed=allowed, checked=True)  # checked at the door
+        else:
+            found = index.search(queries.detach(), take, allowed=allowed, checked=True)
         if found.rows is not None and index.source is table:  # the store's own keys, scanned in a batch
             return rank_rows(queries, found.ids, found.rows, table.keys, self.score)
         ids = found.ids.cpu()  # (b, take)
@@ -341,6 +344,14 @@ class Retriever:
         """
         first, count = self.key_matches(queries)  # (batch,), (batch,)
         return torch.where(count == 1, first, -1)  # (batch,)
+
+
+def _autocast_on(queries: torch.device, store: torch.device) -> bool:
+    """Whether autocast is on for either device (asked of torch directly: no context manager where it is off)."""
+    try:
+        return torch.is_autocast_enabled(queries.type) or torch.is_autocast_enabled(store.type)
+    except RuntimeError:  # a device type autocast does not know ("meta"): autocast_off sorts it out
+        return True
 
 
 def _autocast_off(queries: torch.device, store: torch.device) -> contextlib.AbstractContextManager:

@@ -57,7 +57,7 @@ from kvsearch.storage.embeddings import point_at
 from kvsearch.storage.key_texts import KeyTexts, read_key_texts
 from kvsearch.storage.locking import LOCK_FILE, WriteLock
 from kvsearch.storage.record_rows import Record, last_id, seed_ids, write_rows
-from kvsearch.storage.schema import IN_CHUNK, METADATA_PLAIN_SQL, METADATA_SQL, select_in
+from kvsearch.storage.schema import IN_CHUNK, METADATA_ANY_SQL, METADATA_PLAIN_SQL, METADATA_SQL, select_in
 from kvsearch.storage.table import CatchUp, VectorTable, Views
 from kvsearch.storage.transaction import Transaction
 
@@ -114,6 +114,9 @@ class Store:
         self._texts: KeyTexts | None = None
         self.changelog_keep = changelog.KEEP_VERSIONS
         self._metadata_sql = METADATA_SQL  # or METADATA_PLAIN_SQL once the index was found missing
+        # (table version, data_version seen) at which no record had metadata (has_metadata): another process's
+        # commit, or a rolled-back one of this process that reused a version number, moves the pair
+        self._no_metadata_at: tuple[int, int | None] | None = None
         self.read_only: str | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
         if self.path is not None:
@@ -330,6 +333,11 @@ class Store:
             self.seen_data_version = data_version
             self.catch_ups += 1
             return changed
+
+    @property
+    def texts_held(self) -> bool:
+        """Whether the key texts are in memory (:attr:`texts` reads nothing)."""
+        return self._texts is not None
 
     @property
     def texts(self) -> KeyTexts:
@@ -571,6 +579,48 @@ class Store:
                 raise
         self._metadata_sql = METADATA_PLAIN_SQL
         return dict(self._by_ids(self._metadata_sql, wanted))
+
+    def hit_texts(self, ids: list[int], *, values: bool, metadata: bool) -> tuple[dict[int, str], dict[int, str]]:
+        """The value texts and the metadata texts of a search's hits, in one statement (callers hold a snapshot).
+
+        Args:
+            ids: stored ids (others are skipped).
+            values: whether to read the value texts. metadata: whether to read the metadata texts.
+
+        Returns:
+            id -> value text (for the ids whose value has one), id -> metadata JSON (for those with metadata).
+        """
+        if not (values or metadata):
+            return {}, {}
+        wanted = sorted({i for i in ids if 0 <= i < 2**63})  # SQLite holds int64 ids only
+        if not wanted:
+            return {}, {}
+        if not values:
+            return {}, self.metadata_texts(wanted)
+        column = "metadata" if metadata else "NULL"
+        rows = self._by_ids(f"SELECT id, value, {column} FROM records WHERE id IN ({{}})", wanted)
+        return {i: v for i, v, _ in rows if v is not None}, {i: m for i, _, m in rows if m is not None}
+
+    def metadata_known_absent(self) -> bool:
+        """Whether no record has metadata at the table's version, as last found by :meth:`has_metadata` (no read:
+        False where that version was not looked at)."""
+        return self._no_metadata_at == (self.table.version, self.seen_data_version)
+
+    def has_metadata(self) -> bool:
+        """Whether any record has metadata (callers hold a snapshot): one read of the partial index of the records
+        with metadata, remembered for the table's version (:meth:`metadata_known_absent`). Without that index (an
+        earlier store opened read-only) it says True: the hits' metadata are then read every time."""
+        if self._no_metadata_at == (self.table.version, self.seen_data_version):
+            return False
+        try:
+            found = self.conn.execute(METADATA_ANY_SQL).fetchone() is not None
+        except sqlite3.OperationalError as exc:  # refused when prepared: nothing was read
+            if "no such index" not in str(exc):
+                raise
+            return True
+        if not found:
+            self._no_metadata_at = (self.table.version, self.seen_data_version)
+        return found
 
     def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:
         """id -> the value as an answer shows it: its text, or its embedding (CPU tensor) when it has no text.

@@ -112,7 +112,7 @@ class VectorTable:
         return table
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.ids.shape[0]  # not len(): torch's Tensor.__len__ is a Python frame
 
     # ------------------------------------------------------------------ loading whole
 
@@ -360,8 +360,8 @@ def find_rows_array(known: np.ndarray, flat: np.ndarray) -> np.ndarray:
     if len(known) == 0:
         return np.full(len(flat), -1, dtype=np.int64)
     pos = known.searchsorted(flat)  # (n,) the method: no array-function dispatch
-    found = known.take(pos, mode="clip") == flat  # (n,) clip: past the end reads the last id
-    return np.where(found, pos, -1)  # (n,)
+    pos[known.take(pos, mode="clip") != flat] = -1  # (n,) clip: past the end reads the last id
+    return pos  # (n,)
 
 
 def gather_rows(keys: Tensor, values: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
