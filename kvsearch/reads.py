@@ -67,6 +67,11 @@ def gather_values(values: Tensor, rows: Tensor | np.ndarray) -> np.ndarray:
     return values.index_select(0, at).cpu().numpy()  # (n, value_dim)
 
 
+def _no_metadata(ids: list[int]) -> dict[int, str]:
+    """The metadata texts of a store where no record has any."""
+    return {}
+
+
 class Reads:
     """The answers of one open database (see the module docstring).
 
@@ -132,7 +137,7 @@ class Reads:
         made from memory; where one may, ``needs_snapshot`` False says this call holds none, and it is redone in
         one."""
         store = self.store
-        value_texts = self.encoders.value is not None or bool(store.texts.given_values)  # values given with text
+        value_texts = self._values_have_text()
         if value_texts and not needs_snapshot:
             with self.view.reading():
                 return self._hits(q, k, where)
@@ -169,40 +174,78 @@ class Reads:
         q, texts, single = self.prepare_queries(queries)
         out_device = q.device
         q = q.to(self.device)  # (b, dim)
-        with self.view.reading():
-            self.check_not_empty()
-            targets = None
-            if pooling == "exact":  # text equality for text queries, else equal embeddings
-                if texts is None:
-                    targets = self.retriever.exact_targets(q)  # (b,)
-                else:
-                    targets = torch.tensor([self.store.texts.id_of(t) for t in texts], dtype=torch.long)
-            cand = self.retriever.candidates(q, k, targets=targets, where=where)
-            options = {"score": self.score if score is None else score, "pooling": pooling, "temperature": temperature}
-            if k == "all":  # every record: streamed where it can be
-                output, weights = attend_every(q, cand, every=True, **options)  # (b, value_dim), (b, m)
-            else:  # checked above and at the door, the candidates the store's own: nothing checked again
-                output, weights = attend_candidates(q, cand, dropout=0.0, **options)  # (b, value_dim), (b, t)
-            answer = make_answer(
-                output,
-                weights,
-                cand.ids,
-                k=None if k == "all" else k,
-                key_of_id=self.store.texts.key_of_id,
-                values_of=self.answer_values if k == "all" else lambda ids: self.answer_values(ids, gathered=cand),
-                device=out_device,
-                metadata_of=None if k == "all" else self.store.metadata_texts,  # in this snapshot
-            )
+        options = {"score": self.score if score is None else score, "pooling": pooling, "temperature": temperature}
+        view, store = self.view, self.store
+        with store.lock:
+            view.check_open()
+            if where is None and view.current() and store.texts_held and self._nothing_to_read():
+                answer = self._answer(q, texts, k, options, None, out_device, metadata=False)  # from memory
+            else:
+                with view.reading():
+                    answer = self._answer(q, texts, k, options, where, out_device, metadata=True)
         return answer.row(0) if single else answer
+
+    def _nothing_to_read(self) -> bool:
+        """Whether an answer needs nothing from SQLite: no value has text, no record has metadata (as known at the
+        table's version). Callers hold the store lock."""
+        return self.store.metadata_known_absent() and not self._values_have_text()
+
+    def _values_have_text(self) -> bool:
+        """Whether some value may have text: with a value encoder, or values given with their embeddings."""
+        return self.encoders.value is not None or bool(self.store.texts.given_values)
+
+    def _answer(
+        self,
+        q: Tensor,
+        texts: list[str] | None,
+        k: int | Literal["all"],
+        options: dict[str, Any],
+        where: Mapping[str, Any] | None,
+        out_device: torch.device,
+        *,
+        metadata: bool,
+    ) -> Answer:
+        """:meth:`query`'s attention and answer (callers hold the lock, and a snapshot where ``metadata``: the
+        candidates' metadata is read there, unless no record has any)."""
+        self.check_not_empty()
+        metadata = metadata and self.store.has_metadata()
+        targets = None
+        if options["pooling"] == "exact":  # text equality for text queries, else equal embeddings
+            if texts is None:
+                targets = self.retriever.exact_targets(q)  # (b,)
+            else:
+                targets = torch.tensor([self.store.texts.id_of(t) for t in texts], dtype=torch.long)
+        cand = self.retriever.candidates(q, k, targets=targets, where=where)
+        if k == "all":  # every record: streamed where it can be
+            output, weights = attend_every(q, cand, every=True, **options)  # (b, value_dim), (b, m)
+        else:  # checked above and at the door, the candidates the store's own: nothing checked again
+            output, weights = attend_candidates(q, cand, dropout=0.0, **options)  # (b, value_dim), (b, t)
+        return make_answer(
+            output,
+            weights,
+            cand.ids,
+            k=None if k == "all" else k,
+            key_of_id=self.store.texts.key_of_id,
+            values_of=self.answer_values if k == "all" else lambda ids: self.answer_values(ids, gathered=cand),
+            device=out_device,
+            metadata_of=None if k == "all" else self.store.metadata_texts if metadata else _no_metadata,  # snapshot
+        )
 
     def candidates(
         self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None, where: Mapping[str, Any] | None
     ) -> Candidates:
-        """``Database.candidates``: the candidates for a batch of query embeddings, in one snapshot."""
+        """``Database.candidates``: the candidates for a batch of query embeddings, in one snapshot (none where the
+        view is current and no filter is given: they are gathered from memory alone, as a search's)."""
         queries, targets = query_batch(queries, self.dim, targets)
-        with self.view.reading():
-            self.check_not_empty()
-            return self.retriever.candidates(queries, k, targets=targets, where=where)
+        view = self.view
+        with view.store.lock:
+            view.check_open()
+            if where is None and view.current():
+                self.check_not_empty()
+                return self.retriever.candidates(queries, k, targets=targets)
+            with view.reading():
+                self.check_not_empty()
+                return self.retriever.candidates(queries, k, targets=targets, where=where)
 
     def get(self, id: int) -> Record:
         """``Database.get``: the record with this id."""

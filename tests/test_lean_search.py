@@ -160,3 +160,26 @@ def test_an_index_says_whether_its_scores_are_those_of_the_stored_vectors(rng, s
     true = (keys[ids] * q.unsqueeze(1)).sum(-1)  # (3, 5) inner products of the stored vectors found
     if exact:
         assert torch.allclose(scores, true, atol=1e-4)
+
+
+def test_query_and_candidates_from_memory_see_another_handles_writes(tmp_path, rng):
+    path = tmp_path / "db"
+    reader = kvsearch.Database(path, dim=DIM, value_dim=VALUE_DIM, score="dot")
+    keys = torch.from_numpy(rng.standard_normal((40, DIM)).astype(np.float32))
+    ids = reader.add(keys, keys[:, :VALUE_DIM].clone())
+    q = keys[5] * 3  # (dim,) its best key by dot: keys[5], unless a larger one comes
+    for _ in range(2):  # the second answers from memory
+        answer = reader.query(q, k=3, pooling="hard")
+        assert int(answer.ids[0]) == ids[5] and answer.metadata.tolist() == [{}, {}, {}]
+        assert int(reader.candidates(q.unsqueeze(0), k=3).ids[0, 0]) == ids[5]
+    writer = kvsearch.Database(path)
+    (new_id,) = writer.add((10 * keys[5]).unsqueeze(0), torch.ones(1, VALUE_DIM), [{"by": "writer"}])
+    answer = reader.query(q, k=3, pooling="hard")
+    assert int(answer.ids[0]) == new_id and answer.metadata[0] == {"by": "writer"}
+    assert torch.equal(answer.value, torch.ones(VALUE_DIM)) and torch.equal(answer.output, torch.ones(VALUE_DIM))
+    assert int(reader.candidates(q.unsqueeze(0), k=3).ids[0, 0]) == new_id
+    writer.delete([new_id])
+    assert int(reader.candidates(q.unsqueeze(0), k=3).ids[0, 0]) == ids[5]
+    assert int(reader.query(q, k=3, pooling="hard").ids[0]) == ids[5]
+    for db in (writer, reader):
+        db.close()
