@@ -381,7 +381,8 @@ def query_tensor(queries: Tensor | np.ndarray, dim: int) -> tuple[Tensor, bool]:
         )
     if q.shape[0] == 0:
         raise InvalidArgumentError("expected at least one query, got an empty batch")
-    check_batch(q.shape[0], "queries")
+    if q.shape[0] > MAX_BATCH:
+        check_batch(q.shape[0], "queries")  # raises
     q = q.float() if q.dtype != torch.float32 else q  # (b, dim)
     check_finite(q, "queries")
     return q, single

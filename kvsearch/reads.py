@@ -136,14 +136,15 @@ class Reads:
         at the table's version): then, where no value has text either, nothing is read from SQLite and the hits are
         made from memory; where one may, ``needs_snapshot`` False says this call holds none, and it is redone in
         one."""
-        store = self.store
-        value_texts = self._values_have_text()
+        view = self.view
+        store = view.store
+        value_texts = view.encoders.value is not None or bool(store.texts.given_values)  # _values_have_text
         if value_texts and not needs_snapshot:
-            with self.view.reading():
+            with view.reading():
                 return self._hits(q, k, where)
-        if len(store.table) == 0:
+        if store.table.ids.shape[0] == 0:
             return [[] for _ in range(q.shape[0])]
-        ranked = self.retriever.search(q, k, where=where)
+        ranked = view.retriever.search(q, k, where=where)
         ids = ranked.ids.tolist()
         found = [i for row in ids for i in row if i >= 0]
         metadata = not store.metadata_known_absent() and store.has_metadata()

@@ -279,7 +279,7 @@ class Retriever:
         """
         table, index = self.store.table, self.index
         allowed = None if where is None else self.store.ids_where(where)  # (m,) sorted ids
-        take = max(1, min(k, len(table) if allowed is None else len(allowed)))
+        take = max(1, min(k, table.ids.shape[0] if allowed is None else len(allowed)))
         if _autocast_on(queries.device, self.store.device):  # the index scores in its own dtype
             with autocast_off(queries.device, self.store.device):
                 found = index.search(queries.detach(), take, allowed=allowed, checked=True)  # checked at the door

@@ -333,11 +333,16 @@ class Index:
 
     def _search(self, queries: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """FAISS's search (with a selector admitting only ``allowed`` live ids): (batch, k) D and I, -1 padded."""
-        batch = queries.shape[0]
-        search_k = int(min(k, self.ntotal))
+        batch, ntotal = queries.shape[0], self.ntotal
+        search_k = min(k, ntotal)
         if search_k == 0 or batch == 0:
             return np.full((batch, k), np.nan, dtype=np.float32), np.full((batch, k), -1, dtype=np.int64)
-        params = self._search_parameters(search_k) if allowed is None else self._allowed_parameters(allowed, search_k)
+        if allowed is not None:
+            params = self._allowed_parameters(allowed, search_k)
+        elif (self._removable_now or not self._labels.tombstones) and (self._fallback or ntotal >= self.min_train):
+            params = None  # nothing to skip, no IVF to probe whole (_search_parameters' first case, without its call)
+        else:
+            params = self._search_parameters(search_k)
         d, i = self._faiss.search(queries, search_k, params=params) if params else self._faiss.search(queries, search_k)
         if self._vectors.delta is not None:
             d, i = self._vectors.with_delta(queries, (d, i), self._labels.ids, self._labels.dead, allowed)
