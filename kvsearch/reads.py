@@ -146,10 +146,14 @@ class Reads:
             return [[] for _ in range(q.shape[0])]
         ranked = view.retriever.search(q, k, where=where)
         ids = ranked.ids.tolist()
-        found = [i for row in ids for i in row if i >= 0]
         metadata = not store.metadata_known_absent() and store.has_metadata()
-        texts, meta = store.hit_texts(found, values=value_texts, metadata=metadata)
-        block = None if len(texts) == len(found) else gather_values(store.table.values, ranked.rows)  # (b * t, v)
+        texts: dict[int, str] = {}
+        meta: dict[int, str] = {}
+        if value_texts or metadata:  # one statement for what may exist (in the caller's snapshot)
+            found = [i for row in ids for i in row if i >= 0]
+            texts, meta = store.hit_texts(found, values=value_texts, metadata=metadata)
+            every_text = len(texts) == len(found)
+        block = None if value_texts and every_text else gather_values(store.table.values, ranked.rows)  # (b * t, v)
         return hits_at(ids, ranked.scores.tolist(), store.texts.key_of_id, texts, block, meta)
 
     def query(

@@ -287,10 +287,11 @@ class Retriever:
             found = index.search(queries.detach(), take, allowed=allowed, checked=True)
         if found.rows is not None and index.source is table:  # the store's own keys, scanned in a batch
             return rank_rows(queries, found.ids, found.rows, table.keys, self.score)
-        ids = found.ids.cpu()  # (b, take)
+        ids = found.ids if found.ids.device.type == "cpu" else found.ids.cpu()  # (b, take)
         if allowed is None and index.exact_scores:
-            rows = table.rows_array(ids.numpy().reshape(-1)).reshape(ids.shape)  # (b, take) in numpy: a few ids
-            return Ranked(ids, database_scores(found.scores.cpu(), self.score, self.dim), rows)
+            rows = table.rows_array(ids.numpy().ravel()).reshape(ids.shape)  # (b, take) in numpy: a few ids
+            scores = found.scores if found.scores.device.type == "cpu" else found.scores.cpu()  # (b, take)
+            return Ranked(ids, scores if self.score in _AS_IS else database_scores(scores, self.score, self.dim), rows)
         # lossy scores, or a filtered graph search some of whose queries were redone exactly as a batch
         check_fits(queries.shape[0] * take * (self.dim * 4 * 2 + 8), lambda: f"scoring {len(queries):,} x {take:,}")
         return rank_rows(queries, ids, table.rows_of(ids).to(self.store.device), table.keys, self.score)
@@ -395,6 +396,10 @@ class Ranked:
     ids: Tensor
     scores: Tensor
     rows: Tensor | np.ndarray
+
+
+#: The database scores an index's inner product is as it is (:func:`database_scores` returns it unchanged).
+_AS_IS = frozenset({"dot", "cosine"})
 
 
 def database_scores(scores: Tensor, score: str, dim: int) -> Tensor:
