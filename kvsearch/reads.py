@@ -149,11 +149,12 @@ class Reads:
         metadata = not store.metadata_known_absent() and store.has_metadata()
         texts: dict[int, str] = {}
         meta: dict[int, str] = {}
+        every_text = False  # whether every hit's value has text (no value embedding to gather)
         if value_texts or metadata:  # one statement for what may exist (in the caller's snapshot)
             found = [i for row in ids for i in row if i >= 0]
             texts, meta = store.hit_texts(found, values=value_texts, metadata=metadata)
             every_text = len(texts) == len(found)
-        block = None if value_texts and every_text else gather_values(store.table.values, ranked.rows)  # (b * t, v)
+        block = None if every_text else gather_values(store.table.values, ranked.rows)  # (b * t, value_dim)
         return hits_at(ids, ranked.scores.tolist(), store.texts.key_of_id, texts, block, meta)
 
     def query(
