@@ -217,7 +217,8 @@ def test_filter_only_operations_under_a_concurrent_writer_process(tmp_path):
         sizes = Counter(r.metadata["batch"] for r in records)
         assert set(sizes.values()) <= {10}, sizes  # never a torn batch
         for batch, n in db.where({"checked": True}).distinct("batch"):
-            assert n == 10 and batch in sizes
+            # a later snapshot than records(): the writer may have added (and checked) newer batches in between
+            assert n == 10 and (batch in sizes or batch > max(sizes, default=-1))
         if reads % 5 == 4:
             deleted += db.where({"parity": 1}).delete()
         reads += 1
