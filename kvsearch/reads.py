@@ -5,11 +5,13 @@
 query embedding by :func:`kvsearch.checks.query_tensor`; the retriever and the index below trust it), encodes text
 queries (with the encoders another process may have fine-tuned since: the view is brought up to date first), then,
 inside the read context (:meth:`View.reading <kvsearch.view.View.reading>`: one SQLite snapshot, the view up to
-date with it), asks the retriever and makes the answer: hits of the ids and scores it ranked
-(:meth:`Reads.search`: :func:`~kvsearch.retrieval.rank_candidates` on the candidates, the hits' values, key texts
-and metadata texts read in the same snapshot, the metadata decoded when a hit's is read), attention over the
-candidates it gathered (:meth:`Reads.query`), or the one record with a key. Values are shown as answers show them
-(:meth:`Reads.answer_values`): their text, or their embedding when they have none.
+date with it; or, where the view is current and nothing is to be read from SQLite, from memory without one:
+:meth:`View.current <kvsearch.view.View.current>`), asks the retriever and makes the answer: hits of the ids and
+scores it ranked (:meth:`Reads.search`: :meth:`~kvsearch.retrieval.Retriever.search`, the hits' value and metadata
+texts read in one statement where any may exist, a value embedding made a tensor and the metadata decoded when a
+hit's is read), attention over the candidates it gathered (:meth:`Reads.query`), or the one record with a key.
+Values are shown as answers show them (:meth:`Reads.answer_values`): their text, or their embedding when they have
+none.
 
 It knows nothing of writes, generations, file formats or how the snapshot is taken: it is given the database's
 :class:`~kvsearch.view.View` (the store, the encoders, the retriever, the dim, the read context), its score and

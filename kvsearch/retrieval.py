@@ -10,10 +10,12 @@ serves the saved one or rebuilds it, follows every committed write in it, and an
 picks ids without gradient (filters applied by the index, which guarantees ``min(k, matches)``; the queries were
 checked at the facade, so the index is asked with ``checked=True``), and the keys and values are gathered from the
 store's vector table, on its device, for attention to score and pool: by the rows the search result carries where
-an exact torch index scanned the table's own keys, else by id. ``Database.search`` ranks
-them with :func:`rank_candidates`: their scores recomputed in torch with the score's own function, so a query scores
-the same alone and in a batch. It also finds exact-key targets
-(``pooling="exact"``, forced training targets).
+an exact torch index scanned the table's own keys, else by id. ``Database.search`` asks :meth:`Retriever.search`
+instead, which gathers nothing it does not need: the index's own scores where it scores the stored vectors
+(:attr:`~kvsearch.index.base.CandidateIndex.exact_scores`), else the found rows rescored in torch with the score's own
+function (:func:`rank_rows`), so a query scores the same alone and in a batch. :func:`rank_candidates` ranks gathered
+candidates the same way (the sharded search). It also finds exact-key targets (``pooling="exact"``, forced training
+targets).
 
 It is the one object a sharded retriever replaces: its interface is small and speaks torch tensors. It knows
 nothing of text, encoders, locking (the caller holds the store's locks) or training.
@@ -274,8 +276,8 @@ class Retriever:
             where: a metadata filter: only matching records come back.
 
         Returns:
-            :class:`Ranked`: ids and scores (batch, t) on the CPU (t = min(k, records); -1 / -inf where fewer
-            records match), and the rows of the ids in the store's table.
+            :class:`Ranked`: ids and scores (batch, t) on the CPU (t = min(k, records); ids -1, scores -inf or NaN
+            where fewer records match), and the rows of the ids in the store's table.
         """
         table, index = self.store.table, self.index
         allowed = None if where is None else self.store.ids_where(where)  # (m,) sorted ids
