@@ -120,9 +120,8 @@ class Reads:
         depth = k if similarity is None else rerank_depth(k)
         view, store = self.view, self.view.store
         with store.lock:
-            view.check_open()
-            if where is None and view.current() and store.texts_held and store.metadata_known_absent():
-                hits = self._hits(q, depth, None, needs_snapshot=False)
+            if self._from_memory(where, texts=True):
+                hits = self._hits(q, depth, None, value_texts=False)
             else:
                 with view.reading():
                     hits = self._hits(q, depth, where)
@@ -131,19 +130,15 @@ class Reads:
         return hits[0] if single else hits
 
     def _hits(
-        self, q: Tensor, k: int, where: Mapping[str, Any] | None, *, needs_snapshot: bool = True
+        self, q: Tensor, k: int, where: Mapping[str, Any] | None, *, value_texts: bool | None = None
     ) -> list[list[Hit]]:
         """The hits of each query (b, dim), ranked by the retriever, their values and metadata read in one statement
-        where any may be stored. Callers hold the store lock, and a snapshot unless no record has metadata (as known
-        at the table's version): then, where no value has text either, nothing is read from SQLite and the hits are
-        made from memory; where one may, ``needs_snapshot`` False says this call holds none, and it is redone in
-        one."""
+        where any may be stored. Callers hold the store lock, and a snapshot unless :meth:`_from_memory` said none
+        is needed (then nothing is read from SQLite here). ``value_texts``: whether some value may have text, where
+        the caller knows (None: asked here)."""
         view = self.view
         store = view.store
-        value_texts = view.encoders.value is not None or bool(store.texts.given_values)  # _values_have_text
-        if value_texts and not needs_snapshot:
-            with view.reading():
-                return self._hits(q, k, where)
+        value_texts = self._values_have_text() if value_texts is None else value_texts
         if store.table.ids.shape[0] == 0:
             return [[] for _ in range(q.shape[0])]
         ranked = view.retriever.search(q, k, where=where)
@@ -185,18 +180,33 @@ class Reads:
         options = {"score": self.score if score is None else score, "pooling": pooling, "temperature": temperature}
         view, store = self.view, self.store
         with store.lock:
-            view.check_open()
-            if where is None and view.current() and store.texts_held and self._nothing_to_read():
-                answer = self._answer(q, texts, k, options, None, out_device, metadata=False)  # from memory
+            if self._from_memory(where, texts=True):
+                answer = self._answer(q, texts, k, options, None, out_device, metadata=False)
             else:
                 with view.reading():
                     answer = self._answer(q, texts, k, options, where, out_device, metadata=True)
         return answer.row(0) if single else answer
 
-    def _nothing_to_read(self) -> bool:
-        """Whether an answer needs nothing from SQLite: no value has text, no record has metadata (as known at the
-        table's version). Callers hold the store lock."""
-        return self.store.metadata_known_absent() and not self._values_have_text()
+    def _from_memory(self, where: Mapping[str, Any] | None, *, texts: bool) -> bool:
+        """Whether this call can be answered from this process's memory, without a SQLite snapshot (callers hold the
+        store lock).
+
+        Memory is asked first: no filter, and where the answer shows texts and metadata (``texts``) the key texts
+        held, no value with text and no record with metadata (as known at the table's version). Only then is the view
+        asked whether it is current (:meth:`View.current <kvsearch.view.View.current>`: a ``stat`` and ``PRAGMA
+        data_version``), so a call that needs a snapshot anyway goes straight to :meth:`View.reading
+        <kvsearch.view.View.reading>`, whose sync asks the store once.
+
+        Raises:
+            DatabaseClosedError: the database was closed (a call going to :meth:`View.reading` is told there).
+        """
+        if where is not None:
+            return False
+        store = self.store
+        if texts and not (store.texts_held and store.metadata_known_absent() and not self._values_have_text()):
+            return False
+        self.view.check_open()
+        return self.view.current()
 
     def _values_have_text(self) -> bool:
         """Whether some value may have text: with a value encoder, or values given with their embeddings."""
@@ -247,8 +257,7 @@ class Reads:
         queries, targets = query_batch(queries, self.dim, targets)
         view = self.view
         with view.store.lock:
-            view.check_open()
-            if where is None and view.current():
+            if self._from_memory(where, texts=False):
                 self.check_not_empty()
                 return self.retriever.candidates(queries, k, targets=targets)
             with view.reading():

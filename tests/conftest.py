@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import faiss
 import numpy as np
 import pytest
 import torch
@@ -56,3 +57,12 @@ def random_db(path, rng, n=200, dim=16, value_dim=8, index="Flat", score="dot"):
     db = kvsearch.Database(path, dim=dim, value_dim=value_dim, index=index, score=score)
     ids = db.add(keys=keys, values=values)
     return db, np.asarray(ids), keys, values
+
+
+@pytest.fixture
+def one_thread():
+    """FAISS builds HNSW in parallel, in an order that varies: one thread makes two builds the same graph."""
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)

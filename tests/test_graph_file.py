@@ -17,11 +17,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import faiss
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _key_table import KeyTable
 
 import kvsearch
 from kvsearch.errors import CorruptDatabaseError
@@ -35,39 +35,6 @@ from kvsearch.storage.folder import INDEX_FILE
 DIM = 16
 #: efSearch above the number of vectors: the graph search visits every reachable vector, so its top-k is exact
 EXACT = {"efSearch": 1024}
-
-
-class KeyTable:
-    """A key source as the store offers it: sorted ids, raw keys, rows by id, a version bumped by each write."""
-
-    def __init__(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
-        order = torch.argsort(ids)
-        self.ids, self.keys, self.version = ids[order], keys[order].contiguous(), 1
-
-    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).cpu()  # (m,)
-        if len(self.ids) == 0:
-            return torch.full_like(ids.cpu(), -1)
-        pos = torch.searchsorted(self.ids, flat).clamp(max=len(self.ids) - 1)  # (m,)
-        return torch.where(self.ids[pos] == flat, pos, -1).reshape(ids.shape)
-
-    def append(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
-        ids, keys = torch.cat([self.ids, ids]), torch.cat([self.keys, keys])
-        order = torch.argsort(ids)  # re-added ids take their place: the ids stay sorted
-        self.ids, self.keys, self.version = ids[order], keys[order].contiguous(), self.version + 1
-
-    def drop(self, ids: torch.Tensor) -> None:
-        keep = ~torch.isin(self.ids, ids)  # (n,)
-        self.ids, self.keys, self.version = self.ids[keep], self.keys[keep].contiguous(), self.version + 1
-
-
-@pytest.fixture
-def one_thread():
-    """FAISS builds HNSW in parallel, in an order that varies: one thread makes two builds the same graph."""
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
 
 
 def unit_keys(rng: np.random.Generator, n: int, dim: int = DIM) -> torch.Tensor:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _key_table import KeyTable
 
 import kvsearch
 from kvsearch.errors import CorruptDatabaseError
@@ -20,37 +21,6 @@ from kvsearch.index.factory import load_index
 from kvsearch.index.faiss_index import Index
 from kvsearch.index.graph_storage import DELTA_MIN, UNIT_TOLERANCE
 from kvsearch.storage.folder import INDEX_FILE
-
-
-class KeyTable:
-    """A key source as the store offers it: sorted ids, raw keys, rows by id; a write makes new tensors."""
-
-    def __init__(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
-        order = torch.argsort(ids)
-        self.ids, self.keys, self.version = ids[order], keys[order].contiguous(), 1
-
-    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).cpu()  # (m,)
-        if len(self.ids) == 0:
-            return torch.full_like(ids.cpu(), -1)
-        pos = torch.searchsorted(self.ids, flat).clamp(max=len(self.ids) - 1)  # (m,)
-        return torch.where(self.ids[pos] == flat, pos, -1).reshape(ids.shape)
-
-    def append(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
-        self.ids, self.keys, self.version = torch.cat([self.ids, ids]), torch.cat([self.keys, keys]), self.version + 1
-
-    def drop(self, ids: torch.Tensor) -> None:
-        keep = ~torch.isin(self.ids, ids)  # (n,)
-        self.ids, self.keys, self.version = self.ids[keep], self.keys[keep].contiguous(), self.version + 1
-
-
-@pytest.fixture
-def one_thread():
-    """FAISS builds HNSW in parallel, in an order that varies: one thread makes two builds the same graph."""
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
 
 
 def random_keys(rng, n, dim, unit=False):

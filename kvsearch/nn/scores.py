@@ -129,17 +129,18 @@ def _check_pair(queries: Tensor, keys: Tensor) -> None:
 # ----------------------------------------------------------------------------- built-in scores
 
 
-def _unit_rows(x: Tensor) -> Tensor:
+def _unit_rows(x: Tensor, reads: bool) -> Tensor:
     """Rows scaled to unit norm as ``F.normalize`` does (norms clamped to ``COSINE_EPS``: a zero row stays zero).
 
     A row whose squared norm overflows (entries near 1e19 and above in float32) is first divided by its largest
     entry, which the cosine does not see: its norm is then finite and its direction exact (where values are read
     back, :func:`~kvsearch.nn.precision.host_reads`: under ``torch.compile`` and on a GPU such a row is not looked
-    for, and scores 0).
+    for, and scores 0). ``reads``: :func:`~kvsearch.nn.precision.host_reads` for ``x``'s device, asked once by
+    the caller for both sides.
     """
     norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
     # checks.all_finite's first test inline (a query's scores run this twice)
-    if host_reads(x.device) and not math.isfinite(norms.sum().item()) and not all_finite(norms):
+    if reads and not math.isfinite(norms.sum().item()) and not all_finite(norms):
         peak = x.detach().abs().amax(-1, keepdim=True)  # (..., 1)
         x = x / torch.where(peak > 1, peak, 1)  # (..., dim) huge rows brought to [-1, 1]; small rows as they are
         norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
@@ -180,8 +181,9 @@ def _scaled_dot(queries: Tensor, keys: Tensor) -> Tensor:
 
 def _cosine(queries: Tensor, keys: Tensor) -> Tensor:
     """The dot of the unit rows (:func:`_unit_rows`) of queries (..., n, dim) and keys (..., m, dim): (..., n, m)."""
-    queries = _unit_rows(queries)  # (..., n, dim)
-    keys = _unit_rows(keys)  # (..., m, dim)
+    reads = host_reads(queries.device)  # the keys are on the queries' device
+    queries = _unit_rows(queries, reads)  # (..., n, dim)
+    keys = _unit_rows(keys, reads)  # (..., m, dim)
     return queries @ keys.transpose(-2, -1)  # (..., n, m)
 
 

@@ -114,9 +114,9 @@ class Store:
         self._texts: KeyTexts | None = None
         self.changelog_keep = changelog.KEEP_VERSIONS
         self._metadata_sql = METADATA_SQL  # or METADATA_PLAIN_SQL once the index was found missing
-        # (table version, data_version seen) at which no record had metadata (has_metadata): another process's
-        # commit, or a rolled-back one of this process that reused a version number, moves the pair
-        self._no_metadata_at: tuple[int, int | None] | None = None
+        # ((table version, data_version seen), whether any record had metadata then) (has_metadata): another
+        # process's commit, or a rolled-back one of this process that reused a version number, moves the pair
+        self._metadata_at: tuple[tuple[int, int | None], bool] | None = None
         self.read_only: str | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
         if self.path is not None:
@@ -191,13 +191,14 @@ class Store:
         return conn
 
     def check_file(self) -> None:
-        """Check that ``path`` still names the file this store opened (every read and write asks).
+        """Check that ``path`` still names the file this store opened (every read and write asks: one ``stat``
+        here, :func:`~kvsearch.storage.fileio.check_same_file` words the error).
 
         Raises:
             StoreChangedError: it was deleted, or replaced by another file, since the store was opened.
         """
-        if self._identity is not None:
-            fileio.check_same_file(self.path, self._identity)
+        if self._identity is not None and _identity_now(self.path) != self._identity:
+            fileio.check_same_file(self.path, self._identity)  # raises
 
     # ------------------------------------------------------------------ fork safety
 
@@ -602,24 +603,23 @@ class Store:
         return {i: v for i, v, _ in rows if v is not None}, {i: m for i, _, m in rows if m is not None}
 
     def metadata_known_absent(self) -> bool:
-        """Whether no record has metadata at the table's version, as last found by :meth:`has_metadata` (no read:
-        False where that version was not looked at)."""
-        return self._no_metadata_at == (self.table.version, self.seen_data_version)
+        """Whether :meth:`has_metadata` found no metadata at the table's version (no read: False if it did not ask)."""
+        return self._metadata_at == ((self.table.version, self.seen_data_version), False)
 
     def has_metadata(self) -> bool:
         """Whether any record has metadata (callers hold a snapshot): one read of the partial index of the records
-        with metadata, remembered for the table's version (:meth:`metadata_known_absent`). Without that index (an
-        earlier store opened read-only) it says True: the hits' metadata are then read every time."""
-        if self._no_metadata_at == (self.table.version, self.seen_data_version):
-            return False
+        with metadata, remembered for the table's version either way (:meth:`metadata_known_absent`). Without that
+        index (an earlier store opened read-only) it says True: the hits' metadata are then read every time."""
+        at = (self.table.version, self.seen_data_version)
+        if self._metadata_at is not None and self._metadata_at[0] == at:
+            return self._metadata_at[1]
         try:
             found = self.conn.execute(METADATA_ANY_SQL).fetchone() is not None
         except sqlite3.OperationalError as exc:  # refused when prepared: nothing was read
             if "no such index" not in str(exc):
                 raise
             return True
-        if not found:
-            self._no_metadata_at = (self.table.version, self.seen_data_version)
+        self._metadata_at = (at, found)
         return found
 
     def answer_values(self, ids: Sequence[int], *, texts: bool = True) -> dict[int, str | Tensor | None]:
@@ -678,3 +678,12 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _identity_now(path: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``path`` now, None where it is gone (:meth:`Store.check_file`'s ``stat``)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
