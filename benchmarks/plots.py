@@ -161,10 +161,7 @@ def _layer_plot(record: dict[str, Any], t: dict[str, Any], folder: Path, stem: s
         left.plot(xs, [p[2] for p in pts], "o-", color=colour, linewidth=2, label=f"KVAttention, {label}")
         left.plot(xs, [p[1] for p in pts], "s--", color=colour, linewidth=1, label=f"bare torch, {label}")
         right.plot(xs, [p[2] / p[1] for p in pts], "o-", color=colour, label=label)
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (queries per call)")
-        ax.grid(True, which="both", alpha=0.3)
+    _batch_axes(left, right)
     left.set_yscale("log")
     left.set_ylabel("forward + backward, ms (log)")
     left.set_title("KVAttention vs the same top-k attention in bare torch")
@@ -200,10 +197,7 @@ def _candidates_plot(record: dict[str, Any], t: dict[str, Any], folder: Path, st
             left.plot(xs, [p[1] for p in pts], "s--", color=colour, linewidth=1, label=f"bare torch, {size}")
         style = {"random": "-", "unit": "--", "clustered": ":", "norms100": "-."}.get(kind_, "-")
         right.plot(xs, [p[1] / p[2] for p in pts], style, color=colour, marker=".", label=f"{size}, {kind_}")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (queries per call)")
-        ax.grid(True, which="both", alpha=0.3)
+    _batch_axes(left, right)
     left.set_yscale("log")
     left.set_ylabel("ms per call (log)")
     left.set_title(f"candidates(q, k) vs bare torch.topk(q @ K.T, k), {first_kind} keys", fontsize=10)
@@ -252,6 +246,14 @@ DRAW: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "bench_layer-cpu": layer,
     "bench_layer-cuda": layer,
 }
+
+
+def _batch_axes(*axes: Any) -> None:
+    """The batch-size x axis the layer plots share: log 2, labelled, gridded."""
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (queries per call)")
+        ax.grid(True, which="both", alpha=0.3)
 
 
 def _save(fig: Any, folder: Path, stem: str) -> Path:
