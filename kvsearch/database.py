@@ -57,24 +57,23 @@ class Database:
         index: an index spec (:data:`~kvsearch.index.factory.INDEX_KINDS`): ``"Flat"``, the default, exact in torch over
             the store's own key tensor (:class:`~kvsearch.TorchIndex`, its path picked per call); ``"torch"`` or
             ``"torch:float16"`` / ``"torch:bfloat16"`` a fixed path; any other a FAISS ``index_factory`` string.
-        score: the default score function, ``"cosine"`` for a new database; it decides the index metric
-            (inner product for dot / scaled_dot / cosine, L2 for gaussian).
+        score: the default score, ``"cosine"`` for a new one; it decides the index metric (L2 for gaussian, else IP).
         device: the torch device of the embeddings and the pooling; CUDA when present, else CPU.
         search_params: FAISS search parameters such as ``{"nprobe": 16}`` or ``{"efSearch": 128}``.
         lock_timeout: seconds a write waits for another writer's lock before ``DatabaseLockedError``.
         read_only: open an existing database for reading only: nothing in its folder is written (not even the index
             on close); writes raise ``ReadOnlyDatabaseError``. An unwritable folder or store opens so, with a warning.
         capacity: keep the newest ``capacity`` records, the oldest dropped first (in memory; NotSupportedError on disk).
+        create: False: open an existing database only (unpickling does): none at ``path`` is DatabaseNotFoundError.
 
     Raises:
         InvalidArgumentError: no encoder and no dim, or a bad argument (``read_only`` without a database).
         WrongKindError: the folder holds a sharded database, or a new one would lie inside another database;
             ForeignFolderError: a new one in a folder of someone else's files. UnknownOptionError: an unknown option.
         ConfigMismatchError: reopening with a dim, index, score or encoder that differs from the stored one.
-        MissingFileError: the folder holds kvsearch files but no ``store.sqlite`` (never made anew beside them), or
-            an encoder's json is missing (the message says how to restore it).
-        CorruptDatabaseError: a file of the database is damaged beyond rebuilding.
-        DiskFullError, ReadOnlyDatabaseError: a new database cannot be written (nothing of it is left).
+        MissingFileError: kvsearch files but no ``store.sqlite``, or no encoder json (the message says how to restore
+            it). CorruptDatabaseError: a file damaged beyond rebuilding. DiskFullError, ReadOnlyDatabaseError: a new
+            database cannot be written (nothing of it is left). DatabaseNotFoundError: see ``create``.
     """
 
     _shard: ClassVar[bool] = False  # a shard's folder lies inside its sharded root (kvsearch.distributed)
@@ -94,14 +93,15 @@ class Database:
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         read_only: bool = False,
         capacity: int | None = None,
+        create: bool = True,
     ) -> None:
         self.device = check_device(device)
         check_path(path)
         lock_timeout = check_seconds(lock_timeout, "lock_timeout")
-        check_options(search_params, read_only)
+        check_options(search_params, read_only, create)
         self.path = None if path is None else Path(path)
         capacity = check_capacity(capacity, self.path)  # InvalidArgumentError; NotSupportedError on disk
-        store, creation = open_store(self.path, self.device, read_only, lock_timeout, inside_ok=self._shard)
+        store, creation = open_store(self.path, self.device, read_only, lock_timeout, create, inside_ok=self._shard)
         self._view = view = View(self.path, store)  # the store, encoders, retriever; the locks and the catch-up
         given = Given(encoder, value_encoder, dim, value_dim, index, score, search_params)
         open_view(view, creation, self.device, given)  # create or reopen; the store closed if it fails

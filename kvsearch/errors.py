@@ -35,6 +35,7 @@ __all__ = [
     "ForeignFolderError",
     "FileLimitError",
     "DatabaseExistsError",
+    "DatabaseNotFoundError",
 ]
 
 
@@ -192,6 +193,11 @@ class ForeignFolderError(InvalidArgumentError):
 class DatabaseExistsError(InvalidArgumentError):
     """A new database (a reshard's destination) was asked for where a kvsearch database already is: it is left alone;
     the message names it."""
+
+
+class DatabaseNotFoundError(InvalidArgumentError, FileNotFoundError):
+    """An existing database was asked for (``create=False``, an unpickled database or model) where there is none:
+    nothing was created; the message names the folder and what is there instead."""
 
 
 class DistributedError(KVSearchError, RuntimeError):

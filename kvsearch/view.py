@@ -53,6 +53,7 @@ from kvsearch.errors import (
     CorruptDatabaseError,
     DatabaseClosedError,
     DatabaseLockedError,
+    DatabaseNotFoundError,
     InconsistentDatabaseError,
     InvalidArgumentError,
     NonFiniteError,
@@ -365,7 +366,8 @@ def reduce_database(view: View, device: torch.device, opener: Callable[..., T]) 
 
     The encoders, dims, index and score are in the folder; the pickle holds the folder's absolute path, ``device``,
     ``read_only``, ``lock_timeout`` and the search parameters when set. Loading it opens a fresh handle on the folder
-    in the loading process (on the same device), which sees the records as they are then. Encoders changed in
+    in the loading process (on the same device), which sees the records as they are then; ``create=False``: a folder
+    that is gone (moved, renamed, deleted) raises ``DatabaseNotFoundError`` naming it. Encoders changed in
     memory but not saved are not in the folder: a ``RuntimeWarning`` says so (``save_encoders()`` first).
 
     Args:
@@ -396,6 +398,7 @@ def reduce_database(view: View, device: torch.device, opener: Callable[..., T]) 
         "device": str(device),
         "read_only": view.store.read_only is not None,
         "lock_timeout": view.store.write_lock.timeout,
+        "create": False,  # a folder that moved is named as such, never made anew and empty
     }
     if view.config.get("search_params"):
         options["search_params"] = dict(view.config["search_params"])
@@ -405,30 +408,39 @@ def reduce_database(view: View, device: torch.device, opener: Callable[..., T]) 
 # --------------------------------------------------------------------------- opening
 
 
-def check_options(search_params: object, read_only: object) -> None:
-    """Check the kinds of ``Database(search_params=, read_only=)``.
+def check_options(search_params: object, read_only: object, create: object = True) -> None:
+    """Check the kinds of ``Database(search_params=, read_only=, create=)``.
 
     Raises:
-        InvalidArgumentError: ``search_params`` is neither None nor a dict, or ``read_only`` is not a bool.
+        InvalidArgumentError: ``search_params`` is neither None nor a dict, or ``read_only`` or ``create`` is not a
+            bool.
     """
     if search_params is not None and not isinstance(search_params, Mapping):
         got = type(search_params).__name__
         raise InvalidArgumentError(f"expected search_params as a dict such as {{'nprobe': 16}}, got {got}")
-    if not isinstance(read_only, bool):
-        raise InvalidArgumentError(f"expected read_only as a bool, got {read_only!r}")
+    for name, flag in (("read_only", read_only), ("create", create)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentError(f"expected {name} as a bool, got {flag!r}")
 
 
 def open_store(
-    path: Path | None, device: torch.device, read_only: bool, lock_timeout: float, *, inside_ok: bool = False
+    path: Path | None,
+    device: torch.device,
+    read_only: bool,
+    lock_timeout: float,
+    create: bool = True,
+    *,
+    inside_ok: bool = False,
 ) -> tuple[Store, folders.Creation | None]:
     """The store of the database folder ``path`` (None: in memory), and the creation to undo if opening fails.
 
     The creation is None for an existing database (nothing of it is removed on failure). A store opened read-only
     although ``read_only`` was not asked for (its folder or file cannot be written) is warned about, once. A new
     database is made only in an absent or empty folder outside other databases (``inside_ok``: a shard, inside its
-    sharded root).
+    sharded root); never with ``create=False``.
 
     Raises:
+        DatabaseNotFoundError: ``create=False`` and no database at ``path`` (or ``path`` is None).
         InvalidArgumentError: ``path`` is a file, or ``read_only`` without an existing database.
         WrongKindError: the folder holds a sharded database, or a new one would lie inside another database.
         ForeignFolderError: a new database in a folder of other files.
@@ -441,8 +453,13 @@ def open_store(
     if path is not None:
         with fileio.storage_errors(path, "opening the database folder", "nothing was written"):  # EMFILE: typed
             folders.check_kind(path, "plain")  # a sharded root: WrongKindError, whatever else was asked
+            if not exists and not create:
+                folders.check_store_present(path)  # what is left of a database: MissingFileError, as a reopen says
+                raise DatabaseNotFoundError(_not_found(path))
             if not exists and not read_only:  # never among someone else's files, nor beside what is left of one
                 folders.check_new_folder(path, inside_ok=inside_ok)
+    if not create and not exists:  # in memory
+        raise DatabaseNotFoundError(_not_found(path))
     if read_only and not exists:
         where = "a database in memory" if path is None else f"{path} without {folders.STORE_FILE}"
         raise InvalidArgumentError(f"expected an existing database folder to open with read_only=True, got {where}")
@@ -466,6 +483,25 @@ def open_store(
             stacklevel=3,  # the caller of Database()
         )
     return store, creation
+
+
+def _not_found(path: Path | None) -> str:
+    """Why ``create=False`` found no database at ``path``: what is there instead."""
+    if path is None:
+        return "expected an existing database folder (create=False), got None: a database in memory is always new"
+    if not path.exists():
+        there = "no such folder"
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is not None and parent != path.parent.absolute():
+            there += f" (the nearest existing folder above it is {parent})"
+    elif not any(path.iterdir()):
+        there = "an empty folder"
+    else:
+        there = f"a folder without {folders.STORE_FILE}"
+    return (
+        f"expected an existing database at {path} (create=False: nothing is made), got {there}. "
+        "Was it moved or renamed? A pickled database or model reopens its folder by the absolute path it had"
+    )
 
 
 def open_view(view: View, creation: folders.Creation | None, device: torch.device, given: Given) -> None:
@@ -525,6 +561,11 @@ def create(store: Store, files: EncoderFiles, device: torch.device, given: Given
         InvalidArgumentError, UnknownOptionError, DimensionMismatchError: what was given does not make a database.
     """
     g = given
+    if g.encoder is None and g.dim is None and files.folder is not None:  # most often a mistyped path: say so
+        raise InvalidArgumentError(
+            f"expected an encoder or an explicit dim to create a new database: {files.folder} holds none, so one "
+            "would be made there. To open an existing database, check the path (create=False never makes one)"
+        )
     config, value_encoder = new_config(
         g.encoder, g.value_encoder, g.dim, g.value_dim, g.index, g.score, g.search_params
     )

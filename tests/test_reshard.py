@@ -110,8 +110,8 @@ def assert_hits_equal(a: list, b: list) -> None:
                 assert (same[0].key, same[0].metadata) == (x.key, x.metadata)
 
 
-def assert_same(source: Path, result: Path, *, exact: bool = True) -> None:
-    """The result answers every read as the source does."""
+def assert_same(source: Path, result: Path, *, exact: bool = True, index: str | None = None) -> None:
+    """The result answers every read as the source does (with the index spec ``index``, when given)."""
     src, dst = open_db(source), open_db(result)
     try:
         ids = all_ids(src)
@@ -121,7 +121,7 @@ def assert_same(source: Path, result: Path, *, exact: bool = True) -> None:
             src.dim,
             src.value_dim,
             src.score,
-            src.index_spec,
+            index or src.index_spec,
         )
         for e in ("encoder", "query_encoder"):
             a, b = getattr(src, e), getattr(dst, e)
@@ -329,6 +329,30 @@ def test_approximate_index(tmp_path: Path) -> None:
     assert_same(source, tmp_path / "ivf3", exact=False)
     with ShardedDatabase(tmp_path / "ivf3", device="cpu") as sdb:
         assert sdb.index_spec == "IVF4,Flat"
+
+
+def test_another_index(plain: tuple[Path, set[int]], tmp_path: Path) -> None:
+    """``index=``: the one way to change a database's index (a reopen with another says so). The records, ids and
+    every read are the source's; the new spec is the one served and recorded (plain and sharded results)."""
+    source, handed = plain
+    with pytest.raises(kvsearch.ConfigMismatchError, match="kvsearch reshard SRC DST --shards 1 --index SPEC"):
+        Database(source, index="HNSW32", device="cpu")
+    kvsearch.reshard(source, tmp_path / "hnsw", num_shards=1, index="HNSW32", search_params={"efSearch": 256})
+    assert_same(source, tmp_path / "hnsw", exact=False, index="HNSW32")
+    with Database(tmp_path / "hnsw", device="cpu") as db:  # reopened as recorded, no index= needed
+        assert db.index_spec == "HNSW32" and db.retriever.params == {"efSearch": 256}
+        for key in ("alpha 4", "gamma 2", "delta 11"):  # a stored key is its own nearest record
+            assert db.search(key, k=1)[0].key == key
+    kvsearch.reshard(source, tmp_path / "ivf3", num_shards=3, index="IVF2,Flat")
+    assert_same(source, tmp_path / "ivf3", exact=False, index="IVF2,Flat")
+    with ShardedDatabase(tmp_path / "ivf3", device="cpu") as sdb:
+        assert sdb.index_spec == "IVF2,Flat" and sdb.shards[0].retriever.params == {}
+    before = digest(source)
+    for bad, error in (("NoSuchIndex7", kvsearch.UnknownOptionError), ("", kvsearch.InvalidArgumentError)):
+        with pytest.raises(error):
+            kvsearch.reshard(source, tmp_path / "bad", num_shards=2, index=bad)
+        assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.reshard-*"))
+    assert digest(source) == before
 
 
 def test_refusals(plain: tuple[Path, set[int]], tmp_path: Path) -> None:

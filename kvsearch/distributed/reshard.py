@@ -2,10 +2,13 @@
 
     reshard("indexes/people", "indexes/people-8", num_shards=8)     # a plain database -> 8 shards, or N -> 8
     reshard("indexes/people-8", "indexes/people-1", num_shards=1)   # shards -> one plain database
+    reshard("indexes/people", "indexes/people-hnsw", num_shards=1, index="HNSW32")  # another index, same records
 
 What is carried: every record (key and value texts, metadata) under its id; the key and value embeddings as stored
 (never re-encoded: keys and values given as embeddings stay as given); the current generation of encoders (their files
-copied, their SHA-256 checked on open) and its number; the options (dims, score, index spec, search parameters).
+copied, their SHA-256 checked on open) and its number; the options (dims, score, index spec, search parameters),
+unless ``index=`` names another spec (then its search parameters are ``search_params`` or none): the one way to change
+a database's index, which is fixed when it is created.
 Not carried: the previous generation (a rollback has nothing to return to) and the saved index (each new shard's is
 built from its records). ``num_shards=1`` makes a plain :class:`~kvsearch.Database` folder (one shard is one
 database); more makes a sharded database (:class:`~kvsearch.distributed.ShardedDatabase`) whose layout says
@@ -35,9 +38,10 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvsearch.checks import check_open_files, check_path
 from kvsearch.database import Database
@@ -55,6 +59,7 @@ from kvsearch.errors import (
     InconsistentDatabaseError,
     InvalidArgumentError,
 )
+from kvsearch.retrieval import Retriever
 from kvsearch.storage import carry
 from kvsearch.storage import folder as folder_checks
 from kvsearch.storage.fileio import storage_errors
@@ -91,21 +96,32 @@ class ReshardReport:
     seconds: float
 
 
-def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_shards: int) -> ReshardReport:
+def reshard(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    num_shards: int,
+    index: str | None = None,
+    search_params: Mapping[str, float] | None = None,
+) -> ReshardReport:
     """Copy the database ``src`` (plain or sharded) into the new folder ``dst`` with ``num_shards`` shards.
 
     Args:
         src: a database folder, plain or sharded; only read (copied), left untouched.
         dst: the new folder: absent or empty (its parent is created if missing).
         num_shards: the shard count of the result; 1 makes a plain database folder.
+        index: the index spec of the result (as ``Database(index=)``); None: the source's.
+        search_params: the result's search parameters (None: the source's, or none with another ``index``).
 
     Returns:
         A :class:`ReshardReport`.
 
     Raises:
         InvalidArgumentError: a bad shard count; ``src`` is not a database; ``dst`` is ``src``, inside it or holds
-            it, or is a file. DatabaseExistsError: ``dst`` holds a kvsearch database. ForeignFolderError: ``dst`` holds
-            other files. (All before anything is written.)
+            it, or is a file. DatabaseExistsError: ``dst`` holds a kvsearch database. ForeignFolderError: ``dst``
+            holds other files. (All before anything is written.)
+        UnknownOptionError, InvalidArgumentError: an ``index`` or ``search_params`` that makes no index of the
+            source's dim and score (checked on the copy of the source, before the result is written; dst untouched).
         InconsistentDatabaseError: the source's shards are at different generations (open it as a ShardedDatabase
             once to finish an interrupted switch), or the source was written to during the copy (nothing is kept).
         CorruptDatabaseError: the source is damaged. DiskFullError, ReadOnlyDatabaseError: the result could not be
@@ -115,6 +131,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
     check_num_shards(num_shards, optional=False)
     check_path(src, optional=False)
     check_path(dst, optional=False)
+    options = _check_options(index, search_params)
     source, target = Path(src), Path(dst)
     folders = _source_folders(source)
     _check_target(source, target)
@@ -127,7 +144,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, num_sha
     try:
         with storage_errors(staging, f"resharding {source} into {target}", "nothing was kept"):
             (staging / MARKER).write_text(f"{os.getpid()}\n{source}\n{target}\n", encoding="utf-8")
-            records, generation = _build(source, folders, staging, num_shards)
+            records, generation = _build(source, folders, staging, num_shards, options)
             _verify(staging, num_shards)
             _sync_tree(staging)
         try:
@@ -279,16 +296,50 @@ def _signature(folders: list[Path]) -> list[tuple[str, int, int]]:
     return found
 
 
-def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) -> tuple[int, int]:
+def _check_options(index: object, search_params: object) -> dict[str, Any]:
+    """The options the result changes (``index``, ``search_params``), checked for their kinds."""
+    if index is not None and (not isinstance(index, str) or not index):
+        raise InvalidArgumentError(f"expected index as an index spec such as 'HNSW32', got {index!r}")
+    if search_params is not None and not isinstance(search_params, Mapping):
+        raise InvalidArgumentError(
+            f"expected search_params as a dict such as {{'efSearch': 64}}, got {search_params!r}"
+        )
+    options: dict[str, Any] = {}
+    if index is not None:
+        options.update(index=index, search_params={})
+    if search_params is not None:
+        options["search_params"] = dict(search_params)
+    return options
+
+
+def _new_config(config: dict[str, Any], options: dict[str, Any], store: Store) -> dict[str, Any]:
+    """The result's configuration: the source's with ``options`` on top, checked by making an empty index of it.
+
+    Raises:
+        UnknownOptionError, InvalidArgumentError: the spec or a parameter makes no index of this dim and score.
+    """
+    if not options or all(config.get(name) == value for name, value in options.items()):
+        return config
+    config = {**config, **options}
+    params = config["search_params"]
+    Retriever(store, dim=int(config["dim"]), spec=config["index"], score=config["score"], params=params)
+    return config
+
+
+def _build(
+    source: Path, folders: list[Path], staging: Path, num_shards: int, options: dict[str, Any]
+) -> tuple[int, int]:
     """Write the result into ``staging``; (records carried, generation)."""
     layout = ShardLayout.read(source) if is_sharded(source) else None
     copies = _snapshot(folders, staging / SOURCES)
     # pass 1, one source at a time: where each record goes, the sources' generations and id marks
     plan: list[tuple[list[int], list[int]]] = []  # per source: its ids, and the target of each (-1: round-robin)
     generations, marks = set(), set()
+    config: dict[str, Any] = {}
     for folder in copies:
         with _opened(folder) as db:
             store = db.store
+            config = config or _new_config(store.get_meta("config"), options, store)  # checked before any write
             generations.add(db.generation)
             marks.update(carry.id_marks(store))
             ids = store.table.ids.tolist()
@@ -310,6 +361,7 @@ def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) ->
                     for out in folders_out:
                         out.mkdir(exist_ok=True)
                         stores.append(carry.start(out, db.store, folder))
+                        stores[-1].set_meta("config", config)
                 ids, targets = plan[n]
                 per_target: list[list[int]] = [[] for _ in stores]
                 for i, to in zip(ids, targets):
@@ -327,7 +379,13 @@ def _build(source: Path, folders: list[Path], staging: Path, num_shards: int) ->
     if not plain:
         first = layout or _options_of(staging)
         ShardLayout(
-            num_shards, first.dim, first.value_dim, first.score, first.index, generation=generation, banded_ids=False
+            num_shards,
+            first.dim,
+            first.value_dim,
+            first.score,
+            config["index"],
+            generation=generation,
+            banded_ids=False,
         ).write(staging)
     return len(carried), generation
 

@@ -69,6 +69,18 @@ def new_config(
     return config, value_encoder
 
 
+#: How to change what a reopen may not: said in the message.
+_HOW_TO_CHANGE = {
+    "index": (
+        ". The index is fixed when a database is created; to change it, copy the records into a new folder with "
+        "another: `kvsearch reshard SRC DST --shards 1 --index SPEC` (Python: "
+        "kvsearch.distributed.reshard(src, dst, num_shards=1, index=SPEC)), then open DST"
+    ),
+    "score": ". The score is fixed when a database is created (it decides the index's metric); query(score=...) "
+    "weighs one call's candidates with another",
+}
+
+
 def check_reopen(
     saved: Mapping[str, Any], where: object, search_params: Mapping[str, float] | None, **given: Any
 ) -> dict[str, Any]:
@@ -89,7 +101,7 @@ def check_reopen(
         if value is not None and value != saved[name]:
             raise ConfigMismatchError(
                 f"{where} was created with {name}={saved[name]!r}; got {name}={value!r}. "
-                f"Open it without {name}, or use another folder."
+                f"Open it without {name}, or use another folder{_HOW_TO_CHANGE.get(name, '')}."
             )
     config = dict(saved)
     if search_params:
