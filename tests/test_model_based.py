@@ -495,6 +495,16 @@ class Hnsw(Model):
     batch_sizes = st.sampled_from([100, 3, 400, 1])
     start_sizes = (0, 200, 400)
 
+    @precondition(lambda self: len(self.model) >= 200)
+    @rule(data=st.data())
+    def replace_every_record(self, data) -> None:
+        """Upsert every stored record 2-4 times over: with a few hundred records, the graph's dead entries pass its
+        bound (more than max(live, 1,024)) and the reference checks the rebuild comes exactly then. Random batches
+        alone reach the bound only by chance (one long run of 400 sequences saw none)."""
+        keys = sorted(self.model)
+        for round_ in range(data.draw(st.integers(2, 4), label="rounds")):
+            self.do_upsert(keys, [VALUES[(i + round_) % len(VALUES)] for i in range(len(keys))])
+
 
 class Ivf(Model):
     spec = "IVF16,Flat"
