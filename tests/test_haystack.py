@@ -548,3 +548,10 @@ def test_records_without_key_text_are_documents_too():
     ]
     assert [d.id for d in store.embedding_retrieval([0.1, 0.9], top_k=1)] == ["#2"]
     assert [d.id for d in store.filter_documents({"field": "meta.n", "operator": ">", "value": 1})] == ["#2"]
+
+
+@pytest.mark.parametrize("score", [lambda q, k: q @ k.T, "additive", "euclid", 3])
+def test_a_score_no_database_has_is_refused_at_construction(tmp_path, score):
+    with pytest.raises(kvsearch.UnknownOptionError, match=r"'dot', 'scaled_dot', 'cosine', 'gaussian'"):
+        KVSearchDocumentStore(tmp_path / "h", score=score)  # not at the first write, which makes the database
+    assert not (tmp_path / "h").exists()

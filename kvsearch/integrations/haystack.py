@@ -71,6 +71,7 @@ from kvsearch.integrations.haystack_records import (
     put_rows,
     rows_of,
 )
+from kvsearch.integrations.relevance import check_score_name, scaled_score_fn
 from kvsearch.storage.folder import is_database
 
 if TYPE_CHECKING:  # annotations only
@@ -115,6 +116,7 @@ class KVSearchDocumentStore:
 
     Raises:
         InvalidArgumentError: both ``database`` and ``path`` / options, or a ``database`` that is no Database.
+        UnknownOptionError: a ``score=`` that is not a database score's name (refused here, not at the first write).
         KVSearchError: what :class:`~kvsearch.Database` raises for the folder and options.
     """
 
@@ -129,6 +131,7 @@ class KVSearchDocumentStore:
             raise InvalidArgumentError("expected either database= or path= and database options, got both")
         if database is not None and not isinstance(database, DatabaseProtocol):
             raise InvalidArgumentError(f"expected a kvsearch Database as database=, got {type(database).__name__}")
+        check_score_name(database_options.get("score"))
         self._path = None if path is None else Path(path)
         self._options = database_options
         self._owned = database is None  # a database this store opened, and closes
@@ -386,6 +389,7 @@ class KVSearchDocumentStore:
         filters: dict[str, Any] | None = None,
         top_k: int = 10,
         return_embedding: bool = False,
+        scale_score: bool = False,
     ) -> list[Document]:
         """The ``top_k`` documents with an embedding nearest to a query embedding, best first, scored.
 
@@ -394,17 +398,24 @@ class KVSearchDocumentStore:
             filters: a Haystack filter on the candidates.
             top_k: how many (0: none); fewer when fewer match.
             return_embedding: give each document its embedding.
+            scale_score: scale the scores to [0, 1] as Haystack's ``InMemoryDocumentStore`` does: a cosine ``s`` to
+                ``(s + 1) / 2``, a dot product (``dot``, ``scaled_dot``) to ``expit(s / 100)``, a ``gaussian`` to
+                ``1 / (1 + sqrt(-s))`` (:mod:`kvsearch.integrations.relevance`); the order does not change.
 
         Returns:
-            Documents whose ``score`` is the database's (its ``score``: cosine by default; higher is closer).
+            Documents whose ``score`` is the database's (its ``score``: cosine by default; higher is closer), or
+            that score scaled.
 
         Raises:
-            InvalidArgumentError: an empty or non-numeric query, or a negative ``top_k``.
+            InvalidArgumentError: an empty or non-numeric query, a negative ``top_k``, or a ``scale_score`` that is
+                not a bool.
             DimensionMismatchError: a query of another dim than the stored embeddings'.
             KVSearchFilterError: a bad filter.
         """
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise InvalidArgumentError(f"expected top_k as an int >= 0, got {top_k!r}")
+        if not isinstance(scale_score, bool):
+            raise InvalidArgumentError(f"expected scale_score as a bool, got {scale_score!r}")
         where = all_of(to_where(filters), {NO_EMBEDDING: {"$ne": True}})  # documents with an embedding only
         query = _query_tensor(query_embedding)  # (dim,)
         if self._db is None or top_k == 0:
@@ -414,8 +425,9 @@ class KVSearchDocumentStore:
             return []  # nothing to compare with (a stand-in dim while no document has an embedding)
         hits = self._db.search(query, k=top_k, where=where)
         keys = self._db.embeddings([h.id for h in hits])[0].cpu() if return_embedding and hits else None  # (k, dim)
+        scaled = scaled_score_fn(self._db.score) if scale_score else float
         return [
-            document_of(h.id, h.key, h.value, h.metadata, None if keys is None else keys[i], score=float(h.score))
+            document_of(h.id, h.key, h.value, h.metadata, None if keys is None else keys[i], score=scaled(h.score))
             for i, h in enumerate(hits)
         ]
 
@@ -536,9 +548,11 @@ class KVSearchEmbeddingRetriever:
         top_k: how many documents a query returns at most (> 0).
         filter_policy: ``REPLACE`` (the run's filters replace ``filters``) or ``MERGE`` (both apply).
         return_embedding: give each document its embedding.
+        scale_score: scale the scores to [0, 1] as Haystack's in-memory retriever does (see
+            :meth:`KVSearchDocumentStore.embedding_retrieval`).
 
     Raises:
-        InvalidArgumentError: a store of another type, or ``top_k`` < 1.
+        InvalidArgumentError: a store of another type, ``top_k`` < 1, or a ``scale_score`` that is not a bool.
     """
 
     def __init__(
@@ -548,11 +562,14 @@ class KVSearchEmbeddingRetriever:
         top_k: int = 10,
         filter_policy: FilterPolicy | str = FilterPolicy.REPLACE,
         return_embedding: bool = False,
+        scale_score: bool = False,
     ) -> None:
         if not isinstance(document_store, KVSearchDocumentStore):
             raise InvalidArgumentError(f"expected a KVSearchDocumentStore, got {type(document_store).__name__}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise InvalidArgumentError(f"expected top_k as an int >= 1, got {top_k!r}")
+        if not isinstance(scale_score, bool):
+            raise InvalidArgumentError(f"expected scale_score as a bool, got {scale_score!r}")
         self.document_store = document_store
         self.filters = filters
         self.top_k = top_k
@@ -560,6 +577,7 @@ class KVSearchEmbeddingRetriever:
             filter_policy if isinstance(filter_policy, FilterPolicy) else FilterPolicy.from_str(filter_policy)
         )
         self.return_embedding = return_embedding
+        self.scale_score = scale_score
 
     def to_dict(self) -> dict[str, Any]:
         """The component as Haystack serialises it (the store by its own ``to_dict``)."""
@@ -570,6 +588,7 @@ class KVSearchEmbeddingRetriever:
             top_k=self.top_k,
             filter_policy=self.filter_policy.value,
             return_embedding=self.return_embedding,
+            scale_score=self.scale_score,
         )
 
     @classmethod
@@ -584,6 +603,7 @@ class KVSearchEmbeddingRetriever:
         filters: dict[str, Any] | None = None,
         top_k: int | None = None,
         return_embedding: bool | None = None,
+        scale_score: bool | None = None,
     ) -> dict[str, list[Document]]:
         """The documents nearest to ``query_embedding``, best first.
 
@@ -592,6 +612,7 @@ class KVSearchEmbeddingRetriever:
             filters: a Haystack filter for this run (replacing or merged with the component's, by its policy).
             top_k: how many at most (None: the component's; 0: none).
             return_embedding: None: the component's.
+            scale_score: None: the component's.
 
         Returns:
             ``{"documents": [...]}``.
@@ -602,6 +623,7 @@ class KVSearchEmbeddingRetriever:
                 filters=apply_filter_policy(self.filter_policy, self.filters, filters),
                 top_k=self.top_k if top_k is None else top_k,
                 return_embedding=self.return_embedding if return_embedding is None else return_embedding,
+                scale_score=self.scale_score if scale_score is None else scale_score,
             )
         }
 
