@@ -300,3 +300,78 @@ def test_mmr_on_an_empty_store():
     store = KVSearchVectorStore(encoder=kvsearch.NgramEncoder(dim=64, num_buckets=512))
     assert store.max_marginal_relevance_search("anything", filter={"n": 1}) == []
     store.close()
+
+
+# ---------------------------------------------------------------------- ids as given, sizes and options refused early
+
+
+def test_a_given_id_is_kept_and_an_empty_one_refused():
+    store, reference = _stores(None, on_disk=False)
+    ids = store.add_texts(["zero", "int zero", "numpy zero", "seven", "none"], ids=["0", 0, np.int64(0), 7, None])
+    assert ids[:4] == ["0", "0", "0", "7"] and len(ids[4]) == 36  # 0 is the id "0"; None gets a uuid4
+    assert [(d.id, d.page_content) for d in store.get_by_ids(["0", 0, "7", ids[4]])] == [
+        ("0", "numpy zero"),  # the last of repeated ids wins
+        ("7", "seven"),
+        (ids[4], "none"),
+    ]
+    assert store.add_documents([Document(page_content="doc zero")], ids=[0]) == ["0"]
+    assert store.add_documents([Document(page_content="eight", id="8"), Document(page_content="new")])[0] == "8"
+    assert reference.add_texts(["int zero"], ids=[0])[0] != "0"  # LangChain's own store makes 0 a uuid
+    count = len(store.database)
+    for bad in ([""], ["a", ""], [True], [np.bool_(False)]):
+        with pytest.raises(kvsearch.InvalidArgumentError, match=r"non-empty str .* at position"):
+            store.add_texts([f"t{i}" for i in range(len(bad))], ids=bad)
+    with pytest.raises(kvsearch.InvalidArgumentError, match="non-empty str"):
+        store.add_documents([Document(page_content="x", id="")])
+    assert len(store.database) == count and store.get_by_ids(["", "a"]) == [] and store.delete([""]) is True
+    assert len(store.database) == count
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_embeddings_of_another_size_are_refused_as_search_refuses_them(tmp_path, on_disk):
+    store = KVSearchVectorStore(DeterministicFakeEmbedding(size=8), path=tmp_path / "s" if on_disk else None)
+    store.add_texts(["alpha", "beta"], ids=["a", "b"])
+    if on_disk:  # reopened with embeddings of another size
+        store.close()
+        store = KVSearchVectorStore(DeterministicFakeEmbedding(size=12), path=tmp_path / "s")
+    else:  # the same store, its model now of another size
+        store.embeddings.size = 12
+    for call in (
+        lambda: store.add_texts(["gamma"], ids=["c"]),
+        lambda: store.add_documents([Document(page_content="gamma")]),
+        lambda: store.similarity_search("alpha"),
+        lambda: store.similarity_search_with_relevance_scores("alpha"),
+        lambda: store.max_marginal_relevance_search("alpha"),
+    ):
+        with pytest.raises(kvsearch.DimensionMismatchError, match=r"\b8\b.*\b12\b"):
+            call()
+    assert len(store.database) == 2 and [d.id for d in store.get_by_ids(["a", "b", "c"])] == ["a", "b"]
+    store.close()
+
+
+class _BrokenEmbeddings(Embeddings):
+    """Embeddings that give too few rows, or rows of two sizes."""
+
+    def __init__(self, rows: list[list[float]]) -> None:
+        self.rows = rows
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return self.rows
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.rows[0]
+
+
+@pytest.mark.parametrize("rows", [[[1.0, 0.0, 0.0, 0.0]], [[1.0, 0.0], [0.0, 1.0, 0.0]]])
+def test_embeddings_of_the_wrong_shape_are_refused(rows):
+    store = KVSearchVectorStore(_BrokenEmbeddings(rows))
+    with pytest.raises(kvsearch.DimensionMismatchError, match="one embedding per text"):
+        store.add_texts(["x", "y"])  # (1, 4) was silently read as (2, 2) before
+    assert store.database is None
+
+
+@pytest.mark.parametrize("score", [lambda q, k: q @ k.T, "additive", "euclid", 3])
+def test_a_score_no_database_has_is_refused_at_construction(tmp_path, score):
+    with pytest.raises(kvsearch.UnknownOptionError, match=r"'dot', 'scaled_dot', 'cosine', 'gaussian'"):
+        KVSearchVectorStore(DeterministicFakeEmbedding(size=8), path=tmp_path / "s", score=score)
+    assert not (tmp_path / "s").exists()

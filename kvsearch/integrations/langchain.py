@@ -15,9 +15,12 @@ database built by kvsearch itself are served as they are. Embeddings come from t
 tensors) or, when ``embedding`` is None, from the database's own encoders (a fine-tuned one included). Adding a
 document whose id is stored replaces the whole document, metadata included (as LangChain's ``InMemoryVectorStore``);
 deleting ids that are not stored is not an error. Scores are the database's similarities (higher is closer), not
-distances; LangChain's relevance in [0, 1] is the one the score registry (:data:`~kvsearch.nn.scores.SCORE_KINDS`)
-records for the database's score; maximal marginal relevance picks among the filtered ``fetch_k`` nearest by their
-stored key embeddings.
+distances; LangChain's relevance in [0, 1] is :func:`kvsearch.integrations.relevance.relevance_fn`'s for the
+database's score (finite and monotone for every score: a logistic for ``dot`` / ``scaled_dot``, ``1 / (1 + d /
+sqrt(2))`` of the distance for ``gaussian``); maximal marginal relevance picks among the filtered ``fetch_k``
+nearest by their stored key embeddings. A given id is kept (``0`` becomes ``"0"``); None gets a uuid4; ``""`` and
+bools are refused. Embeddings of another size than the database's are refused before anything is written, by
+``add_texts`` as by a search (``DimensionMismatchError``).
 
 It owns the mapping between documents and records, and nothing else: search, storage and encoders are the
 :class:`~kvsearch.Database`'s. It needs the ``langchain`` extra (``pip install 'kvsearch[langchain]'``); without
@@ -37,10 +40,16 @@ from torch import Tensor
 
 from kvsearch.contract import DatabaseProtocol
 from kvsearch.database import Database
-from kvsearch.errors import InvalidArgumentError, KeyNotFoundError, MissingDependencyError, MissingEncoderError
+from kvsearch.errors import (
+    DimensionMismatchError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    MissingDependencyError,
+    MissingEncoderError,
+)
 from kvsearch.inputs import normalize_key
 from kvsearch.integrations.doc_ids import id_of_key, key_of_id
-from kvsearch.nn.scores import SCORE_KINDS
+from kvsearch.integrations.relevance import check_score_name, relevance_fn
 from kvsearch.results import Hit
 from kvsearch.storage.folder import is_database
 
@@ -72,6 +81,8 @@ class KVSearchVectorStore(VectorStore):
     Raises:
         InvalidArgumentError: both ``database`` and ``path`` / options, or an ``embedding`` that is not a LangChain
             ``Embeddings``.
+        UnknownOptionError: a ``score=`` that is not a database score's name (a callable included), refused here
+            even when the database is made at the first add.
         MissingEncoderError: no ``embedding`` and a database with no key encoder to embed documents with.
     """
 
@@ -89,6 +100,7 @@ class KVSearchVectorStore(VectorStore):
             raise InvalidArgumentError("expected either database= or path= and database options, got both")
         if database is not None and not isinstance(database, DatabaseProtocol):
             raise InvalidArgumentError(f"expected a kvsearch Database as database=, got {type(database).__name__}")
+        check_score_name(database_options.get("score"))  # now, not at the first add that makes the database
         self._embedding = embedding
         self._path = path
         self._options = database_options
@@ -129,10 +141,23 @@ class KVSearchVectorStore(VectorStore):
         return self._db
 
     def _embed_documents(self, texts: list[str]) -> Tensor:
-        """The documents' embeddings (n, dim), float32."""
-        if self._embedding is not None:
-            return torch.tensor(self._embedding.embed_documents(texts), dtype=torch.float32).reshape(len(texts), -1)
-        return self._db.encoder.encode(texts).detach().float()  # (n, dim)
+        """The documents' embeddings (n, dim), float32: one row per text, of one size, that the database's dim
+        (once it has one) matches."""
+        if self._embedding is None:
+            return self._db.encoder.encode(texts).detach().float()  # (n, dim)
+        rows = list(self._embedding.embed_documents(texts))  # lists, or a numpy array's rows
+        sizes = sorted({len(row) for row in rows})
+        if len(sizes) != 1 or len(rows) != len(texts):
+            raise DimensionMismatchError(
+                f"expected the LangChain embeddings to give one embedding per text ({len(texts)}), all of one "
+                f"size, got {len(rows)} of sizes {sizes}"
+            )
+        if self._db is not None and sizes[0] != self._db.dim:
+            raise DimensionMismatchError(
+                f"expected document embeddings of dim {self._db.dim} (the database's), got dim {sizes[0]} from "
+                f"the LangChain embeddings: embed with the model the database was built with, or use another path"
+            )
+        return torch.tensor(np.asarray(rows, dtype=np.float32))  # (n, dim)
 
     # ------------------------------------------------------------------ writing
 
@@ -145,7 +170,8 @@ class KVSearchVectorStore(VectorStore):
         **kwargs: Any,
     ) -> list[str]:
         """Add texts as documents; a stored id is replaced whole (page content, embedding and metadata: a document
-        added without metadata has none). An id that is None or "" gets a uuid4; any other id is kept as it is.
+        added without metadata has none). An id that is None gets a uuid4; any other id is kept, as its ``str``
+        (``0`` is the id ``"0"``); ``""`` and bools are refused (an empty or a yes/no field passed as an id).
 
         Args:
             texts: the page contents.
@@ -156,8 +182,10 @@ class KVSearchVectorStore(VectorStore):
             The ids, in order.
 
         Raises:
-            InvalidArgumentError: lengths that differ, or an unknown keyword argument.
-            KVSearchError: what the database refuses (non-finite embeddings, bad metadata...); nothing is written.
+            InvalidArgumentError: lengths that differ, an id that is ``""`` or a bool, or an unknown keyword argument.
+            DimensionMismatchError: embeddings of another size than the database's (or of two sizes).
+            KVSearchError: what the database refuses (non-finite embeddings, bad metadata...). Nothing is written
+                when any of these is raised.
         """
         _no_extra(kwargs, "add_texts")
         texts = list(texts)
@@ -165,7 +193,7 @@ class KVSearchVectorStore(VectorStore):
         for name, given in (("metadatas", metadatas), ("ids", ids)):
             if given is not None and len(given) != n:
                 raise InvalidArgumentError(f"expected one of {name} per text ({n}), got {len(given)}")
-        ids = [str(i) if i else str(uuid.uuid4()) for i in (ids or [None] * n)]
+        ids = [_doc_id(i, at) for at, i in enumerate(ids if ids is not None else [None] * n)]
         if n == 0:
             return []
         last = list({id_: i for i, id_ in enumerate(ids)}.values())  # one row per id: its last occurrence
@@ -184,6 +212,16 @@ class KVSearchVectorStore(VectorStore):
         keys = [key_of_id(ids[i]) for i in last]
         db.upsert(keys, kept_texts, metadata, key_embeddings=embs, value_embeddings=values)
         return ids
+
+    def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
+        """Add documents, each under its own ``id`` (None: a uuid4) unless ``ids=`` is given, as :meth:`add_texts`.
+
+        LangChain's default passes the documents' ids only when one of them is truthy, so a document whose id is
+        ``0`` would get a uuid; here every given id is kept.
+        """
+        if "ids" not in kwargs:
+            kwargs["ids"] = [doc.id for doc in documents]
+        return self.add_texts([d.page_content for d in documents], [d.metadata for d in documents], **kwargs)
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
         """Delete documents by id; ids that are not stored are skipped. None deletes nothing (as LangChain's
@@ -337,12 +375,10 @@ class KVSearchVectorStore(VectorStore):
         return [_document(hits[i]) for i in picked]
 
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
-        """The database's score mapped to a relevance in [0, 1] (see ``similarity_search_with_relevance_scores``)."""
-        score = self._db.score if self._db is not None else self._options.get("score", "cosine")
-        relevance = SCORE_KINDS[score].relevance  # the score registry's: a database score has one
-        if relevance is None:
-            raise KeyError(score)  # a score no database has
-        return relevance
+        """The database's score mapped to a relevance in [0, 1] (see ``similarity_search_with_relevance_scores``
+        and :func:`kvsearch.integrations.relevance.relevance_fn`): finite, monotone, for every score."""
+        score = self._db.score if self._db is not None else self._options.get("score") or "cosine"
+        return relevance_fn(score)
 
     # ------------------------------------------------------------------ construction
 
@@ -367,6 +403,17 @@ def _document(hit: Hit) -> Document:
     content = hit.value if isinstance(hit.value, str) else ""
     doc_id = id_of_key(hit.key) if hit.key is not None else str(hit.id)
     return Document(id=doc_id, page_content=content, metadata=hit.metadata)
+
+
+def _doc_id(given: object, at: int) -> str:
+    """A document id as given (its ``str``: ``0`` is ``"0"``), a uuid4 for None; ``""`` and bools refused."""
+    if given is None:
+        return str(uuid.uuid4())
+    if isinstance(given, (bool, np.bool_)) or given == "":
+        raise InvalidArgumentError(
+            f"expected each id as a non-empty str (or None for a new uuid4), got {given!r} at position {at}"
+        )
+    return str(given)
 
 
 def _check_mmr(k: object, fetch_k: object, lambda_mult: object) -> None:
