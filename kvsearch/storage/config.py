@@ -74,7 +74,7 @@ _HOW_TO_CHANGE = {
     "index": (
         ". The index is fixed when a database is created; to change it, copy the records into a new folder with "
         "another: `kvsearch reshard SRC DST --shards 1 --index SPEC` (Python: "
-        "kvsearch.distributed.reshard(src, dst, num_shards=1, index=SPEC)), then open DST"
+        "kvsearch.reshard(src, dst, num_shards=1, index=SPEC)), then open DST"
     ),
     "score": ". The score is fixed when a database is created (it decides the index's metric); query(score=...) "
     "weighs one call's candidates with another",
