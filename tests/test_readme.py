@@ -73,3 +73,31 @@ def test_every_python_block_of_the_readme_runs_in_order(tmp_path, monkeypatch):
         if callable(close):
             close()
     assert not (tmp_path / "indexes" / "names").exists()  # the demo's folder is left alone
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/RELIABILITY.md", "docs/ARCHITECTURE.md", "docs/LAYER.md"])
+def test_every_link_lands(doc: str) -> None:
+    """A link to a section names a heading of the page; a link to a file names a file of the repository; a
+    'see <Section>' names a heading (the README's 'see Scale-out' pointed to none)."""
+    path = README.parent / doc
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+    headings = re.findall(r"^#+ (.+)$", text, re.MULTILINE)
+    anchors = {github_anchor(h) for h in headings}
+    assert github_anchor("Scale-out: a sharded database") == "scale-out-a-sharded-database"
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        file, _, anchor = target.partition("#")
+        if file:
+            assert (path.parent / file).exists(), f"{doc} links to {file}, which does not exist"
+        elif anchor:
+            assert anchor in anchors, f"{doc} links to #{anchor}, not a heading of it: {sorted(anchors)}"
+    for name in re.findall(r"\(see ([A-Z][\w-]*(?: [\w-]+)*)\)", text):
+        name = re.sub(r" (below|above)$", "", name).lower()
+        assert any(name in h.lower() for h in headings), f"{doc} says 'see {name}': no such section"
