@@ -2,8 +2,9 @@
 
 It owns the program (``program``: parse, run, one-line errors and exit statuses), the argument parser
 (``parser``), the commands (``commands``), what they print (``printing``), streaming CSV / TSV / JSONL ingest
-(``ingest``: :func:`~kvsearch.cli.ingest.ingest_file`, :func:`~kvsearch.cli.ingest.upsert_file`) and the
-quickstart (``demo``).
+(``ingest``: :func:`~kvsearch.cli.ingest.ingest_file`, :func:`~kvsearch.cli.ingest.upsert_file`), datetimes and
+dates in its JSON (``datetimes``: the tagged form ``--where``, JSONL and ``--json`` share) and the quickstart
+(``demo``).
 
 It opens the facades (:class:`~kvsearch.database.Database`, :class:`~kvsearch.distributed.ShardedDatabase`) and
 drives them through :class:`~kvsearch.contract.DatabaseProtocol`; it knows nothing of how they store or search, and

@@ -1,8 +1,11 @@
-"""The ``kvsearch`` commands: build, query, info, delete, finetune, rollback and demo, each on parsed arguments.
+"""The ``kvsearch`` commands: build, query, info, delete, list, count, finetune, rollback, reshard and demo, each on
+parsed arguments.
 
 Each ``cmd_*`` function takes the :class:`argparse.Namespace` of :func:`kvsearch.cli.parser.build_parser`, opens
 the database it names (a plain folder or a sharded one, never created by accident except by ``build``), does its
-work through the facades' public methods, prints its result on stdout and returns the exit status;
+work through the facades' public methods, prints its result on stdout (as JSON with ``--json``: datetimes and dates
+in the tagged form that ``--where`` reads, :mod:`kvsearch.cli.datetimes`) and returns the exit status; a ``--where``
+that compares an ISO string with a field holding datetimes is refused once the database is open;
 :data:`COMMANDS` maps each command's name to its function. A failure raises (a :class:`KVSearchError` or a
 :class:`~kvsearch.cli.parser.CommandError`); ``build`` removes what a failed build created.
 
@@ -22,11 +25,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvsearch.cli.datetimes import refuse_bare_datetimes, tagged
 from kvsearch.cli.parser import PROG, CommandError
 from kvsearch.cli.printing import answer_table, counted, history_table, info_text, records_table
 from kvsearch.contract import parts_of
 from kvsearch.distributed import layout as sharding
-from kvsearch.metadata.codec import to_json
 from kvsearch.storage import folder as folders
 
 if TYPE_CHECKING:
@@ -192,11 +195,11 @@ def cmd_query(args: argparse.Namespace) -> int:
             pooling=args.pooling,
             temperature=args.temperature,
             score=args.score,
-            where=args.where,
+            where=_where_checked(db, args.where),
         )
         results = _answer_rows(db, args.texts, answer, only_weighted=args.pooling == "exact")
     if args.json:
-        print(json.dumps(results, ensure_ascii=False, indent=2))
+        print(json.dumps(tagged(results), ensure_ascii=False, indent=2))
     else:
         print(answer_table(results, args.pooling))
     missing = [r["query"] for r in results if not r["found"]]
@@ -211,7 +214,8 @@ def cmd_query(args: argparse.Namespace) -> int:
 def _answer_rows(
     db: DatabaseProtocol, texts: Sequence[str], answer: Answer, *, only_weighted: bool = False
 ) -> list[dict[str, Any]]:
-    """One dict per query: its answer and its candidates (best weight first), JSON-ready.
+    """One dict per query: its answer and its candidates (best weight first), JSON-ready once :func:`tagged`
+    (the metadata holds datetimes and dates as they are).
 
     With ``only_weighted`` (exact mode) the candidates of weight 0 are left out: they are not answers.
     """
@@ -228,7 +232,7 @@ def _answer_rows(
                 "key": answer.keys[b][j],
                 "value": value_texts.get(i),  # None for a value stored as an embedding
                 "weight": round(float(weights[b][j]), 6),
-                "metadata": to_json(metadata.get(i, {})),
+                "metadata": metadata.get(i, {}),
             }
             for j, i in enumerate(ids[b])
             if i >= 0 and (weights[b][j] > 0 or not only_weighted)
@@ -305,22 +309,34 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Print the records that match ``--where`` in id order, ``--offset`` skipped, at most ``--limit``."""
-    where = args.where or {}
     with _open_existing(args.db) as db:
+        where = _where_checked(db, args.where) or {}
         page = db.where(where).records(limit=args.limit, offset=args.offset)  # id order, over every shard
-    rows = [{"id": r.id, "key": r.key, "value": r.value, "metadata": to_json(r.metadata)} for r in page]
-    if args.json:
-        print(json.dumps(rows, ensure_ascii=False, indent=2))
+    rows = [{"id": r.id, "key": r.key, "value": r.value, "metadata": r.metadata} for r in page]
+    if args.json:  # datetimes tagged, as --where reads them
+        print(json.dumps(tagged(rows), ensure_ascii=False, indent=2))
     else:
         print(records_table(rows))
     return 0
 
 
 def cmd_count(args: argparse.Namespace) -> int:
-    """Print how many records match ``--where`` (all records without it)."""
+    """Print how many records match ``--where`` (all records without it): the number, or ``{"count": N}``."""
     with _open_existing(args.db) as db:
-        print(db.where(args.where or {}).count())
+        count = db.where(_where_checked(db, args.where) or {}).count()
+    print(json.dumps({"count": count}) if args.json else count)
     return 0
+
+
+def _where_checked(db: DatabaseProtocol, where: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``--where`` as given, once :func:`~kvsearch.cli.datetimes.refuse_bare_datetimes` has found no ISO string
+    compared with a field of ``db`` that holds datetimes.
+
+    Raises:
+        InvalidArgumentError: such a string, with how to write the datetime.
+    """
+    refuse_bare_datetimes(db, where)
+    return where
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:

@@ -26,8 +26,10 @@ Metadata (``metadata=["year", "lang"]`` or ``"all"``: every column but the key a
 each record, for ``where=`` filters. A CSV / TSV field is a number when it reads as one — an integer
 (``2001``, ``-3``; not ``007`` or ``+3``, which stay text) or a finite decimal number (``1.5``, ``-2e3``) —, else
 the text as it is (see :func:`csv_scalar`); an empty field is left out of the record's metadata (CSV cannot
-say null). A JSONL field keeps its JSON type (text, number, true / false, null); a named field that an object
-lacks is left out; an array or object is a bad row.
+say null). A JSONL field keeps its JSON type (text, number, true / false, null), and the tagged objects
+``{"$datetime": "<ISO 8601>"}`` and ``{"$date": "YYYY-MM-DD"}`` are a datetime and a date (what ``kvsearch list
+--json`` prints: see :mod:`kvsearch.cli.datetimes`); a named field that an object lacks is left out; an array,
+another object or a tag whose text is not ISO 8601 is a bad row.
 
 Line numbers are 1-based physical lines of the file (a CSV header is line 1; a quoted CSV field that
 spans lines is reported at the line where its record starts).
@@ -43,11 +45,13 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tqdm import tqdm
 
+from kvsearch.cli.datetimes import decode_tag, tagged
 from kvsearch.cli.printing import counted
 from kvsearch.contract import parts_of
 from kvsearch.errors import BadFileError, InvalidArgumentError, KVSearchError, UnknownOptionError
@@ -320,17 +324,40 @@ def _jsonl_rows(handle, columns: tuple[str, ...], metadata: tuple[str, ...] | st
         meta = None
         if metadata is not None:
             names = [c for c in obj if c not in columns] if metadata == "all" else [c for c in metadata if c in obj]
-            meta = {c: obj[c] for c in names}
-            problem = next(filter(None, (_json_scalar_problem(c, v) for c, v in meta.items())), None)
+            meta, problem = _json_metadata({c: obj[c] for c in names})
             if problem is not None:
                 yield Row(line, None, problem)
                 continue
         yield Row(line, tuple(obj[c] for c in columns), metadata=meta)
 
 
+def _json_metadata(meta: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A JSONL row's metadata fields, tagged datetimes and dates decoded, and what is wrong with the first bad one
+    (or None)."""
+    out = {}
+    for name, value in meta.items():
+        if isinstance(value, dict):
+            try:
+                value = decode_tag(value, f"metadata field {name!r}")
+            except InvalidArgumentError as exc:
+                return out, str(exc)
+            if value is None:
+                return out, (
+                    f"expected a JSON scalar (text, number, true, false or null) or a tagged datetime "
+                    f'({{"$datetime": "<ISO 8601>"}} or {{"$date": "YYYY-MM-DD"}}) in metadata field {name!r}, '
+                    "got an object"
+                )
+        problem = _json_scalar_problem(name, value)
+        if problem is not None:
+            return out, problem
+        out[name] = value
+    return out, None
+
+
 def _json_scalar_problem(name: str, value: Any) -> str | None:
-    """What is wrong with a JSON metadata value (an array, an object, NaN or Infinity), or None."""
-    if value is None or isinstance(value, (str, bool)):
+    """What is wrong with a JSON metadata value (an array, an object, NaN or Infinity), or None; a datetime or a
+    date (a decoded tag) is fine."""
+    if value is None or isinstance(value, (str, bool, date)):
         return None
     if isinstance(value, int):
         return None if -(2**63) <= value < 2**63 else f"expected an integer within 64 bits in {name!r}, got {value}"
@@ -575,8 +602,8 @@ def _upsert_batch(db: DatabaseProtocol, rows: list[Row], *, with_metadata: bool)
 def _same_metadata(stored: dict[str, Any] | None, given: dict[str, Any] | None) -> bool:
     """Equal as JSON (so 1, 1.0 and true differ, as they do to a filter); None and {} are both "none"."""
 
-    def text(metadata: dict[str, Any] | None) -> str:  # a stored datetime (never in a file) by its repr: differs
-        return json.dumps(metadata or {}, sort_keys=True, default=repr)
+    def text(metadata: dict[str, Any] | None) -> str:  # datetimes by their ISO text, as they are stored
+        return json.dumps(tagged(metadata or {}), sort_keys=True)
 
     return text(stored) == text(given)
 

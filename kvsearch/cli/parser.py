@@ -1,11 +1,10 @@
 """The ``kvsearch`` command's argument parser: its commands, options, argument types and one-line usage errors.
 
 :func:`build_parser` describes every command (build, query, info, delete, list, count, finetune, rollback, reshard,
-demo) and its
-options;
-the argument types (a positive integer, ``--k`` as a number or ``all``, a positive float, ``--where`` as a checked
-JSON filter) refuse a bad value as a usage error (exit status 2). :class:`CommandError` is the failure a command
-reports on one line with exit status 1.
+demo) and its options; the argument types (a positive integer, ``--k`` as a number or ``all``, a positive float,
+``--where`` as a checked JSON filter, its tagged datetimes and dates decoded: :mod:`kvsearch.cli.datetimes`) refuse
+a bad value as a usage error (exit status 2). :class:`CommandError` is the failure a command reports on one line with
+exit status 1.
 
 It knows nothing of what the commands do (that is :mod:`kvsearch.cli.commands`) nor of how they are run
 (:mod:`kvsearch.cli.program`).
@@ -21,6 +20,12 @@ from typing import Any, NoReturn
 __all__ = ["PROG", "CommandError", "OneLineParser", "build_parser"]
 
 PROG = "kvsearch"
+
+#: What every ``--where`` help says of datetimes (:mod:`kvsearch.cli.datetimes`).
+WHERE_DATETIMES = (
+    'a datetime is written {"$datetime": "2018-01-01T00:00:00+00:00"} (naive: UTC), a date {"$date": "2018-01-01"}, '
+    "as --json prints them; a bare ISO string is a string, refused against a field that holds datetimes"
+)
 
 
 class CommandError(Exception):
@@ -65,7 +70,9 @@ def _query_text(text: str) -> str:
 
 
 def _where(text: str) -> dict[str, Any]:
-    """``--where``: a JSON object checked as a metadata filter (:func:`kvsearch.metadata.filters.check_where`)."""
+    """``--where``: a JSON object checked as a metadata filter (:func:`kvsearch.metadata.filters.check_where`), its
+    tagged datetimes and dates decoded (:func:`kvsearch.cli.datetimes.decode`)."""
+    from kvsearch.cli.datetimes import decode
     from kvsearch.errors import KVSearchError
     from kvsearch.metadata.filters import check_where
 
@@ -77,6 +84,7 @@ def _where(text: str) -> dict[str, Any]:
             f"({exc.msg} at column {exc.colno})"
         ) from None
     try:
+        where = decode(where)  # {"$datetime": ISO} / {"$date": ISO} -> the datetime / date
         check_where(where)
     except KVSearchError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
@@ -318,7 +326,7 @@ def _add_query(sub: Any) -> None:
         type=_where,
         metavar="JSON",
         help='a metadata filter: only matching records are candidates, e.g. \'{"year": {"$gte": 2000}, '
-        '"lang": "en"}\' (operators $eq $ne $gt $gte $lt $lte $in $nin)',
+        '"lang": "en"}\' (operators $eq $ne $gt $gte $lt $lte $in $nin); ' + WHERE_DATETIMES,
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(quiet=True)
@@ -361,7 +369,9 @@ def _add_list(sub: Any) -> None:
         "value and metadata, one line each (or JSON). Page with --limit and --offset.",
     )
     p.add_argument("db", metavar="DB", help="the database folder")
-    p.add_argument("--where", type=_where, default=None, help='a JSON filter, e.g. \'{"lang": "en"}\'')
+    p.add_argument(
+        "--where", type=_where, default=None, help='a JSON filter, e.g. \'{"lang": "en"}\'; ' + WHERE_DATETIMES
+    )
     p.add_argument("--limit", type=_count, default=None, help="print at most N records (default: all)")
     p.add_argument("--offset", type=_count, default=0, help="skip the first N matching records (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
@@ -373,10 +383,17 @@ def _add_count(sub: Any) -> None:
     p = sub.add_parser(
         "count",
         help="how many records match a filter",
-        description="Print how many records of DB match --where (every record without it).",
+        description="Print how many records of DB match --where (every record without it): the number alone, "
+        'or with --json the object {"count": N}.',
     )
     p.add_argument("db", metavar="DB", help="the database folder")
-    p.add_argument("--where", type=_where, default=None, help='a JSON filter, e.g. \'{"year": {"$gte": 2000}}\'')
+    p.add_argument(
+        "--where",
+        type=_where,
+        default=None,
+        help='a JSON filter, e.g. \'{"year": {"$gte": 2000}}\'; ' + WHERE_DATETIMES,
+    )
+    p.add_argument("--json", action="store_true", help='print {"count": N} instead of the number alone')
     p.set_defaults(quiet=True)
 
 
