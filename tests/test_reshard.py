@@ -410,6 +410,12 @@ def test_cli(plain: tuple[Path, set[int]], tmp_path: Path, capsys: pytest.Captur
     assert info["shards"] == 3 and info["records"] == len(open_db(source))
     assert main(["reshard", str(tmp_path / "c3"), str(tmp_path / "one"), "--shards", "1"]) == 0
     assert f"(3 shards) -> {tmp_path / 'one'} (plain)" in capsys.readouterr().out
+    assert main(["reshard", str(source), str(tmp_path / "hnsw"), "--shards", "1", "--index", "HNSW16"]) == 0
+    assert f"-> {tmp_path / 'hnsw'} (plain, index HNSW16)" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "hnsw"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["index"] == "HNSW16"
+    assert main(["reshard", str(source), str(tmp_path / "bad"), "--shards", "1", "--index", "Nope9"]) == 1
+    assert "Nope9" in capsys.readouterr().err and not (tmp_path / "bad").exists()
     assert main(["reshard", str(source), str(tmp_path / "c3"), "--shards", "2"]) == 1
     assert "already holds a sharded kvsearch database" in capsys.readouterr().err
     for bad in (["--shards", "0"], ["--shards", "x"], []):

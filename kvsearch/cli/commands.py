@@ -470,9 +470,10 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     """Copy a database into a new folder with another shard count (:func:`kvsearch.reshard`)."""
     from kvsearch.distributed.reshard import reshard
 
-    report = reshard(args.src, args.dst, num_shards=args.shards)
+    report = reshard(args.src, args.dst, num_shards=args.shards, index=args.index)
     before = f"{report.source_shards} shards" if report.source_shards else "plain"
     after = f"{report.num_shards} shards" if report.num_shards > 1 else "plain"
+    after += f", index {args.index}" if args.index else ""
     print(
         f"resharded {args.src} ({before}) -> {args.dst} ({after}): {counted(report.records, 'record')}, ids kept, "
         f"generation {report.generation}, {report.seconds:.2f} s"

@@ -411,13 +411,16 @@ def _add_rollback(sub: Any) -> None:
 
 
 def _add_reshard(sub: Any) -> None:
-    """The ``reshard`` command: a copy with another shard count."""
+    """The ``reshard`` command: a copy with another shard count (or index)."""
+    from kvsearch.index.factory import describe_specs
+
     p = sub.add_parser(
         "reshard",
         help="copy a database into a new folder with another shard count (ids, encoders, generation kept)",
         description="Copy the database SRC (plain or sharded) into the new folder DST with N shards: every record "
         "under its id, the embeddings as stored (never re-encoded), the encoders and generation, the options. "
-        "--shards 1 makes one plain database. SRC is only read. DST must be absent or empty; it appears whole "
+        "--shards 1 makes one plain database; --index SPEC gives the copy another index. "
+        "SRC is only read. DST must be absent or empty; it appears whole "
         "or not at all (built beside it, then renamed).",
     )
     p.add_argument("src", metavar="SRC", help="the database folder to copy (plain or sharded)")
@@ -428,6 +431,12 @@ def _add_reshard(sub: Any) -> None:
         required=True,
         metavar="N",
         help="the shard count of the copy; 1 makes a plain database (N a multiple of the torchrun world size)",
+    )
+    p.add_argument(
+        "--index",
+        metavar="SPEC",
+        help="another index for the copy (an index is fixed when a database is created: this is how to change it; "
+        f"its search parameters start empty): {describe_specs()}",
     )
     p.set_defaults(quiet=True)
 
