@@ -37,7 +37,7 @@ from kvsearch.errors import (
     InvalidArgumentError,
     MissingEncoderError,
 )
-from kvsearch.metadata.codec import check as check_stored_metadata
+from kvsearch.metadata.codec import Checked, checked
 from kvsearch.nn.precision import host_reads
 
 __all__ = [
@@ -117,7 +117,8 @@ def query_texts(queries: Queries) -> list[str] | None:
         Each text as :func:`normalize_key` makes it, or None.
 
     Raises:
-        InvalidArgumentError: an empty list, a non-str item, an empty or blank text, too many queries.
+        InvalidArgumentError: an empty list, a non-str item, an empty or blank text, a text holding a NUL character
+            (no key holds one: a query is compared with keys), too many queries.
     """
     queries = text_items(queries, "query texts")
     if not (isinstance(queries, str) or (isinstance(queries, Sequence) and not isinstance(queries, str))):
@@ -134,6 +135,10 @@ def query_texts(queries: Queries) -> list[str] | None:
         text = normalize_key(t)
         if not text:
             raise InvalidArgumentError(f"expected non-empty query texts, got {t!r} at position {i}")
+        if "\x00" in text:
+            raise InvalidArgumentError(
+                f"expected query texts without NUL characters (keys cannot hold one), got one at position {i}"
+            )
         out.append(text)
     return out
 
@@ -298,10 +303,13 @@ def encode_side(
 
 
 def check_metadata(metadata: object, n: int) -> list[dict[str, Any] | None]:
-    """One JSON-serialisable dict (or None) per record.
+    """One JSON-serialisable dict (or None) per record, each checked once here: a
+    :class:`~kvsearch.metadata.codec.Checked` dict that carries the JSON text it is stored as (one already checked
+    passes as it is).
 
     Raises:
-        InvalidArgumentError: not a list of n dicts with str keys, or not JSON-serialisable.
+        InvalidArgumentError: not a list of n dicts with str keys, or metadata that cannot be stored (see
+            :func:`kvsearch.metadata.codec.check`: a NUL character, nesting past its ``MAX_DEPTH``, a cycle...).
         NonFiniteError: a NaN or infinite number.
     """
     if metadata is None:
@@ -317,8 +325,7 @@ def check_metadata(metadata: object, n: int) -> list[dict[str, Any] | None]:
             continue
         if not isinstance(m, Mapping):
             raise InvalidArgumentError(f"expected metadata as a dict with str keys, got {m!r} at position {i}")
-        check_stored_metadata(m, f"metadata at position {i}")
-        out.append(dict(m))
+        out.append(m if type(m) is Checked else checked(m, f"metadata at position {i}"))
     return out
 
 

@@ -82,3 +82,52 @@ def _combine(children):
 
 
 FILTERS = st.recursive(conditions(), _combine, max_leaves=6)
+
+
+# ---------------------------------------------------------------------------------------------- odd text, no NUL
+
+#: Text SQLite must keep whole (NUL aside, which is refused): control characters, separators, a BOM, a zero-width
+#: space, an emoji, combining marks alone and after a letter (not NFC), their composed form.
+ODD_TEXTS = ["", "a", "b", "\x01", "\x1f", "\x7f", "\t", " ", "\u2028", "\u2029", "\ufeff", "\u200b", "\u00e9",
+             "e\u0301", "\u0301", "\U0001f600", "a\x01b", "\x1fa"]  # fmt: skip
+#: Field names of odd text (a filter refuses control characters below U+0020 in a name: none here).
+ODD_FIELDS = ["s", "n.s", "tags", "t\u2028", "\U0001f600", "e\u0301", "\x7f", "\ufeffb"]
+ODD_STRINGS = st.lists(st.sampled_from(ODD_TEXTS), max_size=3).map("".join)
+
+
+def odd_metadata(rng) -> dict:
+    """One record's metadata of odd text (``rng``: a seeded numpy Generator): strings, nested, in lists."""
+
+    def text() -> str:
+        return "".join(ODD_TEXTS[int(i)] for i in rng.integers(len(ODD_TEXTS), size=int(rng.integers(0, 4))))
+
+    m: dict = {}
+    for name in ("s", "t\u2028", "\U0001f600", "e\u0301", "\x7f", "\ufeffb"):
+        if rng.random() < 0.6:
+            m[name] = text() if rng.random() < 0.9 else int(rng.integers(-2, 3))
+    if rng.random() < 0.5:
+        m["n"] = {"s": text()}
+    if rng.random() < 0.5:
+        m["tags"] = [text() for _ in range(int(rng.integers(0, 3)))]
+    return m
+
+
+@st.composite
+def _odd_condition(draw):
+    field = draw(st.sampled_from([*ODD_FIELDS, "$key", "$value"]))
+    op = draw(st.sampled_from(["$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$contains"]))
+    operand = draw(st.lists(ODD_STRINGS, max_size=3) if op in ("$in", "$nin") else ODD_STRINGS)
+    return {field: operand} if op == "$eq" and draw(st.booleans()) else {field: {op: operand}}
+
+
+def odd_filters():
+    """Filters over :func:`odd_metadata`'s fields (and the key and value texts) with operands of odd text."""
+    return st.recursive(
+        _odd_condition(),
+        lambda children: st.one_of(
+            st.builds(lambda fs: {"$and": fs}, st.lists(children, min_size=1, max_size=3)),
+            st.builds(lambda fs: {"$or": fs}, st.lists(children, min_size=1, max_size=3)),
+            st.builds(lambda f: {"$not": f}, children),
+        ),
+        max_leaves=4,
+    )

@@ -190,6 +190,8 @@ def test_datetimes_round_trip_and_compare_as_instants(tmp_path):
         ({"a": [float("nan")]}, NonFiniteError),
         ({"a": {1: "x"}}, InvalidArgumentError),
         ({"a": b"bytes"}, InvalidArgumentError),
+        ({"a": "x\x00y"}, InvalidArgumentError),  # SQLite would compare it as "x"
+        ({"a": {"b\x00": 1}}, InvalidArgumentError),
     ],
 )
 def test_what_cannot_be_filtered_on_cannot_be_stored(small, meta, error):
@@ -223,6 +225,11 @@ def test_the_largest_64_bit_integers_are_stored_and_filtered(small):
         ({"a": {"$exists": 1}}, InvalidArgumentError, r"where\.a\.\$exists"),
         ({"a": {"$contains": NOON}}, InvalidArgumentError, r"where\.a\.\$contains"),
         ({"$where": "1"}, InvalidArgumentError, r"where"),
+        (
+            {"$or": [{"a": {"$in": ["x", "y\x00"]}}]},
+            InvalidArgumentError,
+            r"NUL characters at where\.\$or\[0\]\.a\.\$in\[1\]",
+        ),
     ],
 )
 def test_errors_name_the_path_in_the_filter(small, where, error, path):

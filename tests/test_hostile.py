@@ -6,7 +6,10 @@ written, ids beyond 64 bits are "not found", ``delete`` of a non-key is typed, `
 batch answers an empty batch and on an empty database raises ``EmptyDatabaseError``, a score callable gets the
 documented shapes. Then the sweep: every public function and method called with hostile values in every
 argument (a table built programmatically, plus hypothesis), asserting that each call returns or raises a
-``KVSearchError`` subclass, and that a rejected write leaves the database as it was. Every tensor argument given
+``KVSearchError`` subclass, and that a rejected write leaves the database as it was. Text slots also get a NUL
+character (keys, values, query texts, metadata strings and field names, filter values and field names: each refused
+typed, nothing written), metadata slots also get metadata that contains itself, metadata nested 1,000 deep and numpy
+values (scalars are stored as the Python value they hold: checked apart). Every tensor argument given
 the same numbers in every layout (sparse, nested, quantized, complex, ``meta``, non-contiguous torch and numpy):
 ``tests/test_tensor_layouts.py``, a layout x argument matrix of its own.
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -218,6 +222,53 @@ def test_score_callable_of_the_wrong_shape_is_typed(db):
 
 NAN, INF = float("nan"), float("inf")
 
+
+def cyclic(through_list: bool = False) -> dict:
+    """Metadata that contains itself, directly or through a list."""
+    m: dict = {"n": 1, "items": []}
+    if through_list:
+        m["items"].append(m)
+    else:
+        m["self"] = m
+    return m
+
+
+def nested(levels: int, kind: type = dict) -> dict:
+    """Metadata nested ``levels`` deep, in dicts or in lists."""
+    node: Any = 1
+    for _ in range(levels):
+        node = {"a": node} if kind is dict else [node]
+    return {"deep": node}
+
+
+#: Hostile metadata of one record (beyond HOSTILE's values): cycles, depth, NUL in each text slot, numpy values.
+BAD_METADATA: dict[str, Callable[[], object]] = {
+    "cyclic metadata": lambda: cyclic(),
+    "cyclic through a list": lambda: cyclic(through_list=True),
+    "1,000-deep dicts": lambda: nested(1000),
+    "1,000-deep lists": lambda: nested(1000, list),
+    "NUL in a metadata string": lambda: {"s": "a\x00b"},
+    "NUL in a field name": lambda: {"a\x00b": 1},
+    "NUL deep inside": lambda: {"n": {"tags": ["ok", {"x\x00": None}]}},
+    "numpy array": lambda: {"v": np.zeros(3)},
+    "numpy complex": lambda: {"v": np.complex64(1)},
+    "numpy NaN": lambda: {"v": [np.float32("nan")]},
+    "numpy scalars": lambda: {"i": np.int64(3), "f": np.float32(0.5), "b": np.bool_(True), "s": np.str_("x")},
+}
+#: Hostile filters (beyond HOSTILE's values): a NUL in a filter's text matches no stored text; refused.
+NUL_FILTERS: dict[str, Callable[[], object]] = {
+    "NUL in a filter value": lambda: {"tag": "t\x00"},
+    "NUL in $contains": lambda: {"tag": {"$contains": "\x00"}},
+    "NUL in $in": lambda: {"tag": {"$in": ["t", "\x00"]}},
+    "NUL in a $key filter": lambda: {"$key": {"$contains": "L\x00"}},
+    "NUL in a field name": lambda: {"ta\x00g": "t"},
+}
+#: A NUL in a text argument (a key, a value, a query, a field name).
+NUL_TEXTS: dict[str, Callable[[], object]] = {
+    "NUL str": lambda: "Li\x00",
+    "list with NUL": lambda: ["Li", "H\x00u"],
+}
+
 #: Hostile values, each made fresh for every call (a generator is spent once).
 HOSTILE: dict[str, Callable[[], object]] = {
     "None": lambda: None,
@@ -321,6 +372,7 @@ def database_slots() -> list[Slot]:
                 texts_db,
                 "long str, int tensor",
                 writes=True,
+                extra=NUL_TEXTS,
             ),
             slot(
                 f"Database.{method}.values",
@@ -328,13 +380,15 @@ def database_slots() -> list[Slot]:
                 texts_db,
                 "empty str, long str, int tensor",
                 writes=True,
+                extra=NUL_TEXTS,
             ),
             slot(
                 f"Database.{method}.metadata",
                 lambda db, v, m=method: getattr(db, m)(["n1", "n2"], ["v1", "v2"], v),
                 texts_db,
-                "None",
+                "None, numpy scalars",
                 writes=True,
+                extra={label: lambda make=make: [{"ok": 1}, make()] for label, make in BAD_METADATA.items()},
             ),
         ]
         for side in ("key_embeddings", "value_embeddings"):
@@ -351,11 +405,26 @@ def database_slots() -> list[Slot]:
         slot("Database.delete.missing", lambda db, v: db.delete("Li", missing=v), texts_db, writes=True),
         slot("Database.exact_targets.queries", lambda db, v: db.exact_targets(v), texts_db),
         slot("Database.metadata_of.ids", lambda db, v: db.metadata_of(v), texts_db, ids_ok),
-        slot("Database.where.filter", lambda db, v: db.where(v).count(), texts_db, "None, dict"),
+        slot("Database.where.filter", lambda db, v: db.where(v).count(), texts_db, "None, dict", extra=NUL_FILTERS),
+        slot(
+            "Database.where.delete",
+            lambda db, v: db.where(v).delete(),
+            texts_db,
+            "None, dict",  # {"Li": 1} matches nothing: nothing deleted
+            writes=True,
+            extra=NUL_FILTERS,
+        ),
         slot("Database.where.ids", lambda db, v: db.where(ids=v).count(), texts_db, "None, " + ids_ok),
-        slot("Database.where.update", lambda db, v: db.where().update(v), texts_db, "dict", writes=True),
+        slot(
+            "Database.where.update",
+            lambda db, v: db.where().update(v),
+            texts_db,
+            "dict, numpy scalars",
+            writes=True,
+            extra=BAD_METADATA,
+        ),
         slot("Database.where.limit", lambda db, v: db.where().records(limit=v), texts_db, "None, zero"),
-        slot("Database.where.distinct", lambda db, v: db.where().distinct(v), texts_db, "long str"),
+        slot("Database.where.distinct", lambda db, v: db.where().distinct(v), texts_db, "long str", extra=NUL_TEXTS),
         slot(
             "Database.delete.key_or_keys",
             lambda db, v: db.delete(v),
@@ -366,19 +435,33 @@ def database_slots() -> list[Slot]:
         slot("Database.get.id", lambda db, v: db.get(v), texts_db, "zero"),
         slot("Database.lookup.key", lambda db, v: db.lookup(v), texts_db),
         slot("Database.lookup.default", lambda db, v: db.lookup("nobody", default=v), texts_db, ",".join(HOSTILE)),
-        slot("Database.search.queries", lambda db, v: db.search(v), texts_db, query_ok),
+        slot("Database.search.queries", lambda db, v: db.search(v), texts_db, query_ok, extra=NUL_TEXTS),
         slot("Database.search.k", lambda db, v: db.search("Li", k=v), texts_db),
-        slot("Database.search.where", lambda db, v: db.search("Li", where=v), texts_db, "None, dict"),
-        slot("Database.query.queries", lambda db, v: db.query(v), texts_db, query_ok),
+        slot(
+            "Database.search.where", lambda db, v: db.search("Li", where=v), texts_db, "None, dict", extra=NUL_FILTERS
+        ),
+        slot("Database.query.queries", lambda db, v: db.query(v), texts_db, query_ok, extra=NUL_TEXTS),
         slot("Database.query.k", lambda db, v: db.query("Li", k=v), texts_db),
         slot("Database.query.score", lambda db, v: db.query("Li", score=v), texts_db, "None"),
         slot("Database.query.pooling", lambda db, v: db.query("Li", pooling=v), texts_db),
         slot("Database.query.temperature", lambda db, v: db.query("Li", temperature=v), texts_db, "float, huge int"),
-        slot("Database.query.where", lambda db, v: db.query("Li", k="all", where=v), texts_db, "None, dict"),
+        slot(
+            "Database.query.where",
+            lambda db, v: db.query("Li", k="all", where=v),
+            texts_db,
+            "None, dict",
+            extra=NUL_FILTERS,
+        ),
         slot("Database.candidates.queries", lambda db, v: db.candidates(v, 3), texts_db),
         slot("Database.candidates.k", lambda db, v: db.candidates(q2(), v), texts_db),
         slot("Database.candidates.targets", lambda db, v: db.candidates(q2(), 3, targets=v), texts_db, "None"),
-        slot("Database.candidates.where", lambda db, v: db.candidates(q2(), 3, where=v), texts_db, "None, dict"),
+        slot(
+            "Database.candidates.where",
+            lambda db, v: db.candidates(q2(), 3, where=v),
+            texts_db,
+            "None, dict",
+            extra=NUL_FILTERS,
+        ),
         slot("Database.ids_of_keys.texts", lambda db, v: db.ids_of_keys(v), texts_db, "empty list"),
         slot("Database.values_present.texts", lambda db, v: db.values_present(v), texts_db, "empty list"),
         slot("Database.key_texts.ids", lambda db, v: db.key_texts(v), texts_db, ids_ok),
@@ -901,7 +984,7 @@ def test_any_text_is_stored_found_or_refused_typed():
     @given(key=ANY_TEXT, value=ANY_TEXT)
     def check(key: str, value: str) -> None:
         before = state(db)
-        bad = any(0xD800 <= ord(c) <= 0xDFFF for c in key + value)
+        bad = any(0xD800 <= ord(c) <= 0xDFFF for c in key + value) or "\x00" in key + value
         try:
             db.upsert([key], [value])
         except KVSearchError as exc:
@@ -916,8 +999,85 @@ def test_any_text_is_stored_found_or_refused_typed():
                 call()
             except KVSearchError as exc:
                 assert not bad or isinstance(exc, InvalidArgumentError)
+        if "\x00" in key and key.strip() and not any(0xD800 <= ord(c) <= 0xDFFF for c in key):
+            with pytest.raises(InvalidArgumentError, match="NUL"):  # a query is compared with keys: none holds NUL
+                db.search(key)
+            assert db.lookup(key, default=None) is None  # a lookup: not stored
 
     check()
+
+
+def test_any_text_in_metadata_is_stored_or_refused_typed():
+    """Random text (lone surrogates, controls, NUL, astral planes) as a metadata field name and a string, at the top
+    and nested: read back equal and found by an equality filter, or refused typed (NUL, a surrogate, a leading $)
+    with nothing written."""
+    db = make_db()
+
+    @settings(max_examples=60, derandomize=True, deadline=None)
+    @given(name=ANY_TEXT, text=ANY_TEXT)
+    def check(name: str, text: str) -> None:
+        before = state(db)
+        surrogate = any(0xD800 <= ord(c) <= 0xDFFF for c in name + text)
+        refused = surrogate or "\x00" in name + text or name.startswith("$")
+        meta = {name: text, "n": {name: [text]}}
+        try:
+            (new,) = db.add(["fresh"], ["v"], [meta])
+        except KVSearchError as exc:
+            assert refused and isinstance(exc, InvalidArgumentError), exc
+            reasons = {"surrogate": surrogate, "NUL": "\x00" in name + text, "'$'": name.startswith("$")}
+            assert any(word in str(exc) for word, applies in reasons.items() if applies), exc
+            assert state(db) == before
+            return
+        assert not refused
+        assert db.get(new).metadata == meta
+        if name and "." not in name and not set('"\\[]') & set(name) and all(ord(c) >= 0x20 for c in name):
+            assert new in db.where({name: text}).ids().tolist()  # a name a filter can say
+        db.delete(new)
+
+    check()
+
+
+def test_nul_in_every_text_slot_is_refused_typed_naming_it():
+    """A NUL character where text goes: a typed refusal that says so, nothing written."""
+    db = make_db()
+    before = state(db)
+    for call in (
+        lambda: db.add(["Li\x00"], ["v"]),
+        lambda: db.add(["new"], ["v\x00"]),
+        lambda: db.upsert(["Li"], ["Mu\x00"]),
+        lambda: db.add(["new"], ["v"], [{"s": "a\x00b"}]),
+        lambda: db.add(["new"], ["v"], [{"a\x00b": 1}]),
+        lambda: db.upsert(["Li"], ["Mu"], [{"n": [{"s": "\x00"}]}]),
+        lambda: db.where({"n": 0}).update({"s": "a\x00"}),
+        lambda: db.where({"n": 0}).update({"s\x00": 1}, merge=True),
+        lambda: db.where({"tag": "t\x00"}).delete(),
+        lambda: db.where({"tag": {"$contains": "\x00"}}).delete(),
+        lambda: db.where({"$key": {"$in": ["Li", "Li\x00"]}}).delete(),
+        lambda: db.where({"ta\x00g": "t"}).delete(),
+        lambda: db.search("Li\x00"),
+        lambda: db.query(["Li", "\x00"]),
+        lambda: db.search("Li", where={"tag": "t\x00"}),
+    ):
+        with pytest.raises(InvalidArgumentError, match="NUL|control characters"):
+            call()
+        assert state(db) == before
+
+
+def test_numpy_scalars_in_metadata_are_stored_as_python_values():
+    """numpy scalars, at any depth, through add, upsert and update: read back as the Python values they hold."""
+    db = make_db()
+    given = {"i": np.int64(3), "u": np.uint8(7), "f": np.float32(0.5), "b": np.bool_(True), "s": np.str_("x")}
+    plain = {"i": 3, "u": 7, "f": 0.5, "b": True, "s": "x"}
+    meta = {**given, "nested": [given, {"zero-d": np.array(2)}]}
+    expected = {**plain, "nested": [plain, {"zero-d": 2}]}
+    (new,) = db.add(["fresh"], ["v"], [meta])
+    db.upsert(["Li"], ["Mu"], [meta])
+    db.where({"n": 3}).update(meta, merge=False)
+    for key in ("fresh", "Li", KEYS[3]):
+        back = db.get(int(db.ids_of_keys([key])[0])).metadata
+        assert back == expected
+        assert [type(back[k]) for k in plain] == [int, int, float, bool, str]
+    assert db.where({"i": np.int64(3), "b": np.bool_(True)}).count() == 3
 
 
 def test_any_integer_id_is_found_or_not_found():

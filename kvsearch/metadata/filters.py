@@ -10,15 +10,18 @@
 **Fields.** A metadata field by dot path (``"author.country"``: the ``country`` of the dict ``author``; a name holding
 ``.`` cannot be named; no array indexes), or the record's own parts, whose names cannot clash with metadata (metadata
 keys never start with ``$``): ``"$id"`` (its integer id), ``"$key"`` (its key text; None for a key given as an
-embedding; equality compares after the key's normalisation, NFC and stripped) and ``"$value"`` (its value text;
-None for a value given as an embedding).
+embedding; equality, ``$in`` and order compare after the key's normalisation, NFC and stripped; a ``$contains``
+substring is NFC-normalised, not stripped) and ``"$value"`` (its value text, never normalised; None for a value given
+as an embedding).
 
 **Conditions.** A plain value (equality), or a dict of operators that must all hold: ``$eq $ne $gt $gte $lt $lte
 $in $nin $exists $contains``, and ``$not`` with a dict of operators. Comparison is typed: a number matches numbers
 (``1`` equals ``1.0``), a string strings, a bool bools, a datetime or date datetimes and dates (as instants, see
-:mod:`kvsearch.metadata.codec`: naive is UTC). Order operators take a number, a string or a datetime / date and never
-match a value of another type. ``$contains`` holds for a string field that contains the operand string, and for a
-list field with a member equal to the operand (a str, number, bool or None).
+:mod:`kvsearch.metadata.codec`: naive is UTC); a numpy scalar is the Python value it holds. Order operators take a
+number, a string or a datetime / date and never match a value of another type. ``$contains`` holds for a string
+field that contains the operand string, and for a list field with a member equal to the operand (a str, number, bool
+or None). No operand text may hold a NUL character: no stored text holds one (:mod:`kvsearch.metadata.codec`), and
+SQLite compares text only up to it.
 
 **Missing fields**, as MongoDB: ``{"f": None}`` matches null or missing, ``{"f": {"$ne": None}}`` only present and not
 null, ``$ne`` and ``$nin`` match a missing field (``$in`` with None in its list matches it too), every other operator
@@ -43,7 +46,7 @@ from typing import Any
 
 from kvsearch.checks import check_unicode
 from kvsearch.errors import InvalidArgumentError, NonFiniteError, UnknownOptionError
-from kvsearch.metadata.codec import EPOCH_US, INT64, epoch_us
+from kvsearch.metadata.codec import EPOCH_US, INT64, epoch_us, python_scalar
 
 __all__ = ["OPERATORS", "LOGICAL", "RECORD_FIELDS", "check_where", "where_sql", "matches", "Field", "parse_field"]
 
@@ -116,12 +119,18 @@ def _kind(value: Any) -> str:
 
 def _scalar(value: object, at: str, field: Field | None) -> Any:
     """A scalar operand checked; for a record field (``field`` given), of that field's type (a key normalised)."""
+    value = python_scalar(value)  # np.int64(3) is 3, as in metadata
     if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
         raise InvalidArgumentError(f"expected an integer within 64 bits at {at}, got {value}")
     if isinstance(value, float) and not math.isfinite(value):
         raise NonFiniteError(f"expected a finite number at {at}, got {value}")
     if isinstance(value, str):
         check_unicode(value, f"the filter value at {at}")
+        if "\x00" in value:
+            raise InvalidArgumentError(
+                f"expected filter text without NUL characters at {at} (no stored text holds one: metadata, keys and "
+                f"values refuse NUL, as SQLite compares text only up to it), got {value[:60]!r}"
+            )
     if not (value is None or isinstance(value, (str, bool, int, float, date))):
         raise InvalidArgumentError(
             f"expected a str, int, float, bool, None, datetime or date at {at}, got {type(value).__name__}"
@@ -157,6 +166,7 @@ def _check_ops(field: Field, cond: Any, at: str, count: _Counter, depth: int) ->
     for op, operand in cond.items():
         here = f"{at}.{op}"
         count.one(here)
+        operand = python_scalar(operand)
         if op not in OPERATORS:
             raise UnknownOptionError(f"expected a filter operator among {OPERATORS} at {here}, got {op!r}")
         if op == "$not":
@@ -184,7 +194,10 @@ def _check_ops(field: Field, cond: Any, at: str, count: _Counter, depth: int) ->
                 raise InvalidArgumentError(
                     f"expected a str (or, for a list field, a number, bool or None) at {here}, got {operand!r}"
                 )
-            out.append(("cond", field, op, _scalar(operand, here, None)))  # a substring: never normalised
+            operand = _scalar(operand, here, None)  # a substring: never stripped
+            if field.part == "key":  # keys are stored NFC: the substring is looked for in that form
+                operand = unicodedata.normalize("NFC", operand)
+            out.append(("cond", field, op, operand))
         else:
             out.append(("cond", field, op, _scalar(operand, here, field)))
     return out[0] if len(out) == 1 else ("and", out)
