@@ -268,10 +268,14 @@ def test_kvsearch_build_refuses_nul_metadata_and_writes_nothing(tmp_path, capsys
         )
         with kvsearch.Database(folder) as db:
             before = state(db)
-        assert main([*argv, "--upsert"]) != 0
-        assert "NUL" in capsys.readouterr().err
-        with kvsearch.Database(folder) as db:
-            assert state(db) == before
+        for extra in ([], ["--batch-size", "1"]):  # a batch before the bad row is not written either
+            changed = [{**row, "s": "new"} for row in good]
+            source.write_text("".join(json.dumps(row) + "\n" for row in [*changed, bad]))
+            assert main([*argv, "--upsert", *extra]) != 0
+            err = capsys.readouterr().err
+            assert "NUL" in err and "line 3" in err  # found by the first pass, named by its line
+            with kvsearch.Database(folder) as db:
+                assert state(db) == before
 
 
 def test_langchain_store_refuses_nul_metadata():

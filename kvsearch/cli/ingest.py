@@ -56,6 +56,7 @@ from kvsearch.cli.printing import counted
 from kvsearch.contract import parts_of
 from kvsearch.errors import BadFileError, InvalidArgumentError, KVSearchError, UnknownOptionError
 from kvsearch.inputs import normalize_key
+from kvsearch.metadata.codec import check as check_metadata
 
 if TYPE_CHECKING:
     from kvsearch.contract import DatabaseProtocol
@@ -367,6 +368,18 @@ def _json_scalar_problem(name: str, value: Any) -> str | None:
     return f"expected a JSON scalar (text, number, true, false or null) in metadata field {name!r}, got {kind}"
 
 
+def _metadata_problem(metadata: dict[str, Any] | None) -> str | None:
+    """Why the database would refuse a row's metadata (a NUL, nesting too deep...), or None: found in the first
+    pass, so that no batch of an ``--upsert`` is written before a bad row that comes after it."""
+    if not metadata:
+        return None
+    try:
+        check_metadata(metadata, "metadata")
+    except KVSearchError as exc:
+        return str(exc)
+    return None
+
+
 def _validate(
     db: DatabaseProtocol,
     path: str | os.PathLike[str],
@@ -405,6 +418,8 @@ def _validate(
             bad(row.line, f"empty key {row.fields[0]!r}")
         elif "\x00" in k or "\x00" in v:
             bad(row.line, "a NUL character in the key or value")
+        elif (refused := _metadata_problem(row.metadata)) is not None:
+            bad(row.line, refused)
         elif k in seen:
             bad(row.line, f"duplicate key {k!r} (first on line {seen[k]})")
         elif not upsert and k in db:
