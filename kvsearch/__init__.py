@@ -49,6 +49,7 @@ from kvsearch.errors import (
 )
 from kvsearch.index.faiss_index import Index
 from kvsearch.index.torch_index import TorchIndex
+from kvsearch.nn import forking as _forking  # noqa: F401  (registers the fork handlers: a child of fork() can search)
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.kv_attention import KVAttention
 from kvsearch.nn.pooling import pool

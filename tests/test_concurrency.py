@@ -4,7 +4,9 @@
 - Two processes on one folder: one writer at a time (a file lock with a bounded wait, then
   DatabaseLockedError), readers keep working while another process holds the lock, no write is lost when
   two processes write at once, and a writer whose view is stale reloads the store before it writes.
-- fork(): a child uses the parent's open database safely (its own SQLite connection and lock).
+- fork(): a child uses the parent's open database safely (its own SQLite connection and lock). These parents run
+  one thread; a child forked after the default thread count (torch's and FAISS's OpenMP workers live) is
+  tests/test_fork.py's.
 - A reader beside a writer process catches up on its commits from the change log: whole batches, no full reload.
 """
 

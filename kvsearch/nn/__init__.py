@@ -5,7 +5,9 @@ cosine, gaussian and the learned additive, each with what it has of an index met
 — the learned score modules, and ``DB_SCORES``, those a database can search by), pooling (``pooling``:
 softmax, normalize, nonnegative, hard, exact, average, with masks), :func:`~kvsearch.nn.attend.attend` and
 :class:`~kvsearch.nn.attend.Candidates` (``attend``), the :class:`~kvsearch.nn.kv_attention.KVAttention` layer
-(``kv_attention``) and dense streaming attention over every record (``streaming``).
+(``kv_attention``), dense streaming attention over every record (``streaming``), the precision, ``torch.compile``
+and ``torch.func.vmap`` rules (``precision``), and the fork handlers that keep the CPU's OpenMP threads usable in a
+child of ``fork()`` (``forking``, registered when kvsearch is imported).
 
 It knows nothing of FAISS, SQLite, text or files: it takes already-gathered tensors (a layer takes an object with a
 ``candidates`` method) and gives back tensors that gradients flow through.
