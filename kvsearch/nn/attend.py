@@ -4,9 +4,10 @@
 
 It owns :class:`Candidates` (the gathered tensors a database hands over), the layouts ``attend`` accepts (shared
 keys, gathered candidates, batched), valid lengths, dropout, the score / pooling pairing check, the overflow
-checks of scores and output (in eager mode) and the precision rule under autocast (float32 math inside, see
-:mod:`kvsearch.nn.precision`). Scores come from the registry :data:`~kvsearch.nn.scores.SCORE_KINDS` (which also
-says which scores are never positive, for the pairing check), weights from :mod:`kvsearch.nn.pooling`.
+checks of scores and output (in eager mode, outside ``torch.func.vmap``) and the precision rule under autocast
+(float32 math inside, see :mod:`kvsearch.nn.precision`). Scores come from the registry
+:data:`~kvsearch.nn.scores.SCORE_KINDS` (which also says which scores are never positive, for the pairing check),
+weights from :mod:`kvsearch.nn.pooling`.
 
 It knows nothing of FAISS, SQLite or text: it takes already-gathered tensors and gives back tensors that gradients
 flow through.
@@ -240,7 +241,9 @@ def attend(
 
     Under ``torch.compile`` the checks that read tensor values back to the host (NaN / Inf inputs,
     overflow, negative ``valid_lens``) are skipped, as torch's own ops do not check: a compiled model
-    gets no ``NonFiniteError``. The options and shapes are checked either way.
+    gets no ``NonFiniteError``. So are they under ``torch.func.vmap`` (where no value can be read back):
+    a vmapped ``attend`` gives what a Python loop over the examples gives, unchecked for finiteness, and
+    ``vmap(grad(...))`` gives per-example gradients. The options and shapes are checked either way.
 
     Args:
         queries: the queries (see the layouts).
@@ -266,7 +269,7 @@ def attend(
 
     Raises:
         DimensionMismatchError: the shapes fit no layout, or batch, m or dim disagree.
-        NonFiniteError: (eager mode) the queries, keys or values hold NaN or Inf; a built-in score
+        NonFiniteError: (eager mode, outside vmap) the queries, keys or values hold NaN or Inf; a built-in score
             overflowed (finite inputs too large for the dtype); a callable score gave NaN or +inf on a
             kept candidate (-inf drops the candidate, see ``pool``); or the output overflowed (in its
             output dtype: float16 under CUDA float16 autocast).

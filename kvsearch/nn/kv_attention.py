@@ -6,7 +6,8 @@
 It owns the layer's options (k, score, pooling, temperature, dropout; ``score="additive"`` creates an
 :class:`~kvsearch.nn.scores.AdditiveScore` submodule) and its door: the queries are checked here once, the database
 is asked for candidates and they go to :func:`~kvsearch.nn.attend.attend_candidates`, which checks nothing again (the
-call into the database runs eagerly: under ``torch.compile`` it is the layer's one graph break). On a GPU the forward
+call into the database runs eagerly: under ``torch.compile`` it is the layer's one graph break; under
+``torch.func.vmap`` a custom op whose vmap rule searches every example's queries as one batch). On a GPU the forward
 and backward read nothing back to the host (:func:`~kvsearch.nn.precision.host_reads`). The database is duck-typed
 (``dim``, ``candidates``, optionally ``exact_targets``): this module knows nothing of FAISS, SQLite, text or files.
 """
@@ -23,7 +24,7 @@ from kvsearch.checks import check_finite, check_k, check_temperature
 from kvsearch.errors import DimensionMismatchError, InvalidArgumentError
 from kvsearch.nn.attend import Candidates, attend_candidates, check_dropout, check_pairing
 from kvsearch.nn.pooling import POOLINGS
-from kvsearch.nn.precision import host_reads
+from kvsearch.nn.precision import host_reads, vmapping
 from kvsearch.nn.scores import AdditiveScore, ScoreFn, check_float_tensor, check_option, check_score
 
 __all__ = ["KVAttention"]
@@ -56,6 +57,13 @@ class KVAttention(nn.Module):
     break (``torch.compiler.disable``): it runs eagerly and checks the queries for NaN / Inf there; the
     scores, pooling and blend compile, without the host-syncing overflow checks of eager mode (a
     compiled model raises no ``NonFiniteError`` for an overflow, as torch's own ops do not).
+
+    Under ``torch.func.vmap`` (per-example queries (batch, dim); ``vmap(grad(...))`` for per-example gradients) the
+    layer gives what a Python loop over the examples gives: the database is searched once, outside vmap, with every
+    example's queries as one batch (checked for NaN / Inf there: ``NonFiniteError`` names the flattened shape), and
+    the scores, pooling and blend run batched without the overflow checks (nothing can be read back under vmap).
+    ``last_weights`` / ``last_ids`` are None after a vmapped call (a batched tensor cannot outlive vmap), and
+    dropout in training needs vmap's ``randomness="different"`` or ``"same"``.
 
     The database is a resource, not state: ``state_dict()`` never holds it, ``copy.deepcopy`` / ``AveragedModel``
     share it by reference, and pickling the layer pickles it as it pickles itself (a ``Database`` on disk as its
@@ -122,12 +130,18 @@ class KVAttention(nn.Module):
         Raises:
             InvalidArgumentError: queries are not a floating-point tensor.
             DimensionMismatchError: queries are not (batch, db.dim), or the candidates do not line up.
-            NonFiniteError: queries hold NaN or Inf (where values are read back: not on a GPU).
+            NonFiniteError: queries hold NaN or Inf (where values are read back: not on a GPU; under vmap, every
+                example's queries at once).
             EmptyDatabaseError: (raised by a Database's ``candidates``) the database holds no records; an empty
                 batch (0, dim) is answered with an empty output (0, value_dim).
         """
         check_float_tensor(queries, "queries")
-        cand = self._candidates(queries)  # eager: a graph break under torch.compile
+        batched = vmapping()  # under torch.func.vmap the search runs outside it, on the examples' queries flattened
+        if batched:
+            self._check_queries(queries)  # each example's shape, before the flattening hides it
+            cand = Candidates(*_CandidatesUnderVmap.apply(queries, self))
+        else:
+            cand = self._candidates(queries)  # eager: a graph break under torch.compile
         output, weights = attend_candidates(
             queries,
             cand,
@@ -136,6 +150,9 @@ class KVAttention(nn.Module):
             temperature=self.temperature,
             dropout=self.dropout if self.training else 0.0,
         )  # (batch, value_dim), (batch, k | m): nothing checked again below this door
+        if batched:  # a batched tensor must not outlive vmap
+            self.last_weights = self.last_ids = None
+            return output  # (batch, value_dim)
         ids = cand.ids if cand.ids.dim() == 2 else cand.ids.expand_as(weights)  # (batch, k | m)
         self.last_weights = weights.detach()  # (batch, k | m)
         self.last_ids = ids.detach()  # (batch, k | m)
@@ -150,16 +167,20 @@ class KVAttention(nn.Module):
         ``torch.compile`` breaks its graph here: the index search (FAISS, SQLite reads, Python bookkeeping) is not
         torch math, and it runs eagerly, its checks of the queries included; the attention around it compiles.
         """
-        if queries.dim() != 2 or queries.shape[-1] != self.db.dim:
-            raise DimensionMismatchError(
-                f"expected queries of shape (batch, {self.db.dim}), got {tuple(queries.shape)}"
-            )
+        self._check_queries(queries)
         if host_reads(queries.device):  # on a GPU nothing is read back (see nn.precision.host_reads)
             check_finite(queries)  # before the index sees them
         exact_targets = getattr(self.db, "exact_targets", None)
         if self.pooling == "exact" and callable(exact_targets):  # the database's rule: one equal stored key
             return self.db.candidates(queries, self.k, targets=exact_targets(queries))
         return self.db.candidates(queries, self.k)
+
+    def _check_queries(self, queries: Tensor) -> None:
+        """DimensionMismatchError unless the queries are (batch, db.dim) (under vmap: each example's shape)."""
+        if queries.dim() != 2 or queries.shape[-1] != self.db.dim:
+            raise DimensionMismatchError(
+                f"expected queries of shape (batch, {self.db.dim}), got {tuple(queries.shape)}"
+            )
 
     def extra_repr(self) -> str:
         """The options, for ``repr``."""
@@ -168,3 +189,40 @@ class KVAttention(nn.Module):
             f"k={self.k!r}, score={score!r}, pooling={self.pooling!r}, "
             f"temperature={self.temperature}, dropout={self.dropout}"
         )
+
+
+_CandidateTensors = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]  # Candidates' fields, in order
+
+
+class _CandidatesUnderVmap(torch.autograd.Function):
+    """The database's candidates for queries under ``torch.func.vmap`` (torch's rule for a custom op: the ``vmap``
+    staticmethod): the examples' queries, (vmapped, batch, dim), are searched as one batch (vmapped * batch, dim)
+    outside vmap -- their NaN / Inf check included -- and the candidates come back batched like them (shared ones,
+    ``k="all"``, unbatched). The search has no gradient (the database detaches the queries); neither has its output.
+    """
+
+    @staticmethod
+    def forward(queries: Tensor, layer: KVAttention) -> _CandidateTensors:
+        cand = layer._candidates(queries)
+        return cand.ids, cand.keys, cand.values, cand.mask, cand.match
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: _CandidateTensors) -> None:
+        ctx.mark_non_differentiable(*(t for t in output if t is not None))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, None]:
+        return None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, queries: Tensor, layer: KVAttention) -> tuple[_CandidateTensors, tuple]:
+        if in_dims[0] is None:  # the queries are not batched at this level: one search, as it is
+            return _CandidatesUnderVmap.apply(queries, layer), (None,) * 5
+        examples = queries.movedim(in_dims[0], 0)  # (vmapped, batch, dim)
+        size, batch = examples.shape[0], examples.shape[1]
+        flat = examples.reshape(size * batch, examples.shape[-1])  # (size * batch, dim)
+        found = _CandidatesUnderVmap.apply(flat, layer)  # (size * batch, ...) each
+        if found[1].dim() == 2:  # k="all": the same candidates for every query of every example
+            return found, (None,) * 5
+        per_example = tuple(None if t is None else t.reshape(size, batch, *t.shape[1:]) for t in found)
+        return per_example, tuple(None if t is None else 0 for t in found)  # (size, batch, ...) each

@@ -1,5 +1,5 @@
-"""Mixed precision and ``torch.compile`` for the attention math: which dtype it runs in and comes out in, and
-whether the checks that read numbers back to the host run.
+"""Mixed precision, ``torch.compile`` and ``torch.func.vmap`` for the attention math: which dtype it runs in and comes
+out in, and whether the checks that read numbers back to the host run.
 
     amp = autocast_dtype(queries.device)          # torch.bfloat16 inside torch.autocast("cpu"), else None
     with full_precision(queries.device, amp):     # autocast off: scores, pooling and the blend in float32
@@ -11,10 +11,11 @@ run in float32 (float64 inputs stay float64, which autocast never casts), and th
 dtype; weights stay in the computing dtype. Without autocast nothing changes: the inputs' promoted dtype.
 
 It also owns the rule of when code may read a tensor's values back to the host (:func:`host_reads`): on the CPU,
-where nothing waits; never on an accelerator, where ``bool(t)`` or ``t.item()`` waits for the device to finish its
-queue (a host-device sync in each step of a model) -- the hot paths (``KVAttention`` forward + backward, the
-candidates a database gathers, the exact index's scan) take a form that reads nothing back there; and nowhere inside
-:func:`sync_free`, which runs that form on the CPU too (the tests that check it, on machines without a GPU).
+where nothing waits; never under ``torch.compile``, nor inside ``torch.func.vmap`` (:func:`vmapping`: a batched
+tensor has no one value to read); never on an accelerator, where ``bool(t)`` or ``t.item()`` waits for the device to
+finish its queue (a host-device sync in each step of a model) -- the hot paths (``KVAttention`` forward + backward,
+the candidates a database gathers, the exact index's scan) take a form that reads nothing back there; and nowhere
+inside :func:`sync_free`, which runs that form on the CPU too (the tests that check it, on machines without a GPU).
 
 It knows nothing of scores, pooling, candidates, FAISS, SQLite or text.
 """
@@ -36,6 +37,8 @@ __all__ = [
     "eager_checks",
     "host_reads",
     "sync_free",
+    "functorch_transformed",
+    "vmapping",
 ]
 
 _SYNC_FREE: contextvars.ContextVar[bool] = contextvars.ContextVar("kvsearch_sync_free", default=False)
@@ -77,25 +80,49 @@ def autocast_off(*devices: torch.device) -> contextlib.ExitStack:
     return stack
 
 
+def functorch_transformed() -> bool:
+    """Whether this runs inside any ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``, ...); False
+    while ``torch.compile`` traces (it traces the transforms itself)."""
+    return not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
+
+
+def vmapping() -> bool:
+    """Whether this runs inside ``torch.func.vmap`` (or a transform built on it: ``jacrev``'s backward, ``jacfwd``,
+    ``hessian``), at any level: there a tensor's values cannot be read on the host (``.item()`` raises). False
+    while ``torch.compile`` traces (it reads nothing back either; a vmap it cannot trace runs eagerly)."""
+    return not torch.compiler.is_compiling() and _in_vmap()
+
+
+def _in_vmap() -> bool:
+    """:func:`vmapping` for a caller that knows it is not compiling: ~40 ns where no transform runs."""
+    if not torch._C._are_functorch_transforms_active():  # the common case: no transform at all
+        return False
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    return any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
+
+
 def eager_checks() -> bool:
-    """Whether the checks that read tensor values on the host (NaN, Inf, overflow) run: not under ``torch.compile``.
+    """Whether the checks that read tensor values on the host (NaN, Inf, overflow) run: not under ``torch.compile``,
+    not under ``torch.func.vmap``.
 
     A compiled graph does not stop to look at its numbers, as torch's own ops do not: a compiled model is not
-    checked for non-finite inputs or overflow (the database still checks the queries it searches with).
+    checked for non-finite inputs or overflow (the database still checks the queries it searches with). Under vmap a
+    number cannot be read at all: a vmapped ``attend`` is not checked either (its options and shapes are).
     """
-    return not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and not _in_vmap()
 
 
 def host_reads(device: torch.device) -> bool:
     """Whether code may read tensor values on ``device`` back to the host (``bool(t)``, ``t.item()``, ``t.cpu()``)
-    to check or branch on them: on the CPU, in eager mode, outside :func:`sync_free`; never on an accelerator.
+    to check or branch on them: on the CPU, in eager mode, outside :func:`sync_free` and :func:`vmapping`; never on an
+    accelerator.
 
     On a GPU a read waits for every kernel queued before it (a host-device synchronisation): in a model's step the
     host would stop feeding the device. There the layer's hot path reads nothing back: NaN / Inf queries and
     overflowing scores are not looked for (torch's own ops do not look either; the output holds NaN), the exact
     index orders ties by id among a fixed number of extra candidates, candidates stay on the device.
     """
-    return not torch.compiler.is_compiling() and device.type == "cpu" and not _SYNC_FREE.get()
+    return not torch.compiler.is_compiling() and device.type == "cpu" and not _SYNC_FREE.get() and not _in_vmap()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,8 @@ the keys' mean — each chunk of keys is centred as it is read — so that it st
 (``gaussian``). It knows no score by name. Gradients flow to queries, keys and values.
 
 Under ``torch.autocast`` both passes run in float32 with autocast off, and the output comes out in the autocast
-dtype (see :func:`streaming_attention`), as fused ``scaled_dot_product_attention`` does.
+dtype (see :func:`streaming_attention`), as fused ``scaled_dot_product_attention`` does. Inside a ``torch.func``
+transform (``vmap``, ``grad``) it refuses with ``NotSupportedError``: its custom backward has no functorch rule.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvsearch.checks import CHUNK_ELEMENTS, COSINE_EPS, all_finite, check_dense, check_fits, check_temperature
-from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NonFiniteError, UnknownOptionError
+from kvsearch.errors import (
+    DimensionMismatchError,
+    InvalidArgumentError,
+    NonFiniteError,
+    NotSupportedError,
+    UnknownOptionError,
+)
 from kvsearch.nn.attend import Candidates, attend
-from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, output_dtype
+from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, functorch_transformed, output_dtype
 from kvsearch.nn.scores import SCORE_KINDS, ScoreFn, checked_scores
 
 __all__ = ["streaming_attention", "streaming_attend", "attend_candidates", "STREAMING_SCORES", "default_chunk"]
@@ -201,7 +208,15 @@ def streaming_attention(
         InvalidArgumentError: a bad temperature or chunk, non-float inputs, or no keys.
         DimensionMismatchError: shapes that do not line up.
         NonFiniteError: the scores overflowed (finite inputs too large for the dtype).
+        NotSupportedError: called inside a ``torch.func`` transform (``vmap``, ``grad``, ...): its custom backward
+            has no functorch rule; :func:`~kvsearch.nn.attend.attend` with softmax pooling computes the same there.
     """
+    if functorch_transformed():
+        raise NotSupportedError(
+            "streaming_attention inside torch.func transforms (vmap, grad, jacrev, ...): expected a call outside "
+            "them, got one inside (its chunked custom backward has no functorch rule); use attend(queries, keys, "
+            "values, pooling='softmax'), which gives the same output and gradients, or a Python loop"
+        )
     form = SCORE_KINDS[score].stream if isinstance(score, str) and score in SCORE_KINDS else None
     if form is None:
         raise UnknownOptionError(f"expected score among {STREAMING_SCORES} for streaming attention, got {score!r}")
