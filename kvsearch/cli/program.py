@@ -58,6 +58,7 @@ from pathlib import Path
 from kvsearch.cli.commands import COMMANDS
 from kvsearch.cli.parser import PROG, CommandError, build_parser
 from kvsearch.distributed import layout as sharding
+from kvsearch.encoders.quiet import quiet_model_io
 from kvsearch.storage import folder as folders
 from kvsearch.storage.encoder_files import current_generation_dir
 
@@ -99,7 +100,7 @@ def _run(argv: Sequence[str] | None) -> int:
         _check_paths(args)
         # a model's loading bar and messages never show (our own bars: build and finetune without --quiet)
         quiet = args.command == "demo" or _loads_a_sentence_model(args)
-        with _quiet_model_loading() if quiet else contextlib.nullcontext(), _one_line_warnings():
+        with quiet_model_io(errors_only=True) if quiet else contextlib.nullcontext(), _one_line_warnings():
             return int(COMMANDS[args.command](args) or 0)
     except KeyboardInterrupt:
         if args.debug:
@@ -194,36 +195,6 @@ def _one_line_warnings() -> Iterator[None]:
 
         warnings.showwarning = show
         yield
-
-
-@contextlib.contextmanager
-def _quiet_model_loading() -> Iterator[None]:
-    """Silence what loading a sentence-transformers model prints on stderr for the duration: transformers'
-    "Loading weights" bar and info messages, huggingface_hub's bars. Their switches are set back afterwards.
-
-    It imports transformers' logging module (about half a second), so it is used only when a command will
-    load such a model anyway (see :func:`_loads_a_sentence_model`).
-    """
-    try:
-        from huggingface_hub import utils as hub
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - sentence-transformers (a dependency) brings both
-        yield
-        return
-    hf_bars, hf_level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hub_bars = not hub.are_progress_bars_disabled()
-    hf_logging.disable_progress_bar()  # also huggingface_hub's
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(hf_level)
-        if hf_bars:
-            hf_logging.enable_progress_bar()  # (and huggingface_hub's)
-        if hub_bars:
-            hub.enable_progress_bars()
-        else:
-            hub.disable_progress_bars()
 
 
 def _one_line(exc: BaseException) -> str:

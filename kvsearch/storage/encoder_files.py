@@ -163,7 +163,7 @@ def save_encoder(encoder: Encoder, folder: str | os.PathLike[str], prefix: str) 
             model_dir = folder / MODEL_DIR.format(prefix=prefix)
             tmp_dir = fileio.temp_dir(folder, f".{model_dir.name}.")
             try:
-                encoder.model.save(str(tmp_dir), create_model_card=False, safe_serialization=True)
+                encoder.save_model(tmp_dir)  # safetensors, no model card, no progress bar
                 _replace_dir(tmp_dir, model_dir)
             finally:
                 shutil.rmtree(tmp_dir, ignore_errors=True)
