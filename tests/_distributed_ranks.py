@@ -621,6 +621,7 @@ def grad_options() -> dict[str, Any]:
         "lr": FT_LR,
         "k": FT_K,
         "generated": 0,  # a sharded database generates no pairs (yet): the single-process reference must not either
+        "keep": "last",  # the step is committed whatever it does to recall (keep="best" would judge it first)
         "verbose": False,
     }
 

@@ -386,7 +386,8 @@ def test_counts_are_singular_for_one(built, tmp_path, capsys):
     db = copy_of(built, tmp_path)
     pairs = tmp_path / "pairs.csv"
     pairs.write_text("query,target\nLipto,Lipton\n")
-    assert main(["finetune", str(db), "--pairs", str(pairs), "--epochs", "1", "--generated", "0", "--quiet"]) == 0
+    assert main(["finetune", str(db), "--pairs", str(pairs), "--epochs", "1", "--generated", "0", "--keep", "last",
+                 "--quiet"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert out.startswith(f"fine-tuned {db} on 1 pair for 1 epoch (")
     assert "\n1 epoch, loss " in out and "epochs" not in out

@@ -839,18 +839,41 @@ def test_keep_last_commits_the_last_epoch_even_when_worse(directory, tmp_path):
     assert folder_digests(path) != digests  # a commit shows in the files (the digests above can tell)
 
 
-def test_without_eval_pairs_the_last_epoch_is_committed(directory, tmp_path):
+def test_keep_last_without_eval_pairs_commits_the_last_epoch_unjudged(directory, tmp_path):
     db = make_db(tmp_path / "db", directory)
     generation = db.generation
     history = finetune_as_before(
-        db, directory["train"][:50], loss="retrieval", k=8, epochs=2, batch_size=25, verbose=False
+        db, directory["train"][:50], loss="retrieval", k=8, epochs=2, batch_size=25, keep="last", verbose=False
     )
     assert history.committed and history.kept_epoch is None and history.metrics == []
+    assert (history.judged_on, history.judged) == ("nothing", 0)
     assert history.generation == db.generation == generation + 1
     losses = history.epoch_losses
     assert history.summary() == (
         f"2 epochs, loss {losses[0]:.4f} -> {losses[-1]:.4f} (last epoch kept, generation {generation + 1})"
     )
+    db.close()
+
+
+def test_keep_best_without_eval_pairs_judges_on_the_training_pairs(directory, tmp_path):
+    """Issue 35: nothing held out (no pairs generated) is no longer "the last epoch, unjudged": the start and each
+    epoch are measured on the training pairs, and the best epoch is committed only if it beats the start there."""
+    db = make_db(tmp_path / "db", directory)
+    generation, pairs = db.generation, directory["train"][:50]
+    before = evaluate(db, pairs, k=8)
+    history = finetune_as_before(db, pairs, loss="retrieval", k=8, epochs=2, batch_size=25, verbose=False)
+    assert (history.judged_on, history.judged, history.monitor) == ("train_pairs", 50, 0)
+    assert {name: history.metrics[0][name] for name in METRIC_NAMES} == before  # the start, measured on them
+    kept = history.best_epoch()
+    assert history.metrics[kept]["recall@1"] > before["recall@1"]  # Cyrillic queries: the run learns them
+    assert history.committed and history.kept_epoch == kept and history.generation == db.generation == generation + 1
+    assert evaluate(db, pairs, k=8) == {name: history.metrics[kept][name] for name in METRIC_NAMES}
+    assert history.summary() == (
+        f"recall@1 {before['recall@1']:.3f} -> best {history.metrics[kept]['recall@1']:.3f} at epoch {kept} "
+        f"(kept, generation {generation + 1}); judged on its 50 training pairs (no eval_pairs, nothing held out)"
+    )
+    last_run = db.encoders_info()["last_run"]
+    assert (last_run["judged_on"], last_run["judged"], last_run["kept_epoch"]) == ("train_pairs", 50, kept)
     db.close()
 
 
@@ -895,8 +918,10 @@ def test_a_run_that_fails_leaves_the_database_exactly_as_it_was(directory, tmp_p
     assert folder_digests(path) == digests
     reopened = Database(path)
     assert answers(reopened, queries)[0] == ids_before
-    history = finetune_as_before(reopened, directory["train"][:50], loss="retrieval", k=8, epochs=1, verbose=False)
-    assert history.committed and reopened.generation == generation + 1  # and it trains again
+    history = finetune_as_before(
+        reopened, directory["train"][:50], loss="retrieval", k=8, epochs=1, keep="last", verbose=False
+    )
+    assert history.committed and reopened.generation == generation + 1  # and it trains (and commits) again
     reopened.close()
 
 

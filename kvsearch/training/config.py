@@ -107,9 +107,11 @@ class FinetuneConfig:
         temperature: the softmax temperature of the scores, finite and > 0 (0.05 suits cosine scores).
         seed: seeds the shuffling and torch (dropout); an integer >= 0.
         verbose: show a tqdm bar with the step, the loss and the latest value of the metric.
-        keep: with eval pairs, which epoch is committed: ``"best"`` (the best by ``metric``, and only if it is
-            strictly better than the start; otherwise nothing is committed) or ``"last"`` (the last epoch, even
-            when it is worse than the start). Without eval pairs the last epoch is committed.
+        keep: which epoch is committed: ``"best"`` (the best by ``metric``, and only if it is strictly better than
+            the start; otherwise nothing is committed) or ``"last"`` (the last epoch, even when it is worse than
+            the start). ``"best"`` judges on the eval pairs, else on the monitor of held-out keys, else — nothing
+            to hold out — on the training pairs themselves (``History.judged_on``); ``"last"`` without eval pairs
+            or a monitor judges nothing.
         metric: what "best" means: ``"recall@1"``, ``"recall@k"`` or ``"mrr"`` on text eval pairs (higher is
             better), ``"loss"`` on tensor eval pairs (lower is better). None (the default): ``"recall@1"`` on
             text pairs, ``"loss"`` on tensor pairs.
@@ -249,19 +251,26 @@ class History:
         k: the number of candidates (``recall@k`` is recall at this k).
         metrics: one dict per evaluation (epoch 0 = before training, then after each epoch), with ``epoch``,
             ``step`` and, on text pairs, ``recall@1``, ``recall@k``, ``mrr`` (over the top k), or on tensor pairs
-            ``loss`` (the training loss on the eval pairs). Empty without eval pairs.
+            ``loss`` (the training loss on the eval pairs); measured on what ``judged_on`` names. Empty when
+            nothing was judged.
         losses: the training loss of every step.
         epoch_losses: the mean training loss of every epoch.
         refreshes: how many times the draft's working keys and index were rebuilt from re-encoded keys.
         seconds: the wall time of the run.
         metric: the metric that chose the epoch to keep (``"recall@1"``, ``"recall@k"``, ``"mrr"`` or ``"loss"``).
         keep: ``"best"`` or ``"last"``.
-        kept_epoch: the epoch committed; 0 when no epoch beat the start (nothing was committed); None without
-            eval pairs (the last epoch was committed).
+        kept_epoch: the epoch committed; 0 when no epoch beat the start (nothing was committed); None when
+            nothing was judged (``keep="last"`` without eval pairs or a monitor: the last epoch was committed).
         committed: whether a new generation was committed.
         generation: the database's generation after the run (unchanged when nothing was committed).
         generated: how many training pairs were generated from the stored keys (see ``FinetuneConfig.generated``).
         monitor: how many eval pairs were split off as the monitor (0 when eval pairs were given).
+        judged_on: what the epochs were judged on: ``"eval_pairs"`` (the user's), ``"monitor"`` (held-out keys),
+            ``"train_pairs"`` (nothing to hold out: the training pairs themselves — the user's, or without them
+            the first epoch's generated ones; what is committed is never worse on them, but they cannot show
+            whether the run learned more than them) or ``"nothing"`` (``keep="last"`` without eval pairs or a
+            monitor).
+        judged: how many pairs the epochs were judged on (0: nothing; this rank's, when several ranks run).
     """
 
     k: int
@@ -277,15 +286,17 @@ class History:
     generation: int = 0
     generated: int = 0
     monitor: int = 0
+    judged_on: str = "nothing"
+    judged: int = 0
 
     def value(self, epoch: int) -> float | None:
-        """The metric measured after ``epoch`` (0: before training), or None without eval pairs."""
+        """The metric measured after ``epoch`` (0: before training), or None when nothing was judged."""
         if not 0 <= epoch < len(self.metrics):
             return None
         return self.metrics[epoch].get(self.metric)
 
     def best_epoch(self) -> int | None:
-        """The epoch >= 1 with the best metric (the first of equals), or None without eval pairs or epochs."""
+        """The epoch >= 1 with the best metric (the first of equals), or None: nothing judged, or no epoch ran."""
         if len(self.metrics) < 2:
             return None
         sign = 1.0 if higher_is_better(self.metric) else -1.0
@@ -296,10 +307,19 @@ class History:
 
         Returns:
             e.g. ``"recall@1 0.754 -> best 0.761 at epoch 2 (kept, generation 5)"`` or ``"recall@1 0.754; no
-            epoch beat it (best 0.612 at epoch 1): kept the start, generation 4 unchanged"``.
+            epoch beat it (best 0.612 at epoch 1): kept the start, generation 4 unchanged"``; judged on the
+            training pairs, it ends ``"; judged on its 4 training pairs (no eval_pairs, nothing held out)"``.
         """
+        line = self._outcome()
+        if self.judged_on == "train_pairs":
+            pairs = f"{self.judged} training pair{'' if self.judged == 1 else 's'}"
+            line += f"; judged on its {pairs} (no eval_pairs, nothing held out)"
+        return line
+
+    def _outcome(self) -> str:
+        """The summary's line without what the run was judged on."""
         start = self.value(0)
-        if start is None:  # no eval pairs: the last epoch was committed
+        if start is None:  # nothing judged (keep="last" without eval pairs or monitor): the last epoch
             losses = self.epoch_losses
             trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step"
             done = f"generation {self.generation}" if self.committed else f"generation {self.generation} unchanged"

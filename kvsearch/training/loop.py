@@ -22,11 +22,13 @@ values) as a new generation in one store transaction. Anything that goes wrong �
 weight (:class:`~kvsearch.errors.NonFiniteError`), an exception in a loss, a KeyboardInterrupt — discards the
 draft: the database's files, embeddings, index and answers are exactly as before, and the error is re-raised.
 
-Keep the best. With eval pairs and ``keep="best"`` (the default), the metric (``metric=``) is measured before
-training and after each epoch; the best epoch's weights are kept in memory and committed at the end — only if
-that epoch is strictly better than the start. If no epoch beats it, the draft is discarded and the database
-keeps its retriever. ``keep="last"`` commits the last epoch, even when it is worse; without eval pairs the last
-epoch is committed.
+Keep the best. With ``keep="best"`` (the default), the metric (``metric=``) is measured before training and after
+each epoch; the best epoch's weights are kept in memory and committed at the end — only if that epoch is strictly
+better than the start. If no epoch beats it, the draft is discarded and the database keeps its retriever. The
+metric is measured on the eval pairs, else on the monitor of held-out keys (:mod:`kvsearch.training.pairs`), else —
+nothing to hold out: no pairs generated, or too few pairs and keys — on the training pairs themselves
+(``History.judged_on == "train_pairs"``, which the summary says): never is a run committed that was not judged.
+``keep="last"`` commits the last epoch, even when it is worse (judging nothing without eval pairs or a monitor).
 
 Targets. A pair is ``(query text, target text)``; ``targets="key"`` reads the target as the key of the right
 record, ``targets="value"`` as the value text of the answer (no label of which record is right: several
@@ -127,8 +129,9 @@ def finetune(
     """Fine-tune the retriever of a database end to end on (query, target) pairs, all or nothing.
 
     The run works in a draft generation (``db.begin_generation()``): the database changes only at the end, in
-    one ``draft.commit`` that writes the kept encoders (and trained values) and re-encodes every key. With eval
-    pairs and ``keep="best"``, the best epoch by ``metric`` is committed if it beats the start, else nothing is.
+    one ``draft.commit`` that writes the kept encoders (and trained values) and re-encodes every key. With
+    ``keep="best"``, the best epoch by ``metric`` is committed if it beats the start, else nothing is; it is judged
+    on the eval pairs, else on held-out keys, else on the training pairs (``History.judged_on``).
 
     Args:
         db: the database (its records stay; what changes are the encoders and, optionally, the embeddings).
@@ -143,9 +146,9 @@ def finetune(
             ``lr_decay``, ``noise``, ``generated``); given with ``config``, they override it.
 
     Returns:
-        A :class:`History` (``committed``, ``kept_epoch``, ``generation``, ``summary()``). After a commit the
-        database answers with the kept encoders, saved with it: reopening the folder gives the same answers.
-        Without a commit it answers exactly as before.
+        A :class:`History` (``committed``, ``kept_epoch``, ``generation``, ``judged_on``, ``summary()``). After a
+        commit the database answers with the kept encoders, saved with it: reopening the folder gives the same
+        answers. Without a commit it answers exactly as before.
 
     Raises:
         InvalidArgumentError: ``db`` is not a kvsearch database, bad pairs or options, a metric that does not fit

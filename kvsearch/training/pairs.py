@@ -3,6 +3,7 @@
     plan = plan_pairs(db, train_pairs, eval_pairs, noise=("typos", "phonetic"), generated=20_000, seed=0)
     plan.train     # the user's pairs + (noisy key, key) pairs generated from the stored keys (kvsearch.text.noise)
     plan.eval      # the user's eval pairs, or generated pairs of held-out keys (the keep-best monitor)
+    plan.judged_on # "eval_pairs", "monitor", "train_pairs" (nothing to hold out: the training pairs) or "nothing"
 
 The stored keys are training data: a key written wrong (by a noise model of :mod:`kvsearch.text.noise`) paired with the
 key. Keys that the monitor measures are never trained on, so keep-best compares epochs on keys the run has not seen:
@@ -11,15 +12,23 @@ the user's eval pairs' target keys or, without eval pairs, keys split off by a s
 training to the monitor, and as many of the other keys, judged on generated queries. Keys given as embeddings (no
 text) are not drawn from.
 
+Nothing to hold out. Without eval pairs and without held-out keys (no pairs are generated — ``generated=0``, a
+sentence encoder's default, tensor or value pairs — or too few keys and pairs for a share of them to be one), a run
+with ``keep="best"`` is judged on its training pairs themselves (:func:`judge_on_training`): the user's, or without
+them the first epoch's generated ones. The start is measured on them too, so an epoch is committed only if it does
+strictly better on them than the database did: a run never leaves the database worse on what it was judged on,
+though pairs it trained on cannot tell whether it learned more than those pairs. ``keep="last"`` judges nothing.
+
 This module knows nothing of the loop, the losses or the index: it reads key texts through the facade.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -30,7 +39,11 @@ from kvsearch.training.config import FinetuneConfig
 from kvsearch.training.defaults import auto_generated
 from kvsearch.training.metrics import Pairs, check_pairs, check_targets, is_tensor_pairs
 
-__all__ = ["MONITOR_KEYS", "MONITOR_SHARE", "PairPlan", "plan_pairs", "plan_run"]
+__all__ = ["MONITOR_KEYS", "MONITOR_SHARE", "JudgedOn", "PairPlan", "judge_on_training", "plan_pairs", "plan_run"]
+
+#: What a run's epochs are judged on: the user's eval pairs, the held-out monitor, the training pairs themselves
+#: (nothing to hold out), or nothing (``keep="last"`` without eval pairs or a monitor).
+JudgedOn = Literal["eval_pairs", "monitor", "train_pairs", "nothing"]
 
 #: Without eval pairs, at most this many keys are held out for the keep-best monitor (of the keys the user's pairs
 #: name, and as many of the other stored keys),
@@ -52,6 +65,8 @@ class PairPlan:
         generated: how many generated pairs each epoch trains on (fresh spellings each epoch while there are).
         monitor: how many pairs the split-off monitor ``eval`` holds (the user's pairs of held-out keys and generated
             queries of held-out keys; 0 when the user gave eval pairs).
+        judged_on: what ``eval`` is (:data:`JudgedOn`): ``"eval_pairs"``, ``"monitor"``, ``"train_pairs"`` (some
+            of ``train``, see :func:`judge_on_training`) or ``"nothing"`` (``eval`` is None).
     """
 
     train: Any
@@ -59,6 +74,14 @@ class PairPlan:
     user: int
     generated: int
     monitor: int
+    judged_on: JudgedOn
+
+    @property
+    def judged(self) -> int:
+        """How many pairs the run is judged on (0: nothing)."""
+        if self.eval is None:
+            return 0
+        return len(self.eval[0]) if is_tensor_pairs(self.eval) else len(self.eval)
 
     @property
     def per_epoch(self) -> int:
@@ -121,7 +144,8 @@ def plan_pairs(
                 f"targets={'key' if key_targets else 'value'})"
             )
         user = len(train_pairs[0]) if tensors else len(train_pairs)  # type: ignore[arg-type]
-        return PairPlan(train=train_pairs, eval=eval_pairs, user=user, generated=0, monitor=0)
+        judged: JudgedOn = "nothing" if eval_pairs is None else "eval_pairs"
+        return PairPlan(train=train_pairs, eval=eval_pairs, user=user, generated=0, monitor=0, judged_on=judged)
     if not hasattr(db, "ids"):
         raise NotSupportedError(
             f"generating training pairs from the keys of a {type(db).__name__} is not supported yet; pass "
@@ -154,11 +178,44 @@ def plan_pairs(
         )
     train: Sequence[tuple[str, str]] = user + made
     per_epoch = min(generated, len(made))
-    return PairPlan(train=train, eval=monitor or eval_pairs, user=len(user), generated=per_epoch, monitor=len(monitor))
+    judged = "monitor" if monitor else "nothing" if eval_pairs is None else "eval_pairs"
+    return PairPlan(
+        train=train,
+        eval=monitor or eval_pairs,
+        user=len(user),
+        generated=per_epoch,
+        monitor=len(monitor),
+        judged_on=judged,
+    )
+
+
+def judge_on_training(plan: PairPlan) -> PairPlan:
+    """The plan judged on its training pairs, for a run with nothing held out (``plan.eval`` is None).
+
+    The judged pairs are the user's training pairs (a tensor pair whole), or, when the user gave none, the first
+    epoch's generated pairs. keep-best measures the start on them too, so what it commits is never worse on them.
+
+    Args:
+        plan: a plan without eval pairs or monitor.
+
+    Returns:
+        The plan with ``eval`` the judged pairs and ``judged_on="train_pairs"``.
+    """
+    if is_tensor_pairs(plan.train):
+        judged = plan.train
+    elif plan.user:
+        judged = list(plan.train[: plan.user])
+    else:
+        judged = [plan.train[i] for i in plan.rows(1).tolist()]
+    return dataclasses.replace(plan, eval=judged, judged_on="train_pairs")
 
 
 def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, config: FinetuneConfig) -> PairPlan:
     """The pairs of a :func:`~kvsearch.finetune` run: its pairs checked, ``generated="auto"`` resolved, planned.
+
+    Returns:
+        The :class:`PairPlan`; with ``keep="best"`` and nothing held out (no eval pairs, no monitor), judged on its
+        training pairs (:func:`judge_on_training`).
 
     Raises:
         InvalidArgumentError: bad pairs; see :func:`plan_pairs` for the rest.
@@ -173,7 +230,7 @@ def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, confi
     key_targets = config.target_kind == "key"
     if generated and train_pairs is not None and not is_tensor_pairs(train_pairs):
         check_targets(db, [t for _, t in train_pairs], config.target_kind, "train_pairs")  # errors count the user's
-    return plan_pairs(
+    plan = plan_pairs(
         db,
         train_pairs,
         eval_pairs,
@@ -183,3 +240,6 @@ def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, confi
         seed=config.seed,
         key_targets=key_targets,
     )
+    if plan.eval is None and config.keep == "best":
+        return judge_on_training(plan)  # nothing held out: judged on what it trains on, never committed unjudged
+    return plan

@@ -181,7 +181,7 @@ def _targets(db: DatabaseProtocol, team: Team, config: FinetuneConfig, pairs: Pa
             values = stored.to(device).detach().clone()  # (u, value_dim)
         else:
             values, rows = value_embeddings(db, texts)  # (u, value_dim), (n,)
-    if pairs.eval is not None and not is_tensor_pairs(pairs.eval):
+    if pairs.eval is not None and pairs.judged_on != "train_pairs" and not is_tensor_pairs(pairs.eval):
         team.agree(lambda: check_targets(db, [t for _, t in pairs.eval], kind, "eval_pairs"))
 
     def check_finite() -> None:
@@ -235,6 +235,8 @@ class Run:
             generation=db.generation,
             generated=plan.pairs.generated,
             monitor=plan.pairs.monitor,
+            judged_on=plan.pairs.judged_on,
+            judged=plan.pairs.judged,
         )
         self.step = 0
         self.refreshed_at = 0
@@ -288,7 +290,8 @@ class Run:
         self._refresh()  # the draft's index must match the key encoder before it is measured (and at the end)
 
     def evaluate(self, epoch: int) -> None:
-        """Measure the metric on the draft after ``epoch`` (0: the start), when the run has eval pairs.
+        """Measure the metric on the draft after ``epoch`` (0: the start), when the run is judged on something
+        (eval pairs, the monitor, or its training pairs: see :func:`~kvsearch.training.pairs.plan_run`).
 
         Raises:
             NonFiniteError: the eval loss (tensor pairs) is NaN or Inf.
@@ -461,7 +464,7 @@ class Run:
         )
 
     def _kept_epoch(self) -> int | None:
-        """The epoch to commit (0: none beat the start; None: no eval pairs, the last), its weights restored."""
+        """The epoch to commit (0: none beat the start; None: nothing judged, the last), its weights restored."""
         if self.plan.pairs.eval is None:
             return None
         if self.plan.config.keep == "last":
@@ -495,6 +498,8 @@ def _summary(history: History, config: FinetuneConfig, steps: int) -> dict[str, 
         "kept_epoch": history.kept_epoch,
         "committed": history.kept_epoch != 0,  # kept epoch 0: no epoch beat the start, nothing was committed
         "keep": history.keep,
+        "judged_on": history.judged_on,
+        "judged": history.judged,
         "epochs": config.epochs,
         "steps": steps,
         "seconds": round(history.seconds, 3),
