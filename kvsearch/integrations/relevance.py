@@ -1,9 +1,10 @@
 """A database's similarity scores as relevances in [0, 1]: LangChain's relevance and Haystack's ``scale_score``.
 
 Both frameworks want a hit's score on [0, 1], higher is more relevant, and kvsearch's scores are unbounded
-similarities (higher is closer). One map per database score (:data:`~kvsearch.nn.scores.DB_SCORES`), each defined,
-finite, in [0, 1] and non-decreasing in the score for every float (``±inf`` included; NaN gives 0.0), computed in
-forms that never overflow:
+similarities (higher is closer). One map per database score (:data:`~kvsearch.nn.scores.DB_SCORES`; each is the
+registry's ``ScoreKind.relevance``, so a new score brings its own), each defined, finite, in [0, 1] and
+non-decreasing in the score for every float (``±inf`` included; NaN gives 0.0), computed in forms that never
+overflow:
 
 - ``cosine`` (in [-1, 1]): ``(1 + s) / 2``, clamped to [0, 1] (float32 rounding may pass 1 by an ulp) — LangChain's
   ``1 - distance`` on the cosine distance, and Haystack's in-memory store's scaling of a cosine.
@@ -24,52 +25,23 @@ It knows score names and floats only: nothing of databases, documents or either 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from kvsearch.errors import UnknownOptionError
-from kvsearch.nn.scores import DB_SCORES
+from kvsearch.nn.scores import DB_SCORES, SCORE_KINDS
 
 __all__ = ["RELEVANCES", "relevance_fn", "scaled_score_fn", "check_score_name"]
 
-_MAX_EXP = 709.0  # math.exp(709.0) ~ 8.2e307 is finite; math.exp(709.8) overflows
 _HAYSTACK_DOT_SCALE = 100.0  # haystack.document_stores.in_memory's DOT_PRODUCT_SCALING_FACTOR
 
-
-def logistic(score: float) -> float:
-    """``1 / (1 + exp(-score))`` in [0, 1], non-decreasing, for every float (NaN: 0.0; never an OverflowError)."""
-    if math.isnan(score):
-        return 0.0
-    return 1.0 / (1.0 + math.exp(min(-score, _MAX_EXP)))
-
-
-def cosine_relevance(score: float) -> float:
-    """A cosine in [-1, 1] as ``(1 + score) / 2``, clamped to [0, 1] (NaN: 0.0)."""
-    if math.isnan(score):
-        return 0.0
-    return min(1.0, max(0.0, (1.0 + score) / 2.0))
-
-
-def gaussian_relevance(score: float) -> float:
-    """A gaussian score ``-d^2 / 2 <= 0`` as ``1 / (1 + d / sqrt(2)) = 1 / (1 + sqrt(-score))`` in [0, 1] (a
-    positive score, which rounding alone could give, counts as distance 0; NaN: 0.0)."""
-    if math.isnan(score):
-        return 0.0
-    return 1.0 / (1.0 + math.sqrt(max(0.0, -score)))
+#: A database score's relevance in [0, 1] (LangChain's ``similarity_search_with_relevance_scores``): the registry's.
+RELEVANCES: dict[str, Callable[[float], float]] = {name: SCORE_KINDS[name].relevance for name in DB_SCORES}
 
 
 def _scaled_logistic(score: float) -> float:
     """Haystack's dot-product scaling, ``expit(score / 100)``, in a form that never overflows."""
-    return logistic(score / _HAYSTACK_DOT_SCALE)
+    return RELEVANCES["dot"](score / _HAYSTACK_DOT_SCALE)
 
-
-#: A database score's relevance in [0, 1] (LangChain's ``similarity_search_with_relevance_scores``).
-RELEVANCES: dict[str, Callable[[float], float]] = {
-    "dot": logistic,
-    "scaled_dot": logistic,
-    "cosine": cosine_relevance,
-    "gaussian": gaussian_relevance,
-}
 
 #: A database score scaled to [0, 1] as Haystack's in-memory store does with ``scale_score=True``.
 _SCALED: dict[str, Callable[[float], float]] = {

@@ -187,19 +187,37 @@ def _cosine(queries: Tensor, keys: Tensor) -> Tensor:
     return queries @ keys.transpose(-2, -1)  # (..., n, m)
 
 
+_MAX_EXP = 709.0  # math.exp(709.0) ~ 8.2e307 is finite; math.exp(709.8) overflows
+
+
 def _sigmoid(score: float) -> float:
-    """An unbounded similarity as a relevance in (0, 1)."""
-    return 1.0 / (1.0 + math.exp(-score))
+    """An unbounded similarity as ``1 / (1 + exp(-score))`` in [0, 1], for every float: ``-score`` clipped at 709 so
+    that ``math.exp`` never overflows (a score below -709 gives ~1e-308, not an OverflowError); NaN gives 0.0."""
+    if math.isnan(score):
+        return 0.0
+    return 1.0 / (1.0 + math.exp(min(-score, _MAX_EXP)))
 
 
 def _cosine_relevance(score: float) -> float:
-    """A cosine in [-1, 1] as a relevance in [0, 1] (float32 rounding may pass 1 by an ulp: clamped)."""
+    """A cosine in [-1, 1] as ``(1 + score) / 2``, clamped to [0, 1] (float32 rounding may pass 1 by an ulp); NaN:
+    0.0. LangChain's ``1 - distance`` on the cosine distance."""
+    if math.isnan(score):
+        return 0.0
     return min(1.0, max(0.0, (1.0 + score) / 2.0))
 
 
 def _gaussian_relevance(score: float) -> float:
-    """A gaussian score -|q - k|^2 / 2 <= 0 as a relevance in (0, 1]."""
-    return math.exp(score)
+    """A gaussian score ``-d^2 / 2 <= 0`` as ``1 / (1 + d / sqrt(2)) = 1 / (1 + sqrt(-score))`` in [0, 1]; NaN: 0.0.
+
+    LangChain's relevance of a Euclidean distance, ``1 - d / sqrt(2)``, assumes unit embeddings and is negative past
+    ``d = sqrt(2)``; this one has its value and slope at ``d = 0``, gives 0.5 at ``d = sqrt(2)`` (orthogonal unit
+    vectors, as the cosine's relevance does) and decays as ``sqrt(2) / d`` instead of reaching 0, so that hits on
+    unnormalised embeddings (distances in the tens) stay apart (distance 10: 0.12; 50: 0.028) where ``exp(score)``
+    gave every one but near-duplicates 0.0. A threshold ``r`` keeps the hits within ``sqrt(2) (1 - r) / r``.
+    """
+    if math.isnan(score):
+        return 0.0
+    return 1.0 / (1.0 + math.sqrt(max(0.0, -score)))
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -237,7 +255,8 @@ class ScoreKind:
         unit_keys: the index stores the keys scaled to unit norm (cosine).
         stream: its :class:`StreamForm` for streaming softmax over every record; None: attention over every
             record is dense for it.
-        relevance: the score of one hit as a relevance in [0, 1] (higher is more relevant), for a database score.
+        relevance: the score of one hit as a relevance in [0, 1] (higher is more relevant), for a database score:
+            defined, finite and non-decreasing for every float (LangChain's relevance reads it).
         never_positive: its values are never positive (pooling that keeps the positive part would give all-zero
             weights); ``formula`` is then shown in the refusal.
         formula: the score as a formula, for messages.
