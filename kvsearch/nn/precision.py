@@ -93,9 +93,12 @@ def vmapping() -> bool:
     return not torch.compiler.is_compiling() and _in_vmap()
 
 
+_transforms_active = torch._C._are_functorch_transforms_active  # a C function: False where no torch.func runs
+
+
 def _in_vmap() -> bool:
     """:func:`vmapping` for a caller that knows it is not compiling: ~40 ns where no transform runs."""
-    if not torch._C._are_functorch_transforms_active():  # the common case: no transform at all
+    if not _transforms_active():  # the common case: no transform at all
         return False
     stack = torch._C._functorch.get_interpreter_stack() or ()
     return any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
@@ -109,7 +112,7 @@ def eager_checks() -> bool:
     checked for non-finite inputs or overflow (the database still checks the queries it searches with). Under vmap a
     number cannot be read at all: a vmapped ``attend`` is not checked either (its options and shapes are).
     """
-    return not torch.compiler.is_compiling() and not _in_vmap()
+    return not torch.compiler.is_compiling() and not (_transforms_active() and _in_vmap())
 
 
 def host_reads(device: torch.device) -> bool:
@@ -122,7 +125,9 @@ def host_reads(device: torch.device) -> bool:
     overflowing scores are not looked for (torch's own ops do not look either; the output holds NaN), the exact
     index orders ties by id among a fixed number of extra candidates, candidates stay on the device.
     """
-    return not torch.compiler.is_compiling() and device.type == "cpu" and not _SYNC_FREE.get() and not _in_vmap()
+    if torch.compiler.is_compiling() or device.type != "cpu" or _SYNC_FREE.get():
+        return False
+    return not (_transforms_active() and _in_vmap())  # no frame of ours where no torch.func transform runs
 
 
 @contextlib.contextmanager
