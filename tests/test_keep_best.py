@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from kvsearch import Database, History, NgramEncoder, SentenceEncoder, evaluate, finetune
+from kvsearch import Database, FinetuneConfig, History, NgramEncoder, SentenceEncoder, evaluate, finetune
 from kvsearch.training.losses import Batch
 
 names = pytest.importorskip("names")
@@ -165,3 +165,22 @@ def test_a_sentence_encoder_database_with_four_pairs_is_judged_on_them(sentence,
     assert_never_worse_on_the_pairs(
         db, pairs, lambda: finetune(db, pairs, k=4, epochs=2, seed=seed, verbose=False), k=4
     )
+
+
+def test_many_training_pairs_are_judged_on_a_seeded_sample(monkeypatch):
+    """Judging costs at most MAX_JUDGED queries per epoch whatever the run trains on: a seeded sample of the user's
+    pairs (the same for the same seed), and the promise holds on it."""
+    import kvsearch.training.pairs as pairs_module
+
+    monkeypatch.setattr(pairs_module, "MAX_JUDGED", 5)
+    keys, values, pairs = user_pairs("surnames", seed=3, n=12)
+    plans = []
+    for seed in (0, 0, 1):
+        db = ngram_db(keys, values)
+        history = finetune(db, pairs, generated=0, epochs=1, keep="best", seed=seed, verbose=False)
+        assert (history.judged_on, history.judged) == ("train_pairs", 5)
+        assert history.summary().endswith("; " + JUDGED.format(n=5))
+        config = FinetuneConfig(generated=0, epochs=1, keep="best", seed=seed)
+        plans.append(pairs_module.plan_run(db, pairs, None, config).eval)
+        db.close()
+    assert plans[0] == plans[1] != plans[2] and all(set(p) <= set(pairs) and len(p) == 5 for p in plans)

@@ -39,7 +39,16 @@ from kvsearch.training.config import FinetuneConfig
 from kvsearch.training.defaults import auto_generated
 from kvsearch.training.metrics import Pairs, check_pairs, check_targets, is_tensor_pairs
 
-__all__ = ["MONITOR_KEYS", "MONITOR_SHARE", "JudgedOn", "PairPlan", "judge_on_training", "plan_pairs", "plan_run"]
+__all__ = [
+    "MAX_JUDGED",
+    "MONITOR_KEYS",
+    "MONITOR_SHARE",
+    "JudgedOn",
+    "PairPlan",
+    "judge_on_training",
+    "plan_pairs",
+    "plan_run",
+]
 
 #: What a run's epochs are judged on: the user's eval pairs, the held-out monitor, the training pairs themselves
 #: (nothing to hold out), or nothing (``keep="last"`` without eval pairs or a monitor).
@@ -50,6 +59,8 @@ JudgedOn = Literal["eval_pairs", "monitor", "train_pairs", "nothing"]
 MONITOR_KEYS = 500
 #: ... and at most this share of them (so that a small database or a few pairs keep most of their keys to train on).
 MONITOR_SHARE = 0.1
+#: With nothing held out, a run is judged on at most this many of its training pairs (:func:`judge_on_training`).
+MAX_JUDGED = 2_000
 #: The most pairs one run draws (over all its epochs; later epochs wrap around to the first ones).
 MAX_DRAWN = 1_000_000
 
@@ -189,24 +200,30 @@ def plan_pairs(
     )
 
 
-def judge_on_training(plan: PairPlan) -> PairPlan:
+def judge_on_training(plan: PairPlan, seed: int = 0) -> PairPlan:
     """The plan judged on its training pairs, for a run with nothing held out (``plan.eval`` is None).
 
-    The judged pairs are the user's training pairs (a tensor pair whole), or, when the user gave none, the first
-    epoch's generated pairs. keep-best measures the start on them too, so what it commits is never worse on them.
+    The judged pairs are the user's training pairs, or, when the user gave none, the first epoch's generated pairs;
+    at most :data:`MAX_JUDGED` of them (a seeded sample, in their order), so that judging costs at most a few
+    thousand queries per epoch whatever the run trains on. keep-best measures the start on them too, so what it
+    commits is never worse on them.
 
     Args:
         plan: a plan without eval pairs or monitor.
+        seed: the run's seed (which pairs the sample takes).
 
     Returns:
         The plan with ``eval`` the judged pairs and ``judged_on="train_pairs"``.
     """
-    if is_tensor_pairs(plan.train):
-        judged = plan.train
-    elif plan.user:
-        judged = list(plan.train[: plan.user])
+    tensors = is_tensor_pairs(plan.train)
+    rows = torch.arange(len(plan.train[0])) if tensors else plan.rows(1) if not plan.user else torch.arange(plan.user)
+    if len(rows) > MAX_JUDGED:
+        picked = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:MAX_JUDGED]
+        rows = rows[picked.sort().values]  # (MAX_JUDGED,)
+    if tensors:
+        judged: Any = (plan.train[0][rows], plan.train[1][rows])
     else:
-        judged = [plan.train[i] for i in plan.rows(1).tolist()]
+        judged = [plan.train[i] for i in rows.tolist()]
     return dataclasses.replace(plan, eval=judged, judged_on="train_pairs")
 
 
@@ -241,5 +258,7 @@ def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, confi
         key_targets=key_targets,
     )
     if plan.eval is None and config.keep == "best":
-        return judge_on_training(plan)  # nothing held out: judged on what it trains on, never committed unjudged
+        return judge_on_training(
+            plan, config.seed
+        )  # nothing held out: judged on what it trains on, never committed unjudged
     return plan
