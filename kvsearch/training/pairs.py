@@ -60,7 +60,7 @@ MONITOR_KEYS = 500
 #: ... and at most this share of them (so that a small database or a few pairs keep most of their keys to train on).
 MONITOR_SHARE = 0.1
 #: With nothing held out, a run is judged on at most this many of its training pairs (:func:`judge_on_training`).
-MAX_JUDGED = 2_000
+MAX_JUDGED = 500
 #: The most pairs one run draws (over all its epochs; later epochs wrap around to the first ones).
 MAX_DRAWN = 1_000_000
 
@@ -204,8 +204,8 @@ def judge_on_training(plan: PairPlan, seed: int = 0) -> PairPlan:
     """The plan judged on its training pairs, for a run with nothing held out (``plan.eval`` is None).
 
     The judged pairs are the user's training pairs, or, when the user gave none, the first epoch's generated pairs;
-    at most :data:`MAX_JUDGED` of them (a seeded sample, in their order), so that judging costs at most a few
-    thousand queries per epoch whatever the run trains on. keep-best measures the start on them too, so what it
+    at most :data:`MAX_JUDGED` of them (a seeded sample, in their order, as many as the monitor of held-out keys
+    holds), so that judging costs a few hundred queries per epoch whatever the run trains on. keep-best measures the start on them too, so what it
     commits is never worse on them.
 
     Args:
