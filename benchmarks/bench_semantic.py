@@ -371,7 +371,15 @@ def _table(runs: list[dict[str, Any]]) -> common.Table:
     return common.table(headers, rows)
 
 
-def _notes(args, task, counts, skipped, built, runs) -> list[str]:  # noqa: ANN001 - plain values of this module
+def _notes(
+    args: argparse.Namespace,
+    task: semantic_tasks.Task,
+    counts: list[int],
+    skipped: list[int],
+    built: dict[str, Any],
+    runs: list[dict[str, Any]],
+) -> list[str]:
+    """The notes under a task's table: the data, the database, the threads, each run's history."""
     import torch
 
     notes = [

@@ -23,19 +23,21 @@ Tasks (built once, cached as JSON under ``benchmarks/.cache/semantic/``, git-ign
   the reviewer checks on WordNet), cleaned of markup, citations and ``; as, ...`` examples; dropped when it is a
   cross reference (``See ...``, ``Same as ...``) or when a word of it shares a prefix with the headword (its stem:
   ``min(len, max(5, ceil(0.6 len)))`` letters) or is a part of a compound headword (``fish`` for ``goldfish``): a
-  definition that names its word is no test.
-- ``pydoc`` — the Python standard library's docstrings -> the qualified name (``posixpath.join``, ``len``,
+  definition that names its word is no test. 18,728 keys, 45,720 definitions (dict-gcide 0.48.5+nmu2).
+- ``pydoc`` — the Python standard library's docstrings -> the qualified name (``os.path.getsize``, ``len``,
   ``collections.Counter.most_common``): public functions, classes and methods of every importable public stdlib
   module (walked in a child process ``python -S``, without site-packages, so that import side effects stay
-  there); one name per object (the defining module's, else the shortest); the query is the docstring's first
-  paragraph after leading signature lines, whitespace collapsed, reST markup dropped, 4-80 words; dropped when it
-  names its key (the last part of the name as a whole word, case-sensitive: ``Return a copy`` stays for ``copy``
-  but ``Like copy(), ...`` goes). The key text is the bare qualified name (no signature: C functions often have
-  none, and a parameter list would favour the ones that do). Depends on the interpreter's version.
+  there); one name per object (not the platform module's: ``os.getcwd``, not ``posix.getcwd``; else the defining
+  module's, else the shortest); the query is the docstring's first paragraph after leading signature lines,
+  whitespace collapsed, reST markup dropped, 4-80 words; dropped when it names its key (the last part of the name
+  as a whole word, in any case: ``Join two or more pathname components`` is no test of ``os.path.join``, nor
+  ``Return a shallow copy`` of ``list.copy``). The key text is the bare qualified name (no signature: C functions
+  often have none, and a parameter list would favour the ones that do).
+  Depends on the interpreter's version (3,642 keys on CPython 3.11.7).
 - ``debian`` — Debian package short descriptions -> the package name (``apt-cache dumpavail``: the machine's apt
   lists). Packages outside the library / debug / documentation / transitional sections and suffixes, whose short
   description has >= 4 words and shares no word (or stem) with the package or source name. One description per
-  key, so ``n_train`` is at most the number of keys minus ``n_eval``.
+  key, so ``n_train`` is at most the number of keys minus ``n_eval`` (9,099 keys from bookworm's main/amd64).
 
 This module imports only the standard library; it knows nothing of kvsearch (``python
 benchmarks/semantic_tasks.py`` prints each task's size, examples and a zero-shot check with kvsearch's
@@ -426,7 +428,7 @@ def _walk_stdlib() -> dict[str, list[str]]:
             doc = member.__dict__.get("__doc__") if inspect.isclass(member) else getattr(member, "__doc__", None)
             text = _first_paragraph(doc)
             leaf = name.rsplit(".", 1)[-1]
-            if text and not re.search(rf"\b{re.escape(leaf)}\b", text) and name not in entries:
+            if text and not re.search(rf"\b{re.escape(leaf)}\b", text, re.IGNORECASE) and name not in entries:
                 entries[name].append(text)
     return dict(entries)
 
@@ -444,7 +446,7 @@ def _build_pydoc() -> dict[str, list[str]]:
 def pydoc_entries() -> dict[str, list[str]]:
     """qualified name -> [its docstring's first paragraph], for this interpreter's version."""
     version = f"{platform.python_implementation()}-{platform.python_version()}-{sys.platform}"
-    return _cached(f"pydoc-{version}-v1.json", _build_pydoc)
+    return _cached(f"pydoc-{version}-v2.json", _build_pydoc)
 
 
 # --------------------------------------------------------------------------------------------- debian

@@ -33,13 +33,13 @@ def test_stdlib_entries_are_unambiguous_and_never_name_their_key(entries: dict[s
     assert len(entries) > 1000  # several thousand on CPython 3.11
     texts = [text for descriptions in entries.values() for text in descriptions]
     assert len(texts) == len(set(texts))  # a docstring two names share was dropped
-    assert {"len", "os.path.join"} <= set(entries)  # builtins bare, os.path under its public name
+    assert {"len", "os.getcwd"} <= set(entries)  # builtins bare, os under its public name (not posix)
     for key, descriptions in entries.items():
         assert not key.startswith(("posix.", "posixpath.")) and "._" not in key
         leaf = key.rsplit(".", 1)[-1]
         for text in descriptions:
             assert len(text.split()) >= 4
-            assert re.search(rf"\b{re.escape(leaf)}\b", text) is None, (key, text)
+            assert re.search(rf"\b{re.escape(leaf)}\b", text, re.IGNORECASE) is None, (key, text)
 
 
 def test_split_holds_out_targets_and_queries(entries: dict[str, list[str]]) -> None:
