@@ -37,8 +37,10 @@ Its section of RESULTS.md is ``bench_semantic`` (``--section`` names another, e.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -112,7 +114,8 @@ def build_base(folder: str, spec: dict[str, Any], values: str, threads: int) -> 
         with Database(path, encoder=encoder, value_dim=1, index="Flat", device="cpu") as db:
             db.add(keys=task.keys, values=torch.zeros(len(task.keys), 1))
     seconds = time.perf_counter() - started
-    (path / "bench_semantic.json").write_text(json.dumps({**spec, "values": values, "keys": len(task.keys)}))
+    marker = {**spec, "values": values, "digest": _digest(task), "keys": len(task.keys)}
+    (path / "bench_semantic.json").write_text(json.dumps(marker))
     return {"build_s": seconds, "keys": len(task.keys)}
 
 
@@ -270,12 +273,18 @@ def _variants(texts: list[str]) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def _digest(task: semantic_tasks.Task) -> str:
+    """A digest of the task's keys, values and eval pairs: a zero-shot folder built from other data is not reused."""
+    text = json.dumps([task.keys, task.values, task.eval], ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _base(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-    """The zero-shot folder of this task and key sample: reused when its marker matches, else built."""
+    """The zero-shot folder of this task and key sample: reused when its marker (the task's digest) matches."""
     tag = f"{spec['task']}-keys{spec['max_keys'] or 'all'}-eval{spec['n_eval']}-seed{spec['seed']}-{args.values}"
     base = Path(args.workdir) / tag / "zero-shot"
     marker = base / "bench_semantic.json"
-    wanted = {**spec, "values": args.values}
+    wanted = {**spec, "values": args.values, "digest": _digest(_task(spec))}
     if not args.rebuild and marker.exists():
         done = json.loads(marker.read_text())
         if {k: done.get(k) for k in wanted} == wanted:
@@ -450,7 +459,8 @@ def main() -> None:
         sections.append((f"{name}: notes", "\n".join(notes)))
         points[name] = raw
     title = "Semantic fine-tuning against sentence-transformers' trainer (issue 36)"
-    common.report(title, common.command_line(), info, sections, not args.no_append, name=args.section, points=points)
+    command = "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT.parent), *sys.argv[1:]])  # --variant's JSON
+    common.report(title, command, info, sections, not args.no_append, name=args.section, points=points)
 
 
 if __name__ == "__main__":
