@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _key_table import KeyTable  # the fake key source the index tests share
 
 from kvsearch.checks import MAX_K
 from kvsearch.errors import (
@@ -19,25 +20,6 @@ from kvsearch.index.factory import load_index, make_index
 from kvsearch.index.faiss_index import Index
 from kvsearch.index.topk import SearchResult
 from kvsearch.index.torch_index import TorchIndex
-
-
-class KeyTable:
-    """A minimal key source (what the store offers an index): sorted ids, raw keys, rows by id, a version."""
-
-    def __init__(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
-        order = torch.argsort(ids)
-        self.ids, self.keys, self.version = ids[order], keys[order], 1
-
-    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).cpu()  # (m,)
-        if len(self.ids) == 0:
-            return torch.full_like(ids.cpu(), -1)
-        pos = torch.searchsorted(self.ids, flat).clamp(max=len(self.ids) - 1)  # (m,)
-        return torch.where(self.ids[pos] == flat, pos, -1).reshape(ids.shape)
-
-    def drop(self, ids: torch.Tensor) -> None:
-        keep = ~torch.isin(self.ids, ids)  # (n,)
-        self.ids, self.keys, self.version = self.ids[keep], self.keys[keep], self.version + 1
 
 
 def tensors(rng, *shape):

@@ -66,11 +66,13 @@ def check_score_name(score: object) -> None:
         )
 
 
-def relevance_fn(score: str) -> Callable[[float], float]:
+def relevance_fn(score: str, *, scaled: bool = False) -> Callable[[float], float]:
     """The relevance in [0, 1] of a database score (see the module docstring for each).
 
     Args:
         score: the database's score name.
+        scaled: Haystack's ``scale_score=True`` instead of LangChain's relevance: a dot product (``dot``,
+            ``scaled_dot``) as ``expit(s / 100)``, as its in-memory store scales it; the others the same.
 
     Returns:
         A function of one hit's score: defined, finite, in [0, 1] and non-decreasing for every float.
@@ -79,21 +81,9 @@ def relevance_fn(score: str) -> Callable[[float], float]:
         UnknownOptionError: a name that is not a database score.
     """
     check_score_name(score)
-    return RELEVANCES[score]
+    return (_SCALED if scaled else RELEVANCES)[score]
 
 
 def scaled_score_fn(score: str) -> Callable[[float], float]:
-    """A database score scaled to [0, 1] as Haystack's in-memory store scales it (``scale_score=True``): a cosine as
-    ``(1 + s) / 2``, a dot product (``dot``, ``scaled_dot``) as ``expit(s / 100)``, a gaussian as its relevance.
-
-    Args:
-        score: the database's score name.
-
-    Returns:
-        A function of one hit's score: defined, finite, in [0, 1] and non-decreasing for every float.
-
-    Raises:
-        UnknownOptionError: a name that is not a database score.
-    """
-    check_score_name(score)
-    return _SCALED[score]
+    """``relevance_fn(score, scaled=True)``: a database score scaled to [0, 1] as Haystack's in-memory store does."""
+    return relevance_fn(score, scaled=True)
