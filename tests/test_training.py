@@ -444,7 +444,7 @@ def test_finetune_config_is_frozen_and_canonical():
     assert fields == keywords == {
         "loss", "targets", "k", "epochs", "refresh_every", "train", "train_values", "score", "pooling",
         "optimizer", "lr", "batch_size", "temperature", "seed", "verbose", "keep", "metric", "precision",
-        "lr_decay", "noise", "generated",
+        "lr_decay", "noise", "generated", "warmup", "negatives", "pairs_from",
     }  # fmt: skip
     assert (FinetuneConfig().keep, FinetuneConfig().metric) == ("best", None)
 

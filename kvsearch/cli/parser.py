@@ -190,7 +190,7 @@ def _add_finetune_training(p: argparse.ArgumentParser, d: Any) -> None:
         p: the ``finetune`` parser.
         d: the default :class:`~kvsearch.FinetuneConfig`, whose values the help says.
     """
-    from kvsearch.training.config import KEEPS, TRAIN_MODES
+    from kvsearch.training.config import KEEPS, NEGATIVES, TRAIN_MODES
     from kvsearch.training.defaults import auto_batch_size
     from kvsearch.training.losses import LOSSES
     from kvsearch.training.metrics import TEXT_METRICS
@@ -212,6 +212,25 @@ def _add_finetune_training(p: argparse.ArgumentParser, d: Any) -> None:
         type=_positive_int,
         metavar="N",
         help=f"pairs per step (default: {auto_batch_size(1)} with generated pairs, else {auto_batch_size(0)})",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_fraction,
+        metavar="F",
+        help="the fraction of the steps over which the learning rate rises from 0 (default: 0.1 for a sentence "
+        "encoder, else 0)",
+    )
+    p.add_argument(
+        "--negatives",
+        choices=NEGATIVES,
+        help="what a target competes with: the index's candidates, the batch's other targets, or both (default: "
+        "in-batch for a sentence encoder, else candidates)",
+    )
+    p.add_argument(
+        "--pairs-from",
+        dest="pairs_from",
+        metavar="value|metadata.FIELD",
+        help="also train on (that text of each record, its key) pairs made from the records (default: none)",
     )
     p.add_argument("--seed", type=int, help=f"seeds the shuffling and the generated pairs (default {d.seed})")
     p.add_argument(
@@ -243,6 +262,17 @@ def _noise(text: str) -> tuple[str, ...] | None:
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"expected noise models among {', '.join(NOISE_MODELS)} or none, got {text!r}")
     return names
+
+
+def _fraction(text: str) -> float:
+    """``--warmup``: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
 
 
 def _generated(text: str) -> int | str:

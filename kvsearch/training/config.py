@@ -36,6 +36,8 @@ __all__ = [
     "MAX_GENERATED",
     "LrDecay",
     "LR_DECAYS",
+    "Negatives",
+    "NEGATIVES",
     "KeepName",
     "KEEPS",
     "OPTIMIZERS",
@@ -48,6 +50,10 @@ __all__ = [
 TrainMode = Literal["query", "query+keys"]
 #: What learns: a query-side encoder only, or the shared key encoder too (the index is then refreshed).
 TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
+
+Negatives = Literal["candidates", "in-batch", "both"]
+#: What each training query is scored against: the index's candidates, the batch's targets, or both.
+NEGATIVES: tuple[str, ...] = get_args(Negatives)
 
 LrDecay = Literal["linear", "cosine", "none"]
 #: How the learning rate goes over a run: down to 0 at the last step along a line or a half cosine, or constant.
@@ -102,6 +108,21 @@ class FinetuneConfig:
             (:data:`kvsearch.training.defaults.DEFAULT_LR`).
         lr_decay: ``"linear"`` (the default: the learning rate falls along a line to 0 at the last step),
             ``"cosine"`` (along a half cosine) or ``"none"`` (constant).
+        warmup: the fraction of the run's steps, in [0, 1), over which the learning rate rises linearly from 0 to
+            its peak before it decays; None (the default): 0.1 for a sentence encoder (the transformer's usual
+            warm-up), else 0 (see :func:`kvsearch.training.defaults.auto_warmup`).
+        negatives: what each training query's target competes with, for key targets: ``"candidates"`` (the index's
+            top ``k``, the target forced in; with ``train="query+keys"`` all of them re-encoded with grad),
+            ``"in-batch"`` (the other targets of the batch, as sentence-transformers'
+            MultipleNegativesRankingLoss: no index search in the step) or ``"both"`` (the batch's targets, then the
+            index's top ``k`` as hard negatives kept as the draft holds them, without grad). None (the default):
+            ``"candidates"`` for an :class:`~kvsearch.NgramEncoder`, tensor pairs, value targets and sharded
+            databases, else what :func:`kvsearch.training.defaults.auto_negatives` says.
+        pairs_from: train on pairs made from the records themselves, ``(a second text of the record, its key)``,
+            mixed into the user's pairs (or alone): ``"value"`` (the value text) or ``"metadata.FIELD"`` (a string
+            metadata field; a dot path names a nested one), for records that have that text; at most
+            :data:`~kvsearch.training.pairs.MAX_RECORD_PAIRS`, a seeded sample (see
+            :func:`kvsearch.training.pairs.record_pairs`). None (the default): none.
         batch_size: pairs per step; None (the default): 256 when generated pairs are mixed in, else 64 (few pairs
             need more steps; see :func:`kvsearch.training.defaults.auto_batch_size`).
         temperature: the softmax temperature of the scores, finite and > 0 (0.05 suits cosine scores).
@@ -133,8 +154,8 @@ class FinetuneConfig:
         InvalidArgumentError: a value of the wrong type or out of range (``k=0``, ``epochs=True``,
             ``temperature=inf``, ``lr=-1``, ``seed="x"``, ...), the retrieval loss with value targets, or
             ``pooling="exact"``.
-        UnknownOptionError: an unknown loss, targets, train mode, score, pooling, optimizer, keep, metric or
-            precision name.
+        UnknownOptionError: an unknown loss, targets, train mode, score, pooling, optimizer, keep, metric,
+            precision or negatives name.
     """
 
     loss: LossName | LossFn = "retrieval"
@@ -158,6 +179,9 @@ class FinetuneConfig:
     lr_decay: LrDecay = "linear"
     noise: Noise | None = DEFAULT_NOISE
     generated: int | Literal["auto"] = "auto"
+    warmup: float | None = None
+    negatives: Negatives | None = None
+    pairs_from: str | None = None
 
     def __post_init__(self) -> None:
         get_loss(self.loss)  # UnknownOptionError unless a registered name or a callable
@@ -198,6 +222,19 @@ class FinetuneConfig:
         _check_name(self.precision, PRECISIONS, "precision")
         _check_name(self.lr_decay, LR_DECAYS, "lr_decay")
         self._set("noise", check_noise(self.noise) or None)
+        if self.warmup is not None:
+            warmup = self.warmup
+            if isinstance(warmup, bool) or not isinstance(warmup, Real) or not 0 <= warmup < 1:
+                raise InvalidArgumentError(f"expected warmup as a fraction in [0, 1) or None, got {warmup!r}")
+            self._set("warmup", float(warmup))
+        if self.negatives is not None:
+            _check_name(self.negatives, NEGATIVES, "negatives")
+        if self.pairs_from is not None:
+            source = self.pairs_from
+            if not isinstance(source, str) or not (source == "value" or source.startswith("metadata.") and source[9:]):
+                raise InvalidArgumentError(
+                    f'expected pairs_from as "value", "metadata.FIELD" or None, got {source!r:.60}'
+                )
         if isinstance(self.generated, str) and self.generated != "auto":
             raise InvalidArgumentError(f'expected generated as "auto" or an integer >= 0, got {self.generated!r}')
         if self.generated != "auto":

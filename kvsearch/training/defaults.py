@@ -36,8 +36,12 @@ __all__ = [
     "AUTO_PER_KEY",
     "AUTO_GENERATED",
     "DEFAULT_LR",
+    "SENTENCE_NEGATIVES",
+    "SENTENCE_WARMUP",
     "auto_batch_size",
     "auto_generated",
+    "auto_negatives",
+    "auto_warmup",
     "auto_train",
     "default_lr",
     "lr_schedule",
@@ -48,6 +52,10 @@ __all__ = [
 AUTO_PER_KEY = 2
 #: and at most this many in all.
 AUTO_GENERATED = 50_000
+#: ``warmup=None`` with a sentence encoder: this fraction of the steps warms up (sentence-transformers' docs' 10 %).
+SENTENCE_WARMUP = 0.1
+#: ``negatives=None`` with a sentence encoder (key targets, a plain database).
+SENTENCE_NEGATIVES = "in-batch"
 #: The learning rate of a parameter group when ``lr`` is None, by the kind of module it belongs to.
 DEFAULT_LR: dict[str, float] = {"ngram": 3e-3, "ngram_alone": 1e-2, "sentence": 2e-5, "other": 1e-2}
 
@@ -78,12 +86,32 @@ def auto_generated(db: Any, train_pairs: Pairs | None) -> int:
     return min(AUTO_GENERATED, AUTO_PER_KEY * len(db))
 
 
-def resolve_defaults(config: FinetuneConfig, db: Any, generated: int) -> FinetuneConfig:
+def resolve_defaults(config: FinetuneConfig, db: Any, generated: int, key_pairs: bool, solo: bool) -> FinetuneConfig:
     """``config`` with its database-dependent defaults filled in: ``train=None`` by :func:`auto_train`,
-    ``batch_size=None`` by :func:`auto_batch_size` (``generated``: the run's generated pairs per epoch)."""
+    ``batch_size=None`` by :func:`auto_batch_size` (``generated``: the run's generated pairs per epoch),
+    ``warmup=None`` by :func:`auto_warmup`, ``negatives=None`` by :func:`auto_negatives` (``key_pairs``: text pairs
+    with key targets; ``solo``: a plain database, not a sharded one)."""
     train = auto_train(db) if config.train is None else config.train
     batch_size = auto_batch_size(generated) if config.batch_size is None else config.batch_size
-    return dataclasses.replace(config, train=train, batch_size=batch_size)
+    warmup = auto_warmup(db) if config.warmup is None else config.warmup
+    negatives = auto_negatives(db, key_pairs, solo) if config.negatives is None else config.negatives
+    return dataclasses.replace(config, train=train, batch_size=batch_size, warmup=warmup, negatives=negatives)
+
+
+def _semantic(db: Any) -> bool:
+    return isinstance(getattr(db, "encoder", None), SentenceEncoder)
+
+
+def auto_warmup(db: Any) -> float:
+    """What ``warmup=None`` is: :data:`SENTENCE_WARMUP` of the steps for a sentence encoder, else 0."""
+    return SENTENCE_WARMUP if _semantic(db) else 0.0
+
+
+def auto_negatives(db: Any, key_pairs: bool, solo: bool) -> str:
+    """What ``negatives=None`` is: :data:`SENTENCE_NEGATIVES` for a plain database with a sentence encoder trained on
+    text pairs with key targets, else ``"candidates"`` (the only kind tensor pairs, value targets and sharded
+    databases take; what the n-gram study measured)."""
+    return SENTENCE_NEGATIVES if _semantic(db) and key_pairs and solo else "candidates"
 
 
 def auto_batch_size(generated: int) -> int:
@@ -111,23 +139,34 @@ def default_lr(module: nn.Module, generated: int) -> float:
     return DEFAULT_LR["other"]
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, decay: str, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """The learning rate over a run: constant (``"none"``), or decayed to 0 at the last step (``"linear"``,
-    ``"cosine"``), as a torch scheduler to ``step()`` after each optimizer step.
+def lr_schedule(
+    optimizer: torch.optim.Optimizer, decay: str, steps: int, warmup: float = 0.0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate over a run: up from 0 along a line over the first ``warmup`` of the steps, then constant
+    (``"none"``) or decayed to 0 at the last step (``"linear"``, ``"cosine"``), as a torch scheduler to ``step()``
+    after each optimizer step (as transformers' ``get_linear_schedule_with_warmup``).
 
     Args:
         optimizer: the run's optimizer (its groups' learning rates are the peaks).
         decay: ``"none"``, ``"linear"`` or ``"cosine"``.
         steps: the run's number of steps (epochs x steps per epoch).
+        warmup: the fraction of the steps that warm up, in [0, 1).
 
     Returns:
         A ``LambdaLR`` over ``optimizer``.
     """
     total = max(steps, 1)
-    if decay == "linear":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
-    if decay == "cosine":
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
-        )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    warm = int(warmup * total)
+    span = max(total - warm, 1)
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return step / warm
+        done = min(step - warm, span) / span  # the part of the decay behind us, in [0, 1]
+        if decay == "linear":
+            return max(0.0, 1.0 - done)
+        if decay == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * done))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -41,6 +41,7 @@ from kvsearch.training.metrics import Pairs, check_pairs, check_targets, is_tens
 
 __all__ = [
     "MAX_JUDGED",
+    "MAX_RECORD_PAIRS",
     "MONITOR_KEYS",
     "MONITOR_SHARE",
     "JudgedOn",
@@ -48,6 +49,7 @@ __all__ = [
     "judge_on_training",
     "plan_pairs",
     "plan_run",
+    "record_pairs",
 ]
 
 #: What a run's epochs are judged on: the user's eval pairs, the held-out monitor, the training pairs themselves
@@ -61,6 +63,8 @@ MONITOR_KEYS = 500
 MONITOR_SHARE = 0.1
 #: With nothing held out, a run is judged on at most this many of its training pairs (:func:`judge_on_training`).
 MAX_JUDGED = 500
+#: ``pairs_from`` makes pairs of at most this many records (a seeded sample of a bigger database).
+MAX_RECORD_PAIRS = 50_000
 #: The most pairs one run draws (over all its epochs; later epochs wrap around to the first ones).
 MAX_DRAWN = 1_000_000
 
@@ -205,8 +209,8 @@ def judge_on_training(plan: PairPlan, seed: int = 0) -> PairPlan:
 
     The judged pairs are the user's training pairs, or, when the user gave none, the first epoch's generated pairs;
     at most :data:`MAX_JUDGED` of them (a seeded sample, in their order, as many as the monitor of held-out keys
-    holds), so that judging costs a few hundred queries per epoch whatever the run trains on. keep-best measures the start on them too, so what it
-    commits is never worse on them.
+    holds), so that judging costs a few hundred queries per epoch whatever the run trains on. keep-best measures the
+    start on them too, so what it commits is never worse on them.
 
     Args:
         plan: a plan without eval pairs or monitor.
@@ -227,6 +231,56 @@ def judge_on_training(plan: PairPlan, seed: int = 0) -> PairPlan:
     return dataclasses.replace(plan, eval=judged, judged_on="train_pairs")
 
 
+def record_pairs(db: Any, source: str, seed: int = 0) -> list[tuple[str, str]]:
+    """Pairs made from the records themselves: ``(the record's text named by source, its key)``.
+
+    Args:
+        db: a plain database (its ids, key texts, value texts, metadata are read through the facade).
+        source: ``"value"`` (the value text) or ``"metadata.FIELD"`` (a string field of the metadata; dots name a
+            nested field).
+        seed: which records a database with more than :data:`MAX_RECORD_PAIRS` takes (a seeded sample).
+
+    Returns:
+        The pairs, in id order, of the records with a key text (not a key given as an embedding) and a non-empty
+        string at ``source`` that differs from the key.
+
+    Raises:
+        NotSupportedError: a sharded database.
+        InvalidArgumentError: no record has such a text.
+    """
+    if not hasattr(db, "ids"):
+        raise NotSupportedError(f"pairs_from on a {type(db).__name__} is not supported yet; pass your own pairs")
+    ids = db.ids()  # (m,)
+    if len(ids) > MAX_RECORD_PAIRS:
+        picked = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))[:MAX_RECORD_PAIRS]
+        ids = ids[picked.sort().values]  # (MAX_RECORD_PAIRS,)
+    keys = db.key_texts(ids, encoded_only=True)
+    if source == "value":
+        found = db.value_texts(ids)
+        texts = [found.get(i) for i in ids.tolist()]
+    else:
+        path = source[len("metadata.") :].split(".")
+        metadata = db.metadata_of(ids)
+        texts = [_field(metadata.get(i, {}), path) for i in ids.tolist()]
+    pairs = [(text, key) for key, text in zip(keys, texts) if key is not None and isinstance(text, str)]
+    pairs = [(text, key) for text, key in pairs if text.strip() and text != key]
+    if not pairs:
+        raise InvalidArgumentError(
+            f"expected records with a key text and a text at pairs_from={source!r} to train on, got none of "
+            f"{len(ids)} records"
+        )
+    return pairs
+
+
+def _field(metadata: Any, path: list[str]) -> Any:
+    """The value at a dot path of a metadata dict, None where a step is missing."""
+    for name in path:
+        if not isinstance(metadata, dict) or name not in metadata:
+            return None
+        metadata = metadata[name]
+    return metadata
+
+
 def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, config: FinetuneConfig) -> PairPlan:
     """The pairs of a :func:`~kvsearch.finetune` run: its pairs checked, ``generated="auto"`` resolved, planned.
 
@@ -241,6 +295,12 @@ def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, confi
     """
     if train_pairs is not None:
         check_pairs(train_pairs, "train_pairs", db)
+    if config.pairs_from is not None:
+        if train_pairs is not None and is_tensor_pairs(train_pairs):
+            raise InvalidArgumentError("pairs_from makes (text, key) pairs: it cannot join tensor train_pairs")
+        if config.target_kind != "key":
+            raise InvalidArgumentError(f"pairs_from makes (text, key) pairs for key targets, got {config.target_kind}")
+        train_pairs = list(train_pairs or ()) + record_pairs(db, config.pairs_from, config.seed)
     if eval_pairs is not None:
         check_pairs(eval_pairs, "eval_pairs", db)
     generated = auto_generated(db, train_pairs) if config.generated == "auto" else config.generated
@@ -258,7 +318,5 @@ def plan_run(db: Any, train_pairs: Pairs | None, eval_pairs: Pairs | None, confi
         key_targets=key_targets,
     )
     if plan.eval is None and config.keep == "best":
-        return judge_on_training(
-            plan, config.seed
-        )  # nothing held out: judged on what it trains on, never committed unjudged
+        return judge_on_training(plan, config.seed)  # nothing held out: judged on what it trains on, never unjudged
     return plan

@@ -140,7 +140,8 @@ def make_plan(
     if len(db) == 0:
         raise EmptyDatabaseError("expected a database with records to fine-tune on, got an empty one")
     pairs = team.agree(lambda: plan_run(db, train_pairs, eval_pairs, config))  # checked and planned
-    config = resolve_defaults(config, db, pairs.generated)  # train=None, batch_size=None: by the database and plan
+    key_pairs = not is_tensor_pairs(pairs.train) and config.target_kind == "key"
+    config = resolve_defaults(config, db, pairs.generated, key_pairs, team is SOLO)  # by the database and the plan
     metric = team.agree(lambda: _check_options(db, team, config, pairs))
     score = db.score if config.score is None else config.score
     loss_fn = get_loss(config.loss)
@@ -158,6 +159,14 @@ def _check_options(db: DatabaseProtocol, team: Team, config: FinetuneConfig, pai
         raise NotSupportedError("train_values=True is not supported across shards yet")
     if is_tensor_pairs(pairs.train) and config.loss == "retrieval":
         raise InvalidArgumentError("the retrieval loss needs (query text, target key) pairs, got tensors")
+    if config.negatives != "candidates":
+        if team is not SOLO:
+            raise NotSupportedError(f'negatives="{config.negatives}" is not supported across shards yet')
+        if is_tensor_pairs(pairs.train) or config.target_kind != "key":
+            raise InvalidArgumentError(
+                f'negatives="{config.negatives}" needs (query text, target key) pairs (the batch\'s targets are '
+                "its negatives), got " + ("tensors" if is_tensor_pairs(pairs.train) else "value targets")
+            )
     if config.target_kind == "value" and not is_tensor_pairs(pairs.train) and db.value_encoder is None:
         raise InvalidArgumentError('expected a database with a value encoder for targets="value", got none')
     return check_metric(config.metric, pairs.train if pairs.eval is None else pairs.eval)
@@ -265,7 +274,7 @@ class Run:
         groups = self.trainables.param_groups(config.lr, plan.pairs.generated)
         self.params = [p for group in groups for p in group["params"]]  # in the same order on every rank
         self.opt = make_optimizer(config.optimizer, groups)
-        self.schedule = lr_schedule(self.opt, config.lr_decay, total)
+        self.schedule = lr_schedule(self.opt, config.lr_decay, total, config.warmup or 0.0)
         self.modules = self.trainables.modules()
         self.modes = [(m, m.training) for m in self.modules]
         if isinstance(plan.score, nn.Module):
@@ -396,6 +405,7 @@ class Run:
             config.temperature,
             plan.loss_fn,
             plan.mixed,
+            config.negatives or "candidates",
         )
         self.opt.zero_grad(set_to_none=True)
         if len(batch):
@@ -505,6 +515,8 @@ def _summary(history: History, config: FinetuneConfig, steps: int) -> dict[str, 
         "seconds": round(history.seconds, 3),
         "train": config.train,
         "train_values": config.train_values,
+        "negatives": config.negatives,
+        "warmup": config.warmup,
         "precision": config.precision,
         "loss": str(loss),
         "final_loss": history.epoch_losses[-1] if history.epoch_losses else None,

@@ -26,7 +26,7 @@ from kvsearch.checks import all_finite
 from kvsearch.contract import DatabaseProtocol
 from kvsearch.encoders.base import Encoder
 from kvsearch.errors import InvalidArgumentError, NonFiniteError
-from kvsearch.nn.attend import attend
+from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.scores import ScoreFn, compute_scores
 from kvsearch.training.config import OptimizerSpec
 from kvsearch.training.defaults import DEFAULT_LR, default_lr
@@ -163,6 +163,32 @@ class Trainables:
         if self.key_encoder is None:
             return stored  # (b, k, dim)
         uniq, inverse = torch.unique(ids.cpu(), return_inverse=True)  # (u,), (b, k)
+        table = self._encoded_keys(uniq)  # (u, dim)
+        keys = table[inverse.to(table.device)]  # (b, k, dim)
+        return keys * mask.unsqueeze(-1)  # (b, k, dim)
+
+    def batch_candidates(self, targets: Tensor, b: int) -> Candidates:
+        """The batch's distinct target records as every query's candidates (in-batch negatives).
+
+        Args:
+            targets: (b,) the target record of each query of the batch.
+            b: the batch size (the candidates are shared: expanded, not copied).
+
+        Returns:
+            :class:`~kvsearch.nn.attend.Candidates` with ids, mask (b, u), keys (b, u, dim) — re-encoded with grad
+            when the key encoder trains, else the stored ones — and values (b, u, value_dim).
+        """
+        uniq = torch.unique(targets.cpu())  # (u,) sorted
+        _, values, _ = self.db.embeddings(uniq)  # (u, value_dim)
+        keys = self._encoded_keys(uniq) if self.key_encoder is not None else self.db.embeddings(uniq)[0]  # (u, dim)
+        ids = uniq.to(keys.device).expand(b, -1)  # (b, u)
+        mask = torch.ones(b, len(uniq), dtype=torch.bool, device=keys.device)  # (b, u)
+        return Candidates(ids=ids, keys=keys.expand(b, -1, -1), values=values.expand(b, -1, -1), mask=mask)
+
+    def _encoded_keys(self, uniq: Tensor) -> Tensor:
+        """The keys (u, dim) of records ``uniq`` (u,): re-encoded from their texts with grad by the key encoder, the
+        stored embedding where a record has no text to encode (-1, a key given as an embedding)."""
+        assert self.key_encoder is not None
         texts = self.db.key_texts(uniq, encoded_only=True)  # u texts, None for -1 and keys as / with embeddings
         rows = [r for r, text in enumerate(texts) if text is not None]
         table, _, _ = self.db.embeddings(uniq)  # (u, dim)
@@ -170,8 +196,7 @@ class Trainables:
         if rows:
             fresh = self.key_encoder([texts[r] for r in rows]).to(table.dtype)  # (r, dim)
             table[torch.tensor(rows, device=table.device)] = fresh.to(table.device)
-        keys = table[inverse.to(table.device)]  # (b, k, dim)
-        return keys * mask.unsqueeze(-1)  # (b, k, dim)
+        return table  # (u, dim)
 
     def candidate_values(self, ids: Tensor, stored: Tensor, mask: Tensor) -> Tensor:
         """Values (b, k, value_dim): the stored ones, or gathered by id from the trainable table."""
@@ -254,17 +279,36 @@ def step_loss(
     temperature: float,
     loss_fn: LossFn,
     mixed: MixedPrecision | None = None,
+    negatives: str = "candidates",
 ) -> Tensor:
-    """One batch through candidates (from the draft), attention and the loss. Returns a 0-dim tensor.
+    """One batch through candidates, attention and the loss. Returns a 0-dim tensor.
 
-    The key encoder and the attention run under ``mixed``'s autocast (none by default); the scores the loss sees
-    and the loss itself are float32, outside it.
+    The candidates (``negatives``): the index's top ``k`` from the draft, the target forced in with ``force``
+    (``"candidates"``; their keys re-encoded with grad when the key encoder trains); the batch's distinct targets,
+    shared by every query (``"in-batch"``, key targets only); or both, the index's candidates then kept as they
+    are in the draft (detached hard negatives: re-encoding ``b * k`` keys with grad is what a sentence encoder
+    cannot afford). The key encoder and the attention run under ``mixed``'s autocast (none by default); the scores
+    the loss sees and the loss itself are float32, outside it.
     """
+    in_batch = negatives != "candidates" and targets is not None
     # ids (b, k), keys, values, mask (b, k): chosen in float32 (the index sees the detached queries, outside autocast)
-    cand = retriever.candidates(q, k, targets=targets if force else None)
+    searched = None  # the index's candidates; with in-batch ones, the target is already among them
+    if not in_batch:
+        searched = retriever.candidates(q, k, targets=targets if force else None)
+    elif negatives == "both":
+        searched = retriever.candidates(q, k)
     with contextlib.nullcontext() if mixed is None else mixed.autocast():
-        keys = trained.candidate_keys(cand.ids, cand.keys, cand.mask)  # (b, k, dim) float32
-        values = trained.candidate_values(cand.ids, cand.values, cand.mask)  # (b, k, value_dim)
+        if in_batch:
+            assert targets is not None
+            cand = trained.batch_candidates(targets, q.shape[0])  # (b, u): the batch's targets, keys with grad
+            if searched is not None:
+                cand = _with_hard_negatives(cand, searched)  # (b, u + k)
+            keys = cand.keys  # (b, c, dim)
+        else:
+            assert searched is not None
+            cand = searched
+            keys = trained.candidate_keys(cand.ids, cand.keys, cand.mask)  # (b, k, dim) float32
+        values = trained.candidate_values(cand.ids, cand.values, cand.mask)  # (b, c, value_dim)
         if q.shape[0] == 0:  # a rank with no batch left took part in the collectives above; it has no loss
             return torch.zeros((), device=db.device)
         q = q.to(db.device)  # (b, dim)
@@ -291,6 +335,19 @@ def step_loss(
     if not isinstance(value, Tensor) or value.dim() != 0:
         raise InvalidArgumentError(f"expected the loss to return a 0-dim tensor, got {value!r:.60}")
     return value
+
+
+def _with_hard_negatives(batch: Candidates, hard: Candidates) -> Candidates:
+    """In-batch candidates (b, u) followed by the index's (b, k) as detached hard negatives, an index candidate that
+    is also in the batch masked out (it must not count twice in the softmax). Returns (b, u + k) candidates."""
+    assert batch.mask is not None and hard.mask is not None
+    seen = (hard.ids.unsqueeze(-1) == batch.ids[:1].unsqueeze(1)).any(-1)  # (b, k) already an in-batch candidate
+    return Candidates(
+        ids=torch.cat([batch.ids, hard.ids.to(batch.ids.device)], 1),  # (b, u + k)
+        keys=torch.cat([batch.keys, hard.keys.detach().to(batch.keys.device, batch.keys.dtype)], 1),  # (b, u + k, dim)
+        values=torch.cat([batch.values, hard.values.to(batch.values.device, batch.values.dtype)], 1),
+        mask=torch.cat([batch.mask, (hard.mask & ~seen).to(batch.mask.device)], 1),  # (b, u + k)
+    )
 
 
 @torch.no_grad()

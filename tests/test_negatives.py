@@ -1,0 +1,173 @@
+"""What a training query competes with (``negatives=``), the warm-up, and pairs made from the records.
+
+One step of ``finetune`` with plain SGD is compared with the same step taken by hand: the encoder's weights after
+``negatives="in-batch"`` equal those of a dense cross-entropy over the batch's distinct target keys (as
+sentence-transformers' MultipleNegativesRankingLoss), and after ``negatives="both"`` over those keys and the brute
+force top k of the stored keys (detached) that are not in the batch. The warm-up is compared with transformers'
+schedules, ``pairs_from`` with the records read back by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvsearch
+from kvsearch import FinetuneConfig, finetune
+from kvsearch.errors import InvalidArgumentError, UnknownOptionError
+from kvsearch.training.defaults import auto_negatives, auto_warmup, lr_schedule
+
+SURNAMES = ["Li", "Lipton", "Smola", "Zhang", "Mu", "Chen", "Garcia", "Nguyen", "Kowalski", "Okafor", "Silva", "Ivanov"]
+WORDS = ["apple", "banana", "cherry", "grape", "lemon", "mango", "orange", "papaya", "peach", "pear", "plum", "melon"]
+PAIRS = {
+    "surnames": [("Lipten", "Lipton"), ("Smolla", "Smola"), ("Zang", "Zhang"), ("Chenn", "Chen"), ("Lipon", "Lipton")],
+    "words": [("aple", "apple"), ("banan", "banana"), ("chery", "cherry"), ("grap", "grape"), ("aplle", "apple")],
+}
+KEYS = {"surnames": SURNAMES, "words": WORDS}
+T = 0.05
+LR = 0.5
+
+
+def _db(tmp_path, kind: str) -> kvsearch.Database:
+    db = kvsearch.Database(tmp_path / kind, encoder=kvsearch.NgramEncoder(dim=32, num_buckets=512, seed=3))
+    db.add(keys=KEYS[kind], values=[k.upper() for k in KEYS[kind]])
+    return db
+
+
+def _one_step(db: kvsearch.Database, pairs, negatives: str, k: int = 3) -> None:
+    history = finetune(
+        db,
+        pairs,
+        train="query+keys",
+        negatives=negatives,
+        k=k,
+        epochs=1,
+        batch_size=len(pairs),
+        optimizer="sgd",
+        lr=LR,
+        lr_decay="none",
+        warmup=0.0,
+        keep="last",
+        generated=0,
+        temperature=T,
+        verbose=False,
+    )
+    assert history.committed
+
+
+def _by_hand(encoder, stored: torch.Tensor, keys: list[str], pairs, negatives: str, k: int = 3) -> dict:
+    """The same SGD step taken by hand on a copy of the encoder: dense cross-entropy over the batch's targets."""
+    encoder = copy.deepcopy(encoder).train()
+    targets = list(dict.fromkeys(sorted((t for _, t in pairs), key=keys.index)))  # distinct, in id order
+    q = F.normalize(encoder([q for q, _ in pairs]), dim=-1)  # (b, dim)
+    p = F.normalize(encoder(targets), dim=-1)  # (u, dim)
+    logits = q @ p.T  # (b, u)
+    if negatives == "both":
+        scores = F.normalize(q.detach(), dim=-1) @ F.normalize(stored, dim=-1).T  # (b, m) brute force
+        top = scores.topk(k, dim=-1).indices  # (b, k)
+        hard = (q.unsqueeze(1) @ F.normalize(stored[top], dim=-1).transpose(1, 2)).squeeze(1)  # (b, k)
+        in_batch = torch.tensor([[keys[j] in targets for j in row] for row in top.tolist()])  # (b, k)
+        logits = torch.cat([logits, hard.masked_fill(in_batch, -math.inf)], 1)  # (b, u + k)
+    labels = torch.tensor([targets.index(t) for _, t in pairs])  # (b,)
+    F.cross_entropy(logits / T, labels).backward()
+    with torch.no_grad():
+        for param in encoder.parameters():
+            if param.grad is not None:
+                param -= LR * param.grad
+    return {name: t.detach().clone() for name, t in encoder.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["surnames", "words"])
+@pytest.mark.parametrize("negatives", ["in-batch", "both"])
+def test_one_step_equals_dense_cross_entropy_by_hand(tmp_path, kind, negatives):
+    torch.manual_seed(0)
+    db = _db(tmp_path, kind)
+    stored, _, _ = db.embeddings(db.ids())  # (m, dim) the keys the index holds before the step
+    expected = _by_hand(db.encoder, stored, KEYS[kind], PAIRS[kind], negatives)
+    _one_step(db, PAIRS[kind], negatives)
+    got = db.encoder.state_dict()
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["surnames", "words"])
+def test_the_kinds_of_negatives_give_different_steps(tmp_path, kind):
+    weights = {}
+    for negatives in ("candidates", "in-batch", "both"):
+        db = _db(tmp_path / negatives, kind)
+        start = copy.deepcopy(db.encoder.state_dict())
+        _one_step(db, PAIRS[kind], negatives)
+        weights[negatives] = db.encoder.state_dict()
+        assert any(not torch.equal(start[n], weights[negatives][n]) for n in start)  # each step moved them
+        db.close()
+    names = list(weights["both"])
+    assert any(not torch.equal(weights["in-batch"][n], weights["both"][n]) for n in names)
+    assert any(not torch.equal(weights["in-batch"][n], weights["candidates"][n]) for n in names)
+
+
+def test_negatives_are_refused_where_they_cannot_work(tmp_path):
+    db = _db(tmp_path, "words")
+    with pytest.raises(UnknownOptionError, match="negatives"):
+        FinetuneConfig(negatives="hard")
+    with pytest.raises(InvalidArgumentError, match="value targets"):
+        finetune(db, [("aple", "APPLE")], loss="answer", negatives="in-batch", verbose=False)
+    queries, values = torch.randn(4, db.dim), torch.randn(4, db.value_dim)
+    with pytest.raises(InvalidArgumentError, match="tensors"):
+        finetune(db, (queries, values), loss="answer_mse", negatives="both", verbose=False)
+    assert db.generation == 0 or db.encoders_info()["last_run"] is None
+
+
+def test_defaults_by_encoder(tmp_path):
+    db = _db(tmp_path, "words")
+    assert auto_negatives(db, key_pairs=True, solo=True) == "candidates"  # the n-gram study's choice
+    assert auto_warmup(db) == 0.0
+
+
+@pytest.mark.parametrize("warmup", [0.0, 0.1, 0.3])
+@pytest.mark.parametrize("decay", ["linear", "cosine"])
+def test_warmup_equals_transformers_schedules(warmup, decay):
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    steps = 20
+    made = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup}[decay]
+    ours, theirs = [], []
+    for make, seen in (
+        (lambda o: lr_schedule(o, decay, steps, warmup), ours),
+        (lambda o: made(o, int(warmup * steps), steps), theirs),
+    ):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        schedule = make(opt)
+        for _ in range(steps):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            schedule.step()
+    assert ours == pytest.approx(theirs, abs=1e-12)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, True, "0.1", math.nan])
+def test_warmup_is_checked(bad):
+    with pytest.raises(InvalidArgumentError, match="warmup"):
+        FinetuneConfig(warmup=bad)
+
+
+def test_pairs_from_values_and_metadata(tmp_path):
+    from kvsearch.training.pairs import record_pairs
+
+    db = kvsearch.Database(tmp_path / "db", encoder=kvsearch.NgramEncoder(dim=32, num_buckets=512))
+    meta = [{"info": {"title": f"the {w} fruit"}} if i % 2 else {"other": 1} for i, w in enumerate(WORDS)]
+    db.add(keys=WORDS, values=[w.upper() if i % 3 else w for i, w in enumerate(WORDS)], metadata=meta)
+    expected_values = [(w.upper(), w) for i, w in enumerate(WORDS) if i % 3]  # a value equal to its key is no pair
+    assert record_pairs(db, "value") == expected_values
+    assert record_pairs(db, "metadata.info.title") == [(f"the {w} fruit", w) for i, w in enumerate(WORDS) if i % 2]
+    with pytest.raises(InvalidArgumentError, match="pairs_from"):
+        record_pairs(db, "metadata.nothing")
+    for bad in ("values", "metadata.", "", 3):
+        with pytest.raises(InvalidArgumentError, match="pairs_from"):
+            FinetuneConfig(pairs_from=bad)
+    history = finetune(db, None, pairs_from="metadata.info.title", generated=0, epochs=1, verbose=False)
+    assert history.judged_on == "train_pairs" and history.judged == len(WORDS) // 2
