@@ -193,6 +193,7 @@ def commit(
     force: set[str] | None = None,
     values: tuple[Tensor, Tensor] | None = None,
     summary: Mapping[str, Any] | None = None,
+    encoded: VectorTable | None = None,
 ) -> dict[str, Any]:
     """Write the encoders as they are now as a new generation and switch to it (steps 1-4). Caller holds the locks.
 
@@ -206,6 +207,8 @@ def commit(
         values: (ids (n,), embeddings (n, value_dim)): value embeddings to write for those ids (ids no longer
             stored are skipped).
         summary: a JSON-able description of the run, recorded as the database's last run.
+        encoded: the keys already encoded by the key encoder as it is now (a draft's last refresh), used instead of
+            encoding them again when they are of the store's version and ids (else ignored).
 
     Returns:
         The configuration as recorded (its ``"generation"`` is the new generation).
@@ -218,7 +221,11 @@ def commit(
     reencode = set(force or ())
     reencode |= {"keys"} if "encoder" in parts else set()
     reencode |= {"values"} if ("encoder" if shared else "value_encoder") in parts else set()
-    keys = encode_keys(store, encoders.key) if "keys" in reencode else None  # (m, dim)
+    keys = None  # (m, dim) the new key embeddings, when they change
+    if "keys" in reencode:
+        current = encoded is not None and encoded.version == store.table.version
+        current = current and encoded is not None and torch.equal(encoded.ids, store.table.ids)
+        keys = encoded.keys.clone() if current and encoded is not None else encode_keys(store, encoders.key)
     new_values = encode_values(store, encoders.value) if "values" in reencode else None  # (m, value_dim)
     if values is not None:
         ids, embs = values
@@ -422,6 +429,7 @@ class Draft:
         self._current = candidates
         self._snapshot = view.encoders.snapshot()
         self._retriever: Retriever | None = None
+        self._records: FrozenRecords | None = None  # the working keys of the last refresh
         #: ``"open"``, ``"committed"`` or ``"discarded"``.
         self.state: Literal["open", "committed", "discarded"] = "open"
         #: The generation committed (None until then).
@@ -442,7 +450,7 @@ class Draft:
             records = FrozenRecords(view.store, encode_keys(view.store, view.encoders.key))
         retriever = Retriever(records, dim=current.dim, spec=current.spec, score=current.score, params=current.params)
         retriever.rebuild()
-        self._retriever = retriever
+        self._retriever, self._records = retriever, records
 
     def candidates(
         self, queries: Tensor, k: int | Literal["all"], *, targets: Tensor | None = None, where: Any = None
@@ -454,12 +462,21 @@ class Draft:
         with self._view.store.lock:
             return self._retriever.candidates(queries, k, targets=targets, where=where)
 
-    def commit(self, *, values: tuple[Tensor, Tensor] | None = None, summary: Mapping[str, Any] | None = None) -> int:
+    def commit(
+        self,
+        *,
+        values: tuple[Tensor, Tensor] | None = None,
+        summary: Mapping[str, Any] | None = None,
+        refreshed: bool = False,
+    ) -> int:
         """Record the database's encoders as they are now as the new generation (see :func:`commit`).
 
         Args:
             values: (ids (n,), value embeddings (n, value_dim)) trained by the run.
             summary: a JSON-able description of the run (shown by ``kvsearch info``).
+            refreshed: the caller's word that the key encoder has not changed since the last :meth:`refresh`: its
+                working keys are written as they are (when the store has not changed since) instead of encoding
+                every key once more.
 
         Returns:
             The new generation.
@@ -471,13 +488,14 @@ class Draft:
         self._check_open()
         try:
             values, summary, _ = generation_args(values, summary, None, self._view.value_dim)
-            options = {"force": None, "values": values, "summary": summary}
+            encoded = self._records.table if refreshed and self._records is not None else None
+            options = {"force": None, "values": values, "summary": summary, "encoded": encoded}
             self.generation = int(self._view.switch("a new generation", commit, **options)["generation"])
         except BaseException:
             self.discard()
             raise
         self.state = "committed"
-        self._retriever = None
+        self._retriever, self._records = None, None
         return self.generation
 
     def discard(self, *, summary: Mapping[str, Any] | None = None) -> None:
@@ -491,7 +509,7 @@ class Draft:
         if self.state != "open":
             return
         self._view.encoders.restore(self._snapshot)
-        self._retriever = None
+        self._retriever, self._records = None, None
         self.state = "discarded"
         if summary is not None:
             self._view.record_run(summary)

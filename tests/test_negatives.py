@@ -171,3 +171,44 @@ def test_pairs_from_values_and_metadata(tmp_path):
             FinetuneConfig(pairs_from=bad)
     history = finetune(db, None, pairs_from="metadata.info.title", generated=0, epochs=1, verbose=False)
     assert history.judged_on == "train_pairs" and history.judged == len(WORDS) // 2
+
+
+HARD = {
+    "surnames": [("Lptn", "Lipton"), ("Zng", "Zhang"), ("Kwlsk", "Kowalski"), ("Ngyn", "Nguyen"), ("Smla", "Smola")],
+    "words": [("apl", "apple"), ("bnn", "banana"), ("chry", "cherry"), ("mng", "mango"), ("ppy", "papaya")],
+}
+
+
+def _good_then_bad(batch):
+    """The retrieval loss for epoch 1's steps, its negative after: epoch 1 learns, later epochs unlearn."""
+    from kvsearch.training.losses import retrieval_loss
+
+    _good_then_bad.calls += 1
+    return retrieval_loss(batch) * (1 if _good_then_bad.calls <= _good_then_bad.steps else -5)
+
+
+@pytest.mark.parametrize("kind", ["surnames", "words"])
+@pytest.mark.parametrize("keep", ["last", "best"])
+def test_committed_keys_are_what_the_kept_encoder_gives(tmp_path, kind, keep):
+    """The commit writes the draft's last refresh when it is the kept encoder's (the last epoch), else encodes again
+    (keep="best" keeping epoch 1 of 3 here): either way the stored keys are the committed encoder's encoding of the
+    key texts, and reopening answers the same."""
+    db = _db(tmp_path, kind)
+    pairs = PAIRS[kind] + HARD[kind]  # epoch 1 learns the pairs it is judged on
+    _good_then_bad.calls, _good_then_bad.steps = 0, len(pairs) // 2
+    options = {"loss": _good_then_bad} if keep == "best" else {}
+    history = finetune(
+        db, pairs, eval_pairs=HARD[kind], epochs=3, keep=keep, generated=0, batch_size=2, verbose=False, **options
+    )
+    assert history.committed and history.kept_epoch == (1 if keep == "best" else 3)
+    ids = db.ids()
+    stored, _, _ = db.embeddings(ids)  # (m, dim)
+    db.encoder.eval()
+    with torch.no_grad():
+        fresh = db.encoder.encode(db.key_texts(ids)).float()  # (m, dim)
+    torch.testing.assert_close(stored, fresh, rtol=0, atol=1e-6)
+    query = HARD[kind][0][0]
+    hits = [h.key for h in db.search(query, k=3)]
+    db.close()
+    with kvsearch.Database(tmp_path / kind) as again:
+        assert [h.key for h in again.search(query, k=3)] == hits

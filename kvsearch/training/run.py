@@ -349,7 +349,11 @@ class Run:
         self.history.seconds = time.perf_counter() - self.started
         summary = _summary(self.history, plan.config, self.step)
         values = None if trained.values is None or trained.ids is None else (trained.ids, trained.values.detach())
-        self.history.generation = self.draft.commit(values=values, summary=summary)  # (m,), (m, value_dim)
+        # the keys of the draft's last refresh are the kept encoder's when it refreshed after the last step and the
+        # kept epoch is the last one: the commit writes them instead of encoding every key once more
+        last = self.history.kept_epoch in (None, plan.config.epochs)
+        refreshed = last and self.trainables.key_encoder is not None and self.refreshed_at == self.step
+        self.history.generation = self.draft.commit(values=values, summary=summary, refreshed=refreshed)
         self.ended = True
         self.history.committed = True
 
