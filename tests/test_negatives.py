@@ -123,9 +123,21 @@ def test_negatives_are_refused_where_they_cannot_work(tmp_path):
 
 
 def test_defaults_by_encoder(tmp_path):
+    from kvsearch.training.defaults import DEFAULT_LR, auto_batch_size, auto_train
+
     db = _db(tmp_path, "words")
     assert auto_negatives(db, key_pairs=True, solo=True) == "candidates"  # the n-gram study's choice
-    assert auto_warmup(db) == 0.0
+    assert (auto_warmup(db), auto_train(db), auto_batch_size(0, db)) == (0.0, "query+keys", 64)
+    sentences = kvsearch.Database(encoder=kvsearch.SentenceEncoder())  # the semantic study's choices
+    sentences.add(keys=["a red fruit", "a yellow fruit", "a large animal", "a small bird"], values=["1", "2", "3", "4"])
+    assert auto_negatives(sentences, key_pairs=True, solo=True) == "in-batch"
+    assert auto_negatives(sentences, key_pairs=False, solo=True) == "candidates"  # value targets, tensor pairs
+    assert auto_negatives(sentences, key_pairs=True, solo=False) == "candidates"  # a sharded database
+    assert (auto_warmup(sentences), auto_train(sentences), auto_batch_size(0, sentences)) == (0.1, "query+keys", 32)
+    finetune(sentences, [("an apple", "a red fruit"), ("a sparrow", "a small bird")], epochs=1, verbose=False)
+    run = sentences.encoders_info()["last_run"]
+    assert (run["train"], run["negatives"], run["warmup"]) == ("query+keys", "in-batch", 0.1)
+    assert DEFAULT_LR["sentence"] == 1e-4
 
 
 @pytest.mark.parametrize("warmup", [0.0, 0.1, 0.3])

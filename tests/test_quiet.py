@@ -72,14 +72,16 @@ def test_a_sentence_encoder_loads_trains_saves_and_reopens_without_a_bar(capfd, 
     db = Database(tmp_path / "db", encoder=encoder, device="cpu")
     db.add(keys=list(AUTHORS), values=list(AUTHORS.values()))
     capfd.readouterr()
-    history = finetune(db, PAIRS, k=4, epochs=1, keep="last", verbose=False)  # committed: the model is written
+    history = finetune(db, PAIRS, k=4, epochs=1, keep="last", train="query", verbose=False)  # the model is written
     assert history.committed and db.query_encoder is not None
     assert capfd.readouterr().err == ""  # no "Writing model shards" bar
     db.close()
     reopened = Database(tmp_path / "db", device="cpu")  # loads the fine-tuned model folder
     assert reopened.query_encoder is not None and len(reopened.search("Lipto", k=1)) == 1
     assert capfd.readouterr().err == ""
-    shown = finetune(reopened, PAIRS, k=4, epochs=1, keep="last", verbose=True)  # the run's own bar may show
+    shown = finetune(
+        reopened, PAIRS, k=4, epochs=1, keep="last", train="query", verbose=True
+    )  # the run's own bar may show
     err = capfd.readouterr().err
     assert shown.committed and "finetune" in err
     assert not any(name in err for name in BARS[:2])  # ... but never the model's

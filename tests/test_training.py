@@ -643,7 +643,8 @@ def test_nadaraya_watson_bandwidth_is_learned_end_to_end():
 # ----------------------------------------------------------------------------- sentence encoder
 
 
-def test_sentence_encoder_finetunes_and_persists(tmp_path):
+@pytest.mark.parametrize("train", ["query", None])
+def test_sentence_encoder_finetunes_and_persists(tmp_path, train):
     from kvsearch import SentenceEncoder
 
     db = Database(tmp_path / "db", encoder=SentenceEncoder(device="cpu"), device="cpu")
@@ -651,14 +652,26 @@ def test_sentence_encoder_finetunes_and_persists(tmp_path):
     db.add(keys=keys, values=["Aston", "Zachary", "Mu", "Alex", "Rachel", "Brent", "John", "Mary"])
     pairs = [("Зханг", "Zhang"), ("Липтон", "Lipton"), ("Смола", "Smola"), ("Вернесс", "Werness"), ("Смит", "Smith")]
     history = finetune(
-        db, pairs, eval_pairs=pairs, loss="retrieval", k=4, epochs=4, batch_size=5, lr_decay="none", verbose=False
+        db,
+        pairs,
+        eval_pairs=pairs,
+        loss="retrieval",
+        k=4,
+        epochs=4,
+        batch_size=5,
+        lr_decay="none",
+        train=train,
+        verbose=False,
     )
     assert history.epoch_losses[-1] < history.epoch_losses[0]
     assert history.metrics[-1]["mrr"] >= history.metrics[0]["mrr"]
     hits = top_ids(db, [q for q, _ in pairs], k=3)
     db.close()
     reopened = Database(tmp_path / "db")
-    assert reopened.query_encoder is not None and reopened.query_encoder.trained
+    if train == "query":  # a query-side copy, saved with the database
+        assert reopened.query_encoder is not None and reopened.query_encoder.trained
+    else:  # the default for a sentence encoder: the shared encoder learned, the keys were re-encoded
+        assert reopened.query_encoder is None and reopened.encoder.trained
     assert top_ids(reopened, [q for q, _ in pairs], k=3) == hits
     reopened.close()
 

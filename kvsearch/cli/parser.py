@@ -191,7 +191,7 @@ def _add_finetune_training(p: argparse.ArgumentParser, d: Any) -> None:
         d: the default :class:`~kvsearch.FinetuneConfig`, whose values the help says.
     """
     from kvsearch.training.config import KEEPS, NEGATIVES, TRAIN_MODES
-    from kvsearch.training.defaults import auto_batch_size
+    from kvsearch.training.defaults import SENTENCE_BATCH, auto_batch_size
     from kvsearch.training.losses import LOSSES
     from kvsearch.training.metrics import TEXT_METRICS
     from kvsearch.training.precision import PRECISIONS
@@ -201,7 +201,7 @@ def _add_finetune_training(p: argparse.ArgumentParser, d: Any) -> None:
         "--train",
         choices=TRAIN_MODES,
         help="train a query-side copy of the encoder, or the shared encoder with index refreshes (default: "
-        "query+keys for an n-gram encoder, else query)",
+        "query+keys for an n-gram or a sentence encoder, else query)",
     )
     p.add_argument("--epochs", type=_positive_int, metavar="N", help=f"passes over the pairs (default {d.epochs})")
     p.add_argument("--k", type=_positive_int, metavar="N", help=f"candidates per query (default {d.k})")
@@ -211,7 +211,8 @@ def _add_finetune_training(p: argparse.ArgumentParser, d: Any) -> None:
         "--batch-size",
         type=_positive_int,
         metavar="N",
-        help=f"pairs per step (default: {auto_batch_size(1)} with generated pairs, else {auto_batch_size(0)})",
+        help=f"pairs per step (default: {auto_batch_size(1)} with generated pairs, {SENTENCE_BATCH} for a sentence "
+        f"encoder, else {auto_batch_size(0)})",
     )
     p.add_argument(
         "--warmup",

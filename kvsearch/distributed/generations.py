@@ -77,9 +77,15 @@ class ShardedDraft:
         return sharded_candidates(self.local, self.drafts, queries, k, targets=targets, where=where)
 
     @collective()
-    def commit(self, *, values: tuple[Tensor, Tensor] | None = None, summary: Mapping[str, Any] | None = None) -> int:
+    def commit(
+        self,
+        *,
+        values: tuple[Tensor, Tensor] | None = None,
+        summary: Mapping[str, Any] | None = None,
+        refreshed: bool = False,
+    ) -> int:
         """Record the encoders as they are now as every shard's new generation (:meth:`ShardedDatabase.
-        switch_generation`).
+        switch_generation`); ``refreshed`` as :meth:`kvsearch.generations.Draft.commit` says, for every shard.
 
         Raises:
             NotSupportedError: trained values (not supported across shards yet).
@@ -88,7 +94,11 @@ class ShardedDraft:
         try:
             if values is not None:
                 raise NotSupportedError("train_values=True is not supported across shards yet")
-            self.generation = switch_every_shard(self.local, lambda s, db: self.drafts[s].commit(summary=summary))
+
+            def commit(shard: int, db: Any) -> int:
+                return self.drafts[shard].commit(summary=summary, refreshed=refreshed)
+
+            self.generation = switch_every_shard(self.local, commit)
         except BaseException:
             self.discard()
             raise

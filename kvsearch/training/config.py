@@ -94,8 +94,8 @@ class FinetuneConfig:
         train: ``"query"``: a query-side copy of the encoder learns (``db.query_encoder``; the stored keys
             and the index never change). ``"query+keys"``: the shared encoder learns, the index is refreshed;
             a value encoder that was the key encoder is kept, untrained, as the value encoder. None (the
-            default): ``"query+keys"`` for an :class:`~kvsearch.NgramEncoder`, else ``"query"`` (see
-            :mod:`kvsearch.training.defaults`).
+            default): ``"query+keys"`` for an :class:`~kvsearch.NgramEncoder` or a
+            :class:`~kvsearch.SentenceEncoder`, else ``"query"`` (see :mod:`kvsearch.training.defaults`).
         train_values: make the value embeddings trainable; they are written to the database at the end.
         score: the score function, default (None) the database's; an ``nn.Module`` (e.g.
             :class:`~kvsearch.nn.scores.GaussianKernel`) trains along: it ends with the kept epoch's weights,
@@ -104,7 +104,7 @@ class FinetuneConfig:
             gradient.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or a callable ``(param groups) -> Optimizer``.
         lr: the learning rate; default (None) per part: 3e-3 for n-gram encoders (1e-2 without generated
-            pairs), 2e-5 for sentence encoders, 1e-2 for score modules and values
+            pairs), 1e-4 for sentence encoders, 1e-2 for score modules and values
             (:data:`kvsearch.training.defaults.DEFAULT_LR`).
         lr_decay: ``"linear"`` (the default: the learning rate falls along a line to 0 at the last step),
             ``"cosine"`` (along a half cosine) or ``"none"`` (constant).
@@ -123,8 +123,8 @@ class FinetuneConfig:
             metadata field; a dot path names a nested one), for records that have that text; at most
             :data:`~kvsearch.training.pairs.MAX_RECORD_PAIRS`, a seeded sample (see
             :func:`kvsearch.training.pairs.record_pairs`). None (the default): none.
-        batch_size: pairs per step; None (the default): 256 when generated pairs are mixed in, else 64 (few pairs
-            need more steps; see :func:`kvsearch.training.defaults.auto_batch_size`).
+        batch_size: pairs per step; None (the default): 256 when generated pairs are mixed in, 32 for a sentence
+            encoder, else 64 (few pairs need more steps; see :func:`kvsearch.training.defaults.auto_batch_size`).
         temperature: the softmax temperature of the scores, finite and > 0 (0.05 suits cosine scores).
         seed: seeds the shuffling and torch (dropout); an integer >= 0.
         verbose: show a tqdm bar with the step, the loss and the latest value of the metric.

@@ -12,8 +12,20 @@ around these defaults; its table is in ``benchmarks/RESULTS.md``. What it found 
   database), batches of 64 at 1e-2 (this issue's defaults before it) keep enough steps and step size: with 500
   Cyrillic pairs, 68 % held-out recall@1 against 21 % at 3e-3 and 6 % in batches of 256.
 
-Sentence encoders were not studied: their defaults stay those of before (``train="query"``, lr 2e-5, no generated
-pairs), which keep the stored embeddings and are cheap to run.
+``benchmarks/bench_semantic.py`` fine-tunes ``SentenceEncoder()`` (all-MiniLM-L6-v2) on three semantic tasks
+(dictionary definitions -> the word, stdlib docstrings -> the function, Debian package descriptions -> the package)
+beside sentence-transformers' own trainer on the same pairs; its tables are in ``benchmarks/RESULTS.md``. What it
+found for sentence encoders, which these defaults follow (:data:`SENTENCE_NEGATIVES`, :data:`SENTENCE_BATCH`,
+:data:`SENTENCE_WARMUP`, ``DEFAULT_LR["sentence"]``):
+
+- the shared encoder learns (``train="query+keys"``), as the peer's trainer does: a query-side copy alone, even with
+  the whole database as negatives, gained less on held-out targets;
+- the batch's other targets are the negatives (``negatives="in-batch"``, MultipleNegativesRankingLoss): re-encoding
+  ``k`` candidates per query with grad through a transformer costs ``k`` times the step; the index's candidates as
+  detached hard negatives (``"both"``) raised acc@1 and MRR a little on some tasks and lowered acc@10 on others;
+- batches of 32 with a 10 % warm-up at 1e-4 (twice the peer's 5e-5: kvsearch's three epochs at 5e-5 learned less per
+  epoch), three epochs, the best judged epoch kept;
+- no generated pairs (the noise models write keys wrong letter by letter: not what a semantic query is).
 
 This module knows nothing of the loop: it maps a database (its key encoder) to option values.
 """
@@ -36,6 +48,7 @@ __all__ = [
     "AUTO_PER_KEY",
     "AUTO_GENERATED",
     "DEFAULT_LR",
+    "SENTENCE_BATCH",
     "SENTENCE_NEGATIVES",
     "SENTENCE_WARMUP",
     "auto_batch_size",
@@ -54,10 +67,12 @@ AUTO_PER_KEY = 2
 AUTO_GENERATED = 50_000
 #: ``warmup=None`` with a sentence encoder: this fraction of the steps warms up (sentence-transformers' docs' 10 %).
 SENTENCE_WARMUP = 0.1
+#: ``batch_size=None`` with a sentence encoder.
+SENTENCE_BATCH = 32
 #: ``negatives=None`` with a sentence encoder (key targets, a plain database).
 SENTENCE_NEGATIVES = "in-batch"
 #: The learning rate of a parameter group when ``lr`` is None, by the kind of module it belongs to.
-DEFAULT_LR: dict[str, float] = {"ngram": 3e-3, "ngram_alone": 1e-2, "sentence": 2e-5, "other": 1e-2}
+DEFAULT_LR: dict[str, float] = {"ngram": 3e-3, "ngram_alone": 1e-2, "sentence": 1e-4, "other": 1e-2}
 
 
 def _lexical(db: Any) -> bool:
@@ -92,7 +107,7 @@ def resolve_defaults(config: FinetuneConfig, db: Any, generated: int, key_pairs:
     ``warmup=None`` by :func:`auto_warmup`, ``negatives=None`` by :func:`auto_negatives` (``key_pairs``: text pairs
     with key targets; ``solo``: a plain database, not a sharded one)."""
     train = auto_train(db) if config.train is None else config.train
-    batch_size = auto_batch_size(generated) if config.batch_size is None else config.batch_size
+    batch_size = auto_batch_size(generated, db) if config.batch_size is None else config.batch_size
     warmup = auto_warmup(db) if config.warmup is None else config.warmup
     negatives = auto_negatives(db, key_pairs, solo) if config.negatives is None else config.negatives
     return dataclasses.replace(config, train=train, batch_size=batch_size, warmup=warmup, negatives=negatives)
@@ -114,16 +129,20 @@ def auto_negatives(db: Any, key_pairs: bool, solo: bool) -> str:
     return SENTENCE_NEGATIVES if _semantic(db) and key_pairs and solo else "candidates"
 
 
-def auto_batch_size(generated: int) -> int:
+def auto_batch_size(generated: int, db: Any = None) -> int:
     """What ``batch_size=None`` is: 256 when a run mixes in ``generated`` > 0 generated pairs per epoch (tens of
-    thousands: big batches learn as much in fewer, cheaper steps), else 64 (the user's pairs alone, often a few
-    hundred: a batch of 256 would leave a handful of steps)."""
-    return 256 if generated else 64
+    thousands: big batches learn as much in fewer, cheaper steps), :data:`SENTENCE_BATCH` for a sentence encoder
+    (sentence-transformers' docs' batch: the in-batch negatives and the steps of a few thousand pairs), else 64 (the
+    user's pairs alone, often a few hundred: a batch of 256 would leave a handful of steps)."""
+    if generated:
+        return 256
+    return SENTENCE_BATCH if _semantic(db) else 64
 
 
 def auto_train(db: Any) -> str:
-    """What ``train=None`` trains: ``"query+keys"`` for an NgramEncoder key encoder, else ``"query"``."""
-    return "query+keys" if _lexical(db) else "query"
+    """What ``train=None`` trains: ``"query+keys"`` (the shared encoder, the index refreshed) for an NgramEncoder or a
+    SentenceEncoder key encoder, else ``"query"`` (a query-side copy)."""
+    return "query+keys" if _lexical(db) or _semantic(db) else "query"
 
 
 def default_lr(module: nn.Module, generated: int) -> float:
