@@ -9,21 +9,13 @@ CPython 3.11), 2,000 pairs, 1,000 held-out queries (``benchmarks/bench_semantic.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _semantic import semantic_tasks
 
 import kvsearch
-
-_SPEC = importlib.util.spec_from_file_location(
-    "semantic_tasks", Path(__file__).resolve().parent.parent / "benchmarks" / "semantic_tasks.py"
-)
-semantic_tasks = importlib.util.module_from_spec(_SPEC)
-sys.modules["semantic_tasks"] = semantic_tasks  # dataclasses look their module up by name
-_SPEC.loader.exec_module(semantic_tasks)
 
 
 @pytest.fixture(scope="module")

@@ -6,20 +6,10 @@ offline; the walk is cached in a temporary folder here, never in the benchmarks'
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
-
-# loaded from its file, so that benchmarks/ (its common.py, plots.py) stays off sys.path for the other tests
-_SPEC = importlib.util.spec_from_file_location(
-    "semantic_tasks", Path(__file__).resolve().parent.parent / "benchmarks" / "semantic_tasks.py"
-)
-semantic_tasks = importlib.util.module_from_spec(_SPEC)
-sys.modules["semantic_tasks"] = semantic_tasks  # dataclasses look their module up by name
-_SPEC.loader.exec_module(semantic_tasks)
+from _semantic import semantic_tasks
 
 
 @pytest.fixture(scope="module")
