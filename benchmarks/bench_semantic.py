@@ -6,7 +6,8 @@ held-out pairs whose targets no training pair names. For each pair count, on the
 acc@10 and MRR@10 (a target below rank 10 counts 0) and the training wall time of:
 
 - zero-shot: a ``Database`` on disk with ``SentenceEncoder()`` (all-MiniLM-L6-v2, offline), index ``Flat`` (exact),
-  the keys stored with a dummy scalar value (``--values text``: the task's value texts, for the answer losses);
+  the keys stored with a dummy scalar value (``--values text``: the task's value texts, for the answer losses;
+  ``--values second``: each key's second description, never a held-out query, for ``pairs_from="value"``);
   built once per task and key sample into ``--workdir`` and reused (``--rebuild`` builds it again);
 - ``finetune(db, pairs)`` with kvsearch's defaults, and every ``--variant NAME=JSON`` (``finetune``'s keyword
   arguments), each on a fresh copy of the zero-shot folder (copied, not re-encoded), the database closed and
@@ -107,9 +108,9 @@ def build_base(folder: str, spec: dict[str, Any], values: str, threads: int) -> 
     path = Path(folder)
     shutil.rmtree(path, ignore_errors=True)
     encoder = SentenceEncoder(device="cpu")
-    if values == "text":
+    if values in ("text", "second"):
         with Database(path, encoder=encoder, index="Flat", device="cpu") as db:
-            db.add(keys=task.keys, values=task.values)
+            db.add(keys=task.keys, values=task.values if values == "text" else task.second)
     else:
         with Database(path, encoder=encoder, value_dim=1, index="Flat", device="cpu") as db:
             db.add(keys=task.keys, values=torch.zeros(len(task.keys), 1))
@@ -436,7 +437,12 @@ def main() -> None:
     parser.add_argument("--peer-lr", type=float, default=None, help="default: the trainer's (5e-5)")
     parser.add_argument("--peer-epochs", type=int, default=1)
     parser.add_argument("--peer-zero-shot", action="store_true", help="also the untrained peer through its own path")
-    parser.add_argument("--values", choices=("none", "text"), default="none", help="what the records' values hold")
+    parser.add_argument(
+        "--values",
+        choices=("none", "text", "second"),
+        default="none",
+        help="what the records' values hold: nothing, the key, or its second description (for pairs_from)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each row's process")
     parser.add_argument("--workdir", default=str(ROOT.parent / "indexes" / "bench_semantic"))
     parser.add_argument("--rebuild", action="store_true", help="build the zero-shot database again")

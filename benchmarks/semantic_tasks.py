@@ -78,6 +78,9 @@ class Task:
     train: list[tuple[str, str]]
     eval: list[tuple[str, str]]
     about: dict[str, int] = field(default_factory=dict)
+    #: per key, a second text a record may carry (its second description, else the key itself): never a held-out
+    #: query, which is always a key's first description (for ``finetune(pairs_from="value")``)
+    second: list[str] = field(default_factory=list)
 
 
 def load_task(name: str, n_train: int, n_eval: int = 1000, seed: int = 0, max_keys: int | None = None) -> Task:
@@ -132,7 +135,8 @@ def split(name: str, entries: dict[str, list[str]], n_train: int, n_eval: int, s
         )
     keys = sorted(order)
     about = {"keys": len(keys), "train_available": len(train), "descriptions": sum(len(entries[k]) for k in keys)}
-    return Task(name, keys, list(keys), train[:n_train], eval_pairs, about)
+    second = [entries[key][1] if len(entries[key]) > 1 else key for key in keys]
+    return Task(name, keys, list(keys), train[:n_train], eval_pairs, about, second)
 
 
 # --------------------------------------------------------------------------------------------- cache
