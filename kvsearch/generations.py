@@ -223,9 +223,10 @@ def commit(
     reencode |= {"values"} if ("encoder" if shared else "value_encoder") in parts else set()
     keys = None  # (m, dim) the new key embeddings, when they change
     if "keys" in reencode:
-        current = encoded is not None and encoded.version == store.table.version
-        current = current and encoded is not None and torch.equal(encoded.ids, store.table.ids)
-        keys = encoded.keys.clone() if current and encoded is not None else encode_keys(store, encoders.key)
+        fresh = (
+            encoded is not None and encoded.version == store.table.version and torch.equal(encoded.ids, store.table.ids)
+        )
+        keys = encoded.keys.clone() if fresh and encoded is not None else encode_keys(store, encoders.key)
     new_values = encode_values(store, encoders.value) if "values" in reencode else None  # (m, value_dim)
     if values is not None:
         ids, embs = values

@@ -163,7 +163,7 @@ class Trainables:
         if self.key_encoder is None:
             return stored  # (b, k, dim)
         uniq, inverse = torch.unique(ids.cpu(), return_inverse=True)  # (u,), (b, k)
-        table = self._encoded_keys(uniq)  # (u, dim)
+        table = self._encoded_keys(uniq, self.db.embeddings(uniq)[0])  # (u, dim)
         keys = table[inverse.to(table.device)]  # (b, k, dim)
         return keys * mask.unsqueeze(-1)  # (b, k, dim)
 
@@ -179,20 +179,20 @@ class Trainables:
             when the key encoder trains, else the stored ones — and values (b, u, value_dim).
         """
         uniq = torch.unique(targets.cpu())  # (u,) sorted
-        _, values, _ = self.db.embeddings(uniq)  # (u, value_dim)
-        keys = self._encoded_keys(uniq) if self.key_encoder is not None else self.db.embeddings(uniq)[0]  # (u, dim)
+        keys, values, _ = self.db.embeddings(uniq)  # (u, dim), (u, value_dim): one read
+        if self.key_encoder is not None:
+            keys = self._encoded_keys(uniq, keys)  # (u, dim) with grad
         ids = uniq.to(keys.device).expand(b, -1)  # (b, u)
         mask = torch.ones(b, len(uniq), dtype=torch.bool, device=keys.device)  # (b, u)
         return Candidates(ids=ids, keys=keys.expand(b, -1, -1), values=values.expand(b, -1, -1), mask=mask)
 
-    def _encoded_keys(self, uniq: Tensor) -> Tensor:
-        """The keys (u, dim) of records ``uniq`` (u,): re-encoded from their texts with grad by the key encoder, the
-        stored embedding where a record has no text to encode (-1, a key given as an embedding)."""
+    def _encoded_keys(self, uniq: Tensor, stored: Tensor) -> Tensor:
+        """The keys (u, dim) of records ``uniq`` (u,): re-encoded from their texts with grad by the key encoder,
+        ``stored`` (u, dim) where a record has no text to encode (-1, a key given as an embedding)."""
         assert self.key_encoder is not None
         texts = self.db.key_texts(uniq, encoded_only=True)  # u texts, None for -1 and keys as / with embeddings
         rows = [r for r, text in enumerate(texts) if text is not None]
-        table, _, _ = self.db.embeddings(uniq)  # (u, dim)
-        table = table.clone()  # (u, dim)
+        table = stored.clone()  # (u, dim)
         if rows:
             fresh = self.key_encoder([texts[r] for r in rows]).to(table.dtype)  # (r, dim)
             table[torch.tensor(rows, device=table.device)] = fresh.to(table.device)
