@@ -53,6 +53,7 @@ from kvsearch.nn import forking as _forking  # noqa: F401  (registers the fork h
 from kvsearch.nn.attend import Candidates, attend
 from kvsearch.nn.kv_attention import KVAttention
 from kvsearch.nn.pooling import pool
+from kvsearch.nn.product_keys import ProductKeyMemory, memory_param_groups
 from kvsearch.nn.scores import AdditiveScore, compute_scores
 from kvsearch.nn.streaming import streaming_attention
 from kvsearch.storage.encoder_files import load_encoder
@@ -102,6 +103,7 @@ __all__ = [
     "NotSupportedError",
     "NothingToRollBackError",
     "NotPicklableError",
+    "ProductKeyMemory",
     "ReadOnlyDatabaseError",
     "Record",
     "SentenceEncoder",
@@ -117,6 +119,7 @@ __all__ = [
     "evaluate",
     "finetune",
     "load_encoder",
+    "memory_param_groups",
     "pool",
     "reshard",
 ]
