@@ -2,10 +2,11 @@
 trained under ``DistributedDataParallel`` on 2 gloo ranks, and the one-process reference.
 
 The model is ``nn.Sequential(nn.Linear(12, 10), ProductKeyMemory(10, num_keys=8, ...), nn.Linear(5, 3))`` with the
-default BatchNorm query norm and :data:`FROZEN` slots frozen. Each rank builds it with its own seed (DDP must
-broadcast rank 0's weights), takes :data:`STEPS` SGD steps on its own batches (of different sizes) and all-gathers
-every rank's weights after each step, and records the frozen slots' values before and after. It spawns and joins as
-``tests/_ddp_ranks.py`` does (``tests/_distributed_ranks.py``'s helpers), and records, never asserts.
+BatchNorm query norm (each rank's batch statistics; its buffers broadcast by DDP) and :data:`FROZEN` slots frozen.
+Each rank builds it with its own seed (DDP must broadcast rank 0's weights), takes :data:`STEPS` SGD steps on its own
+batches (of different sizes), all-gathers every rank's weights after each step, and records the frozen slots' values
+before and after. It spawns and joins as ``tests/_ddp_ranks.py`` does (``tests/_distributed_ranks.py``'s helpers),
+and records, never asserts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def model(seed: int) -> nn.Sequential:
     from kvsearch import ProductKeyMemory
 
     torch.manual_seed(seed)
-    memory = ProductKeyMemory(DIM, num_keys=8, heads=2, k=4, key_dim=6, value_dim=VALUE_DIM)
+    memory = ProductKeyMemory(DIM, num_keys=8, heads=2, k=4, key_dim=6, value_dim=VALUE_DIM, query_norm="batchnorm")
     memory.slots.freeze(FROZEN)
     return nn.Sequential(nn.Linear(IN, DIM), memory, nn.Linear(VALUE_DIM, CLASSES))
 

@@ -54,8 +54,8 @@ def brute(memory: ProductKeyMemory, x: torch.Tensor) -> tuple[torch.Tensor, torc
     """ids (m, heads, k), weights (m, heads, k) and output (m, value_dim) by scoring every slot."""
     with torch.no_grad():
         q = memory.query_map(x)  # (m, heads * key_dim)
-        if isinstance(memory.norm, nn.LayerNorm):
-            q = memory.norm(q.view(len(x), memory.heads, memory.key_dim))
+        if isinstance(memory.norm, nn.LayerNorm):  # each half of each head's query
+            q = memory.norm(q.view(len(x), memory.heads, 2, memory.key_dim // 2))
         else:
             q = memory.norm(q)
         q = q.reshape(len(x), memory.heads, memory.key_dim)  # (m, heads, key_dim)
@@ -184,11 +184,12 @@ def test_bad_inputs_are_refused_with_a_typed_error():
         (torch.randn(3, 10), InvalidArgumentError, "memory's dtype torch.float64"),
         (torch.randn(3, 10, dtype=torch.float64).to_sparse(), InvalidArgumentError, "to_dense"),
         (torch.full((3, 10), float("nan"), dtype=torch.float64), NonFiniteError, "inputs"),
-        (torch.randn(1, 10, dtype=torch.float64), InvalidArgumentError, "more than one input"),
     ]
     for x, error, says in cases:
         with pytest.raises(error, match=says):
             memory(x)
+    with pytest.raises(InvalidArgumentError, match="more than one input"):
+        make(0, query_norm="batchnorm")(torch.randn(1, 10, dtype=torch.float64))
     assert int(memory.step) == 0 and memory.last_ids is None  # nothing ran, nothing counted
 
 
@@ -280,7 +281,7 @@ def test_autocast_bf16_on_the_cpu_scores_in_float32_and_outputs_bf16():
     assert out.dtype == torch.bfloat16 and memory.last_weights.dtype == torch.float32
     with torch.no_grad():  # the reference: the query map in bf16 (autocast's linear), everything after in float32
         q = F.linear(x.bfloat16(), memory.query_map.weight.bfloat16()).float()  # (12, heads * key_dim)
-        q = memory.norm(q.view(12, 2, 6))  # (12, heads, key_dim)
+        q = memory.norm(q.view(12, 2, 2, 3)).view(12, 2, 6)  # each half normalised: (12, heads, key_dim)
         scores, ids = product_topk(q, memory.subkeys, 4)  # (12, heads, k)
         weights = scores.softmax(-1)
         ref = (weights.unsqueeze(-1) * memory.values[ids]).sum(dim=(1, 2))  # (12, value_dim)
@@ -301,10 +302,18 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_torch_compile_fullgraph_matches_eager_with_frozen_slots(fresh_dynamo):
-    eager = trained(3)
+@pytest.mark.parametrize(
+    "query_norm,backend",
+    [
+        ("layernorm", "aot_eager"),
+        ("batchnorm", "aot_eager"),
+        pytest.param("layernorm", "inductor", marks=pytest.mark.slow),  # compiles C++ (tens of seconds cold)
+    ],
+)
+def test_torch_compile_fullgraph_matches_eager_with_frozen_slots(fresh_dynamo, query_norm, backend):
+    eager = trained(3, query_norm=query_norm)
     compiled_memory = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_memory, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(compiled_memory, fullgraph=True, backend=backend)
     gen = torch.Generator().manual_seed(4)
     for _ in range(2):  # training forwards: the buffers' bookkeeping compiles too
         x = torch.randn(16, 10, generator=gen)

@@ -35,10 +35,11 @@ from kvsearch.nn.scores import check_float_tensor, check_option, describe
 
 __all__ = ["ProductKeyMemory", "product_topk", "memory_param_groups", "QUERY_NORMS"]
 
-QueryNorm = Literal["batchnorm", "layernorm"] | None
-#: The query normalisations: BatchNorm over every head's query (the PKM paper's; it raises the slots' usage),
-#: LayerNorm over each head's query, or None.
-QUERY_NORMS = ("batchnorm", "layernorm", "none")
+QueryNorm = Literal["layernorm", "batchnorm"] | None
+#: The query normalisations: LayerNorm over each half of each head's query (lucidrains' default: per input, so it
+#: keeps a causal model causal and a batch of one answers as in a batch), BatchNorm over every head's query (the PKM
+#: paper's, which reports that it raises the slots' usage; it mixes the inputs of a training batch), or none.
+QUERY_NORMS = ("layernorm", "batchnorm", "none")
 #: The most slots a memory may have (n^2 < 2^31 keeps every id an int32 too; far past the papers' 1M-4M).
 MAX_SLOTS = 2**31 - 1
 
@@ -77,8 +78,9 @@ class ProductKeyMemory(nn.Module):
     """A memory layer of ``num_keys ** 2`` learned slots: inputs (..., dim) -> output (..., value_dim).
 
     Per head, ``query_map`` (a linear map without bias: the norm after it has its own shift) makes a query of
-    ``key_dim`` numbers, normalised by ``query_norm`` ("batchnorm": BatchNorm over all heads' queries, as the PKM
-    paper and lucidrains; "layernorm": LayerNorm over each head's query; None: none). :func:`product_topk` finds its
+    ``key_dim`` numbers, normalised by ``query_norm`` ("layernorm", the default: one ``nn.LayerNorm(key_dim / 2)``
+    over each half of each head's query, as lucidrains' default; "batchnorm": ``nn.BatchNorm1d`` over all heads'
+    queries, as the PKM paper and XLM; None: none). :func:`product_topk` finds its
     exact top-k slots; their softmax weights read the values with ``embedding_bag`` and the heads' reads are summed.
     The heads share one value table (as the paper, XLM and lucidrains): a slot id names one value whichever head
     reaches it, and each head has its own sub-keys, so a slot has one key per head.
@@ -120,7 +122,7 @@ class ProductKeyMemory(nn.Module):
         k: int = 32,
         key_dim: int = 256,
         value_dim: int | None = None,
-        query_norm: QueryNorm = "batchnorm",
+        query_norm: QueryNorm = "layernorm",
         sparse: bool = False,
     ) -> None:
         """Check the options and create the parameters (drawn from torch's global generator, as ``nn.Linear``).
@@ -132,7 +134,7 @@ class ProductKeyMemory(nn.Module):
             k: the slots each head reads per input (at most n).
             key_dim: each head's query (an even number: two halves of key_dim / 2); 256 as XLM and lucidrains.
             value_dim: the values' and the output's dimension (default ``dim``).
-            query_norm: "batchnorm", "layernorm" or None.
+            query_norm: "layernorm", "batchnorm" or None (see :data:`QUERY_NORMS`).
             sparse: sparse gradients for the values (``embedding_bag(sparse=True)``: for an optimizer that takes
                 them, ``torch.optim.SparseAdam`` or SGD).
 
@@ -165,7 +167,7 @@ class ProductKeyMemory(nn.Module):
         self.norm: nn.Module = (
             nn.BatchNorm1d(heads * key_dim)
             if norm == "batchnorm"
-            else nn.LayerNorm(key_dim)
+            else nn.LayerNorm(key_dim // 2)
             if norm == "layernorm"
             else nn.Identity()
         )
@@ -271,8 +273,8 @@ class ProductKeyMemory(nn.Module):
         amp = autocast_dtype(inputs.device)
         with full_precision(inputs.device, amp):
             queries = queries.to(compute_dtype(self.subkeys.dtype, amp))  # (m, heads * key_dim)
-            if isinstance(self.norm, nn.LayerNorm):
-                queries = self.norm(queries.view(-1, self.heads, self.key_dim))  # (m, heads, key_dim)
+            if isinstance(self.norm, nn.LayerNorm):  # each half of each head's query
+                queries = self.norm(queries.view(-1, self.heads, 2, self.key_dim // 2))  # (m, heads, 2, key_dim / 2)
             else:
                 queries = self.norm(queries)  # (m, heads * key_dim)
             queries = queries.reshape(-1, self.heads, self.key_dim)  # (m, heads, key_dim)

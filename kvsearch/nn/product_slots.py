@@ -64,6 +64,7 @@ class SlotMemory(Protocol):
     usage_reads: Tensor  # () int64
     last_ids: Tensor | None
     last_weights: Tensor | None
+    frozen_count: int
 
     def sync_frozen(self) -> None: ...
 
@@ -121,7 +122,7 @@ class ProductSlots:
         return self.memory.num_keys**2
 
     def __repr__(self) -> str:
-        return f"ProductSlots({len(self):,} slots, {self.memory.frozen_count:,} frozen)"  # type: ignore[attr-defined]
+        return f"ProductSlots({len(self):,} slots, {self.memory.frozen_count:,} frozen)"
 
     # ------------------------------------------------------------------------------------------- reads
 
