@@ -334,6 +334,24 @@ def test_torch_compile_fullgraph_matches_eager_with_frozen_slots(fresh_dynamo, q
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
+def test_torch_compile_of_a_sparse_memory_breaks_once_at_the_read_and_matches_eager(fresh_dynamo):
+    eager = trained(5, sparse=True)
+    compiled_memory = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_memory, backend="aot_eager")
+    x = torch.randn(16, 10, generator=torch.Generator().manual_seed(6))
+    outs = []
+    for module, memory in ((eager, eager), (compiled, compiled_memory)):
+        memory.zero_grad()
+        out = module(x)
+        out.pow(2).sum().backward()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[0], outs[1])
+    assert compiled_memory.values.grad.is_sparse
+    torch.testing.assert_close(eager.values.grad.to_dense(), compiled_memory.values.grad.to_dense())
+    torch.testing.assert_close(eager.subkeys.grad, compiled_memory.subkeys.grad)
+    assert torch._dynamo.explain(compiled_memory)(x).graph_break_count == 1  # the read of the values
+
+
 # ---------------------------------------------------------------------------------------------- DDP
 
 

@@ -80,8 +80,8 @@ class ProductKeyMemory(nn.Module):
     Per head, ``query_map`` (a linear map without bias: the norm after it has its own shift) makes a query of
     ``key_dim`` numbers, normalised by ``query_norm`` ("layernorm", the default: one ``nn.LayerNorm(key_dim / 2)``
     over each half of each head's query, as lucidrains' default; "batchnorm": ``nn.BatchNorm1d`` over all heads'
-    queries, as the PKM paper and XLM; None: none). :func:`product_topk` finds its
-    exact top-k slots; their softmax weights read the values with ``embedding_bag`` and the heads' reads are summed.
+    queries, as the PKM paper and XLM; None: none). :func:`product_topk` finds its exact top-k slots; their softmax
+    weights read the values with ``embedding_bag`` and the heads' reads are summed.
     The heads share one value table (as the paper, XLM and lucidrains): a slot id names one value whichever head
     reaches it, and each head has its own sub-keys, so a slot has one key per head.
 
@@ -96,8 +96,9 @@ class ProductKeyMemory(nn.Module):
       forward that reached it and it not frozen (its value got a gradient), or by ``slots.update_values``.
     - ``step`` () int64: the training forwards so far (a forward in training mode with grad enabled adds one).
 
-    A training forward (``self.training`` and grad enabled) adds to ``hits`` and ``written`` and one to ``step``;
-    any other forward changes no state (beyond a BatchNorm's running statistics in training mode).
+    A training forward (``self.training`` and grad enabled) adds to ``hits`` and ``written`` and one to ``step``
+    (a forward that activation checkpointing runs again counts again); any other forward changes no state (beyond a
+    BatchNorm's running statistics in training mode).
     ``last_ids`` / ``last_weights`` (detached, (..., heads, k)) hold the last forward's slots and softmax weights.
 
     Under ``torch.autocast`` (CPU bfloat16, CUDA float16 / bfloat16) the query map runs in the autocast dtype; the
@@ -107,7 +108,9 @@ class ProductKeyMemory(nn.Module):
 
     On the CPU in eager mode the inputs are checked for NaN / Inf (:class:`~kvsearch.errors.NonFiniteError`); on a
     GPU and under ``torch.compile`` nothing is read back to the host (a NaN input gives a NaN output). The forward
-    compiles with ``fullgraph=True`` (no graph break; ``sparse=True`` is for eager mode). ``copy.deepcopy``,
+    compiles with ``fullgraph=True`` (no graph break), except with ``sparse=True``: torch cannot trace
+    ``embedding_bag``'s sparse backward, so the read of the values runs eagerly there (one graph break, as
+    ``torch.compiler.disable``; the selection around it compiles). ``copy.deepcopy``,
     pickling (``torch.save(module)``) and DDP treat it as any module: its state is its parameters and buffers. DDP's
     default ``broadcast_buffers=True`` copies rank 0's ``hits`` / ``written`` / ``step`` / ``frozen`` to every rank
     at each forward: freeze and edit slots on every rank alike.
@@ -236,16 +239,11 @@ class ProductKeyMemory(nn.Module):
         ids, weights = self.select(inputs)  # (..., heads, k) each
         lead = ids.shape[:-2]
         rows = ids.reshape(-1, self.heads * self.k)  # (m, heads * k): one bag per input, every head in it
-        values = _FrozenRows.apply(self.values, self.frozen) if self.frozen_count else self.values  # (n^2, value_dim)
+        frozen = self.frozen if self.frozen_count else None
         amp = autocast_dtype(inputs.device)
         with full_precision(inputs.device, amp):
-            output = F.embedding_bag(
-                rows,
-                values,
-                per_sample_weights=weights.reshape(rows.shape).to(values.dtype),
-                mode="sum",
-                sparse=self.sparse,
-            )  # (m, value_dim)
+            read = _read_sparse if self.sparse else _read  # sparse: eager, a graph break under torch.compile
+            output = read(rows, weights.reshape(rows.shape), self.values, frozen, self.sparse)  # (m, value_dim)
         output = output.to(output_dtype(output.dtype, amp))  # (m, value_dim)
         if self.training and torch.is_grad_enabled():
             self._count(rows)
@@ -315,6 +313,19 @@ class ProductKeyMemory(nn.Module):
     def extra_repr(self) -> str:
         """The options, for ``repr``."""
         return ", ".join(f"{name}={value!r}" for name, value in self.config.items())
+
+
+def _read(rows: Tensor, weights: Tensor, values: Tensor, frozen: Tensor | None, sparse: bool) -> Tensor:
+    """The weighted sum of each bag's values, (m, heads * k) rows and weights -> (m, value_dim); the frozen slots'
+    rows (when any are) get no gradient (:class:`_FrozenRows`)."""
+    if frozen is not None:
+        values = _FrozenRows.apply(values, frozen)  # (n^2, value_dim)
+    return F.embedding_bag(rows, values, per_sample_weights=weights.to(values.dtype), mode="sum", sparse=sparse)
+
+
+# sparse gradients do not trace (torch 2.13's embedding_bag backward fails on fake tensors): that read runs eagerly;
+# torch.compiler.disable, imported at the first call (decorating at import would import torch._dynamo everywhere)
+_read_sparse = torch._disable_dynamo(_read)
 
 
 def _recount_frozen(module: nn.Module, incompatible_keys: Any) -> None:
