@@ -727,6 +727,68 @@ def attention_slots() -> list[Slot]:
             may_pass=f"3-D tensor, {finite_not_checked}",
         ),
     ]
+    return out + memory_layer_slots()
+
+
+def small_memory() -> kvsearch.ProductKeyMemory:
+    torch.manual_seed(0)
+    return kvsearch.ProductKeyMemory(DIM, num_keys=4, k=2, key_dim=4)
+
+
+def memory_layer_slots() -> list[Slot]:
+    """``ProductKeyMemory`` (its options, its inputs, its slots' methods) and ``memory_param_groups``."""
+    given = {"dim": DIM, "num_keys": 4, "k": 2, "key_dim": 4}
+    options = [("dim", ""), ("num_keys", ""), ("heads", ""), ("k", ""), ("key_dim", ""), ("value_dim", "None")]
+    options += [("query_norm", "None"), ("sparse", "bool")]
+    out = [
+        slot(
+            f"ProductKeyMemory.__init__.{option}",
+            lambda _, v, o=option: kvsearch.ProductKeyMemory(**{**given, o: v}),
+            may_pass=ok,
+        )
+        for option, ok in options
+    ]
+    ids_ok = "zero, empty list, int tensor"  # slot 0; no slot; slot 1 (ones)
+    out += [
+        slot("ProductKeyMemory.forward.inputs", lambda m, v: m(v), small_memory, "3-D tensor"),
+        slot("ProductKeyMemory.slots.read.ids", lambda m, v: m.slots.read(v), small_memory, ids_ok),
+        slot("ProductKeyMemory.slots.freeze.ids", lambda m, v: m.slots.freeze(v), small_memory, ids_ok),
+        slot("ProductKeyMemory.slots.metadata.ids", lambda m, v: m.slots.metadata(v), small_memory, ids_ok),
+        slot(
+            "ProductKeyMemory.slots.update_values.ids",
+            lambda m, v: m.slots.update_values(v, torch.zeros(2, DIM)),
+            small_memory,
+        ),
+        slot(
+            "ProductKeyMemory.slots.update_values.values",
+            lambda m, v: m.slots.update_values([0, 1], v),
+            small_memory,
+        ),
+        slot(
+            "ProductKeyMemory.slots.where.filter",
+            lambda m, v: m.slots.where(v),
+            small_memory,
+            "dict",
+            extra=NUL_FILTERS,
+        ),
+        slot(
+            "ProductKeyMemory.slots.observe.ids",
+            lambda m, v: m.slots.observe(v, torch.ones(2, DIM)),
+            small_memory,
+            "int tensor",
+        ),
+        slot("ProductKeyMemory.slots.protect.optimizer", lambda m, v: m.slots.protect(v), small_memory),
+        slot("memory_param_groups.model", lambda _, v: kvsearch.memory_param_groups(v, lr=0.1, value_lr=0.1)),
+    ]
+    for rate in ("lr", "value_lr"):
+        out.append(
+            slot(
+                f"memory_param_groups.{rate}",
+                lambda m, v, r=rate: kvsearch.memory_param_groups(m, **{"lr": 0.1, "value_lr": 0.1, r: v}),
+                small_memory,
+                "float, zero, huge int",
+            )
+        )
     return out
 
 

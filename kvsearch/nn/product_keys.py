@@ -383,8 +383,11 @@ def memory_param_groups(
         group is left out when the model holds no memory; the other group when it holds nothing else).
 
     Raises:
-        InvalidArgumentError: a learning rate or weight decay that is not a finite number >= 0.
+        InvalidArgumentError: a model that is not a module; a learning rate or weight decay that is not a finite
+            number >= 0.
     """
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(f"expected model as a torch.nn.Module, got {type(model).__name__}")
     for name, number in (("lr", lr), ("value_lr", value_lr), ("weight_decay", weight_decay)):
         _check_rate(number, name)
     _check_rate(value_weight_decay, "value_weight_decay")

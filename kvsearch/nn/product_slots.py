@@ -253,8 +253,10 @@ class ProductSlots:
             A handle with ``remove()``.
 
         Raises:
-            InvalidArgumentError: the optimizer does not hold the values.
+            InvalidArgumentError: not an optimizer, or one that does not hold the values.
         """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         values = self.memory.values
         held = any(p is values for group in optimizer.param_groups for p in group["params"])
         if not held:
@@ -360,12 +362,15 @@ class ProductSlots:
             if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
                 raise InvalidArgumentError(f"expected slot ids as integers, got a tensor of {ids.dtype}")
             flat = ids.detach().reshape(-1).to("cpu", torch.long)  # (m,)
-        elif isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
-            flat = torch.tensor([int(ids)], dtype=torch.long)  # (1,)
-        elif isinstance(ids, Sequence) and not isinstance(ids, (str, bytes)):
-            if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
-                raise InvalidArgumentError("expected slot ids as ints, got a sequence holding something else")
-            flat = torch.tensor([int(i) for i in ids], dtype=torch.long).reshape(-1)  # (m,)
+        elif isinstance(ids, (int, np.integer)) or (isinstance(ids, Sequence) and not isinstance(ids, (str, bytes))):
+            items = [ids] if isinstance(ids, (int, np.integer)) else list(ids)
+            if not all(isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) for i in items):
+                raise InvalidArgumentError(f"expected slot ids as ints, got {ids!r:.80}")
+            size = len(self)
+            bad = [int(i) for i in items if not 0 <= i < size]  # before a tensor: an int past int64 overflows it
+            if bad:
+                raise KeyNotFoundError(f"expected slot ids in [0, {size:,}), got {bad[:5]}")
+            flat = torch.tensor([int(i) for i in items], dtype=torch.long)  # (m,)
         else:
             raise InvalidArgumentError(f"expected slot ids as an int, ints or an integer tensor, got {ids!r:.80}")
         size = len(self)
