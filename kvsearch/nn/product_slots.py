@@ -15,11 +15,12 @@ A slot id ``i`` in [0, n^2) names the pair of sub-keys ``(i // n, i % n)``: for 
 ``$value`` are None: a slot's key and value are vectors, not texts).
 
 **Freezing.** A frozen slot's value gets no gradient: the memory's forward zeroes its row of a dense gradient and
-drops it from a sparse one. With a zero gradient, plain SGD (no momentum, no weight decay) and Adam / AdamW on a
-row that never had a gradient leave it bitwise as it is, and SparseAdam never sees a dropped row; but momentum left
-from before the freeze, and weight decay (SGD's, AdamW's), still move it. :meth:`ProductSlots.protect` makes the
-promise for any optimizer: its step hooks put the frozen rows back, bitwise, after each step. The optimizer's own
-state for those rows (momentum, Adam's moments) goes on evolving meanwhile, and applies again after ``unfreeze``.
+drops it from a sparse one. A zero gradient leaves the row bitwise as it is where nothing else moves it: plain SGD,
+Adam (or AdamW with ``weight_decay=0``) on a row whose moments are still zero, SparseAdam (which never sees a dropped
+row). Momentum left from before the freeze (SGD's buffer, Adam's moments) and weight decay (SGD's, and AdamW's
+decoupled decay, on by default) still move it. :meth:`ProductSlots.protect` makes the promise for any optimizer: its
+step hooks put the frozen rows back, bitwise, after each step. The optimizer's own state for those rows (momentum,
+Adam's moments) goes on evolving meanwhile, and applies again after ``unfreeze``.
 
 It owns the slots' reads, edits, freezing, metadata queries and usage; the layer, the product top-k and the state's
 buffers are :mod:`kvsearch.nn.product_keys`'s, which hands this module the layer (typed here by :class:`SlotMemory`).
