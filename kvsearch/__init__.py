@@ -56,6 +56,7 @@ from kvsearch.nn.pooling import pool
 from kvsearch.nn.product_keys import ProductKeyMemory, memory_param_groups
 from kvsearch.nn.scores import AdditiveScore, compute_scores
 from kvsearch.nn.streaming import streaming_attention
+from kvsearch.storage import memory_folder as _memory_folder  # noqa: F401  (the opener of ProductKeyMemory(folder=))
 from kvsearch.storage.encoder_files import load_encoder
 from kvsearch.storage.store import Record
 from kvsearch.training.loop import FinetuneConfig, GaussianKernel, History, finetune

@@ -3,6 +3,8 @@
     memory = ProductKeyMemory(512, num_keys=128, heads=4, k=32)   # 16,384 slots
     output = memory(x)                     # (..., 512) -> (..., value_dim); memory.last_ids, memory.last_weights
     memory.slots.freeze(ids)               # the slots as records: see kvsearch.nn.product_slots
+    memory = ProductKeyMemory(512, num_keys=128, folder="runs/memory")   # saved there as generations:
+    memory.save(); memory.rollback()       # see kvsearch.storage.memory_folder
 
 Lample et al. 2019 ("Large Memory Layers with Product Keys"; facebookresearch/XLM ``HashingMemory``), as in
 lucidrains' ``product-key-memory``: per head a query (a linear map of the input, then normalised) is split in two
@@ -15,25 +17,37 @@ It owns the layer (its parameters, the per-slot state as buffers, the forward an
 product top-k, and the parameter groups that train the values at their own learning rate. What the slots are as
 records (reads by id, edits, freezing, metadata, usage) is :mod:`kvsearch.nn.product_slots`; this module hands it the
 layer. It knows nothing of FAISS, SQLite, text or files: everything that defines a memory is its ``config`` and its
-``state_dict()`` (parameters and buffers), which a folder can save.
+``state_dict()`` (parameters and buffers), which a folder can save. ``folder=`` is opened by the opener that
+:mod:`kvsearch.storage.memory_folder` registers with :func:`register_folder_opener` when kvsearch is imported (``nn/``
+is below ``storage/`` and imports nothing of it); the memory keeps the handle it returns (typed here by
+:class:`SavedMemoryFolder`) and hands itself to its ``save`` / ``rollback``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+import os
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvsearch.checks import check_dim, check_finite, check_fits, check_int, check_k
-from kvsearch.errors import DimensionMismatchError, InvalidArgumentError
+from kvsearch.checks import check_dim, check_finite, check_fits, check_int, check_k, check_path
+from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NothingToRollBackError, NotSupportedError
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, host_reads, output_dtype
 from kvsearch.nn.product_slots import ProductSlots
 from kvsearch.nn.scores import check_float_tensor, check_option, describe
 
-__all__ = ["ProductKeyMemory", "product_topk", "memory_param_groups", "QUERY_NORMS"]
+__all__ = [
+    "ProductKeyMemory",
+    "product_topk",
+    "memory_param_groups",
+    "register_folder_opener",
+    "SavedMemoryFolder",
+    "QUERY_NORMS",
+]
 
 QueryNorm = Literal["layernorm", "batchnorm"] | None
 #: The query normalisations: LayerNorm over each half of each head's query (lucidrains' default: per input, so it
@@ -42,6 +56,31 @@ QueryNorm = Literal["layernorm", "batchnorm"] | None
 QUERY_NORMS = ("layernorm", "batchnorm", "none")
 #: The most slots a memory may have (n^2 < 2^31 keeps every id an int32 too; far past the papers' 1M-4M).
 MAX_SLOTS = 2**31 - 1
+
+
+class SavedMemoryFolder(Protocol):
+    """What a memory made with ``folder=`` keeps of its folder (``kvsearch.storage.memory_folder.MemoryFolder``)."""
+
+    generation: int  # the generation the memory holds (0: none saved yet)
+
+    def save(self, memory: Any) -> int: ...
+
+    def rollback(self, memory: Any) -> int: ...
+
+
+#: ``opener(path, memory) -> folder``: loads what the folder holds into the new memory (or makes the folder).
+FolderOpener = Callable[[str | os.PathLike[str], Any], SavedMemoryFolder]
+_openers: list[FolderOpener] = []  # the registered opener (the last one counts)
+
+
+def register_folder_opener(opener: FolderOpener) -> None:
+    """Set how ``ProductKeyMemory(folder=...)`` opens its folder: ``kvsearch.storage.memory_folder`` registers
+    ``MemoryFolder.open`` when kvsearch is imported (this module cannot import it: ``nn/`` is below ``storage/``).
+
+    Args:
+        opener: ``opener(path, memory)`` -> the folder's handle, after loading the saved memory into ``memory``.
+    """
+    _openers.append(opener)
 
 
 def product_topk(queries: Tensor, subkeys: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -127,8 +166,15 @@ class ProductKeyMemory(nn.Module):
         value_dim: int | None = None,
         query_norm: QueryNorm = "layernorm",
         sparse: bool = False,
+        folder: str | os.PathLike[str] | None = None,
     ) -> None:
         """Check the options and create the parameters (drawn from torch's global generator, as ``nn.Linear``).
+
+        With ``folder=``, the memory is saved there as generations (:meth:`save`, :meth:`rollback`; the files and
+        their crash safety: :mod:`kvsearch.storage.memory_folder`). A folder that holds a saved memory is loaded:
+        the memory is the saved one bit for bit (parameters, buffers, their dtypes), at its :attr:`generation`;
+        its options must be the ones given (``sparse`` aside). An absent or empty folder is made, and nothing is
+        saved in it until :meth:`save` (generation 0 until then).
 
         Args:
             dim: the inputs' last dimension.
@@ -140,14 +186,20 @@ class ProductKeyMemory(nn.Module):
             query_norm: "layernorm", "batchnorm" or None (see :data:`QUERY_NORMS`).
             sparse: sparse gradients for the values (``embedding_bag(sparse=True)``: for an optimizer that takes
                 them, ``torch.optim.SparseAdam`` or SGD).
+            folder: a folder to save the memory in and load it from (None: none).
 
         Raises:
             InvalidArgumentError: a dim, num_keys, heads, k, key_dim or value_dim that is not a positive integer in
                 range, an odd key_dim, k > num_keys, n^2 past :data:`MAX_SLOTS`, a sparse that is not a bool.
             UnknownOptionError: an unknown query_norm.
             MemoryLimitError: the values do not fit in the memory this process may use.
+            ConfigMismatchError: the folder holds a memory of other options (the message names them).
+            WrongKindError, ForeignFolderError: the folder holds a database, or files that are not a memory's.
+            CorruptDatabaseError: the folder's manifest or current generation is damaged.
+            StorageError: an absent folder that cannot be made (DiskFullError, ReadOnlyDatabaseError).
         """
         super().__init__()
+        check_path(folder)
         dim = check_dim(dim)
         n = check_int(num_keys, "num_keys", 1, math.isqrt(MAX_SLOTS))
         heads = check_int(heads, "heads", 1, 4096)
@@ -191,6 +243,52 @@ class ProductKeyMemory(nn.Module):
         self.register_load_state_dict_post_hook(_recount_frozen)
         self.last_ids: Tensor | None = None
         self.last_weights: Tensor | None = None
+        #: The folder the memory is saved in (None: none): a resource, not state (never in ``state_dict()``; a deep
+        #: copy shares it).
+        self.folder: SavedMemoryFolder | None = None
+        if folder is not None:
+            if not _openers:
+                raise NotSupportedError("ProductKeyMemory(folder=...) needs kvsearch imported: it registers the opener")
+            self.folder = _openers[-1](folder, self)
+
+    @property
+    def generation(self) -> int | None:
+        """The folder's generation this memory holds (0: none saved yet), or None without a folder."""
+        return None if self.folder is None else self.folder.generation
+
+    def save(self) -> int:
+        """Save the memory in its folder as a new generation and switch to it (the previous one kept for a rollback).
+
+        Returns:
+            The new generation.
+
+        Raises:
+            NotSupportedError: a memory made without ``folder=``.
+            NonFiniteError: a parameter or buffer holds NaN or Inf (nothing is written).
+            StoreChangedError: another handle saved or rolled back the folder since (nothing is written).
+            DatabaseLockedError, DiskFullError, ReadOnlyDatabaseError: as a database's writes.
+        """
+        if self.folder is None:
+            raise NotSupportedError(
+                "expected a memory made with folder=... to save: this one has none (make it with "
+                "ProductKeyMemory(..., folder=PATH), or save its state_dict() with torch.save)"
+            )
+        return self.folder.save(self)
+
+    def rollback(self) -> int:
+        """Return to the generation before the current one: the folder switches back and the memory loads it.
+
+        Returns:
+            The generation now current.
+
+        Raises:
+            NothingToRollBackError: no folder, or no previous generation (none, or already rolled back).
+            StoreChangedError, CorruptDatabaseError, DatabaseLockedError, StorageError: as :meth:`save`; nothing
+                changes.
+        """
+        if self.folder is None:
+            raise NothingToRollBackError("expected a memory made with folder=... to roll back: this one has none")
+        return self.folder.rollback(self)
 
     @property
     def num_slots(self) -> int:

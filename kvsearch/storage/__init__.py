@@ -9,7 +9,8 @@ tables, summary triggers and connections (``schema``), the embeddings on disk in
 the change log (``changelog``), row buffers with room to grow (``buffers``), files written
 whole or not at all (``fileio``), the write lock (``locking``), the database folder with its index manifest
 (``folder``), the encoders' files and generation folders (``encoder_files``), records carried into a new folder
-under their ids by a reshard (``carry``) and the stored configuration (``config``).
+under their ids by a reshard (``carry``), the stored configuration (``config``), and a ``ProductKeyMemory``'s folder
+of generations (``memory_folder``: its config and state_dict, switched whole; the opener of ``folder=``).
 
 It knows nothing of candidate indexes, attention, autograd, training or torch.distributed: it stores and hands
 back tensors and texts by id.
