@@ -16,6 +16,7 @@ the same numbers in every layout (sparse, nested, quantized, complex, ``meta``, 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -792,6 +793,68 @@ def memory_layer_slots() -> list[Slot]:
     return out
 
 
+def hostile_memory_folders() -> dict[str, Callable[[], object]]:
+    """Folders no memory opens (made in the test's working folder): a file, a database's, someone else's files, and
+    manifests that are not JSON, not a memory's, or hold hostile values where numbers, a config or files belong."""
+    torch.manual_seed(0)
+    config = kvsearch.ProductKeyMemory(DIM, num_keys=4, k=2, key_dim=4).config
+    good = {"kind": "kvsearch.ProductKeyMemory", "format": 1, "config": config, "generation": 1, "previous": None}
+    good |= {"latest": 1, "files": {"1": {"bytes": 10, "sha256": "0" * 64}}}
+
+    def folder(name: str, manifest: object = None, other: str | None = None) -> Callable[[], object]:
+        def make() -> Path:
+            path = Path(f"memory-{name}")
+            path.mkdir(exist_ok=True)
+            if other is not None:
+                (path / other).write_text("someone's")
+            if manifest is not None:
+                text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+                (path / "memory.json").write_text(text)
+            return path
+
+        return make
+
+    def file() -> Path:
+        Path("memory-file").write_text("x")
+        return Path("memory-file")
+
+    def database() -> Path:
+        make_db(Path("memory-database").absolute()).close()
+        return Path("memory-database")
+
+    out: dict[str, Callable[[], object]] = {"a file": file, "a database": database}
+    out["someone's files"] = folder("foreign", other="notes.txt")
+    out["manifest not JSON"] = folder("garbage", "{not json")
+    out["manifest 100,000 deep"] = folder("deep", "[" * 100_000 + "]" * 100_000)
+    out["manifest a list"] = folder("list", [1, 2])
+    out["manifest of another kind"] = folder("kind", good | {"kind": "other"})
+    out["manifest of a newer format"] = folder("format", good | {"format": 2})
+    bad_fields = {
+        "generation": ["x", -1, 0, None, 1e308, float("inf"), float("nan"), 2**70, [1]],
+        "latest": ["x", 0, None],
+        "previous": ["x", {"a": 1}, 7],
+        "config": ["x", None, {}, {"dim": "x"}, config | {"num_keys": 2**70}],
+        "files": ["x", None, [], {"1": "x"}, {"1": {"bytes": "x", "sha256": 1}}, {}],
+    }
+    for name, values in bad_fields.items():
+        for i, value in enumerate(values):
+            out[f"manifest {name} {value!r}"[:60]] = folder(f"{name}-{i}", good | {name: value})
+    return out
+
+
+def memory_folder_slots() -> list[Slot]:
+    """``ProductKeyMemory(folder=)``: hostile paths, and folders that hold no memory it may open."""
+    given = {"dim": DIM, "num_keys": 4, "k": 2, "key_dim": 4}
+    return [
+        slot(
+            "ProductKeyMemory.__init__.folder",
+            lambda _, v: kvsearch.ProductKeyMemory(**given, folder=v() if callable(v) else v),
+            may_pass="None",
+            extra={name: (lambda make=make: make) for name, make in hostile_memory_folders().items()},
+        )
+    ]
+
+
 def saved_encoder_folder() -> str:
     """A folder (in the test's working folder) with an n-gram encoder saved as ``encoder``."""
     folder = Path("saved-encoder")
@@ -877,7 +940,7 @@ def reshard_source() -> Path:
     return path
 
 
-SLOTS = database_slots() + finetune_slots() + attention_slots() + component_slots()
+SLOTS = database_slots() + finetune_slots() + attention_slots() + component_slots() + memory_folder_slots()
 
 
 @pytest.mark.parametrize("case", SLOTS, ids=lambda s: s.name)

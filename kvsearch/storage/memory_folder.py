@@ -243,7 +243,7 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         data = json.loads(file.read_bytes())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, not UTF-8; RecursionError: too deep
         raise CorruptDatabaseError(f"{file} cannot be read as a memory's manifest: {exc}") from None
     if not isinstance(data, dict) or data.get("kind") != KIND:
         raise ForeignFolderError(
@@ -259,7 +259,7 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         entries = [data["files"][str(g)] for g in kept]
         ok = isinstance(data["config"], dict) and 1 <= generation <= latest
         ok = ok and all(isinstance(e["bytes"], int) and isinstance(e["sha256"], str) for e in entries)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: an infinite number
         ok = False
     if not ok:
         raise CorruptDatabaseError(f"{file} lacks what a memory's manifest holds (generation, latest, files): damaged")
