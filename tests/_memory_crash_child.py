@@ -4,7 +4,8 @@ runs.
 Run as ``python tests/_memory_crash_child.py``. It imports torch and kvsearch once (one thread: fork() stays safe),
 warms a training step, a save and a rollback up once, and reads one JSON command per line on stdin:
 
-    {"path": memory folder, "acks": ack file (one per round), "seed": s, "mode": m, "delay": seconds}
+    {"path": memory folder, "acks": ack file (one per round), "seed": s, "mode": m, "delay": seconds,
+     "mutant": false}
 
 For each it forks a child that opens ``ProductKeyMemory(**CONFIG, folder=path)`` and, until it is killed, trains it
 (SGD on random batches: the values, sub-keys, query map and norm move; ``hits`` / ``written`` / ``step`` count),
@@ -73,12 +74,23 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install(mode: str, due: Callable[[], bool]) -> None:
-    """Wrap the public steps of a save (module attributes of ``kvsearch.storage.memory_folder``) to kill at them."""
-    switched = [False]
+def install(mode: str, due: Callable[[], bool], mutant: bool = False) -> None:
+    """Wrap the public steps of a save (module attributes of ``kvsearch.storage.memory_folder``) to kill at them.
 
-    def write_state(*args, **kwargs):
-        out = original["write_state"](*args, **kwargs)
+    ``mutant=True`` breaks the order the folder's safety rests on: the generation's file is written in place after
+    the manifest names it (not whole, before the switch). The test shows that its checks catch it.
+    """
+    switched = [False]
+    late: list[tuple] = []  # the mutant's file, written after the switch
+
+    def write_state(folder, generation, state, config):
+        if mutant:
+            from safetensors.torch import save
+
+            blob = save({name: t.detach().cpu().contiguous() for name, t in state.items()})
+            late.append((folder / memory_folder.file_name(generation), blob))
+            return {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+        out = original["write_state"](folder, generation, state, config)
         if mode == "written" and due():
             _die()  # the new generation's file is whole; the manifest still names the old one
         return out
@@ -90,6 +102,9 @@ def install(mode: str, due: Callable[[], bool]) -> None:
             _die()  # the manifest names the new generation; the unkept file is still there
         if mode == "rolled_back" and manifest["generation"] < manifest["latest"] and due():
             _die()  # a rollback's switch: the folder is back, the memory not yet loaded
+        while late:
+            path, blob = late.pop()
+            path.write_bytes(blob)
         return out
 
     def remove_unkept(*args, **kwargs):
@@ -121,7 +136,7 @@ def child(cmd: dict) -> None:
             countdown[0] -= 1
             return countdown[0] <= 0
 
-        install(cmd["mode"], due)
+        install(cmd["mode"], due, cmd.get("mutant", False))
         memory = open_memory(cmd["path"]).train()
         note(f"open {memory.generation} {state_digest(memory)}")
         optimizer = torch.optim.SGD(memory.parameters(), lr=0.5)
