@@ -126,7 +126,7 @@ def _headline(args: argparse.Namespace) -> None:
 
     started = time.perf_counter()
     load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    table = headline(args.headline_names, args.eval, args.user_pairs, args.typos)
+    table = headline(args.headline_names, args.eval, args.user_pairs, args.typos, args.repeat_pairs)
     notes = [
         f"- {args.headline_names:,} most frequent surnames, the default `NgramEncoder()`, on disk; {args.eval} "
         "held-out queries (the first 2,000 names of a seeded shuffle, none named by a user pair) and the user's "
@@ -282,6 +282,9 @@ def main() -> None:
     )
     parser.add_argument("--headline-names", type=int, default=35_000)
     parser.add_argument("--typos", choices=("keyboard", "random"), default="keyboard", help="--headline's typo model")
+    parser.add_argument(
+        "--repeat-pairs", type=int, default=1, help="--headline: each user pair given this many times (oversampled)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="study runs side by side (one thread each)")
     parser.add_argument(
         "--faiss-threads", type=int, default=1, help="FAISS OpenMP threads (1: its spin-waits stall on a shared CPU)"

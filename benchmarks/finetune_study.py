@@ -228,7 +228,7 @@ def _headline_run(job: dict[str, Any]) -> dict[str, Any]:
         db.add(keys=keys, values=values)
         before = evaluate(db, held)["recall@1"]
         start = time.perf_counter()
-        history = finetune(db, user or None, eval_pairs=held, verbose=False)
+        history = finetune(db, user * job["repeat"] or None, eval_pairs=held, verbose=False)
         seconds = time.perf_counter() - start
         db.close()
         with Database(folder) as reopened:
@@ -239,9 +239,10 @@ def _headline_run(job: dict[str, Any]) -> dict[str, Any]:
             "generated": history.generated}  # fmt: skip
 
 
-def headline(names: int, eval_count: int, pairs: int, model: str = "keyboard") -> str:
-    """The issue's two checks side by side: the defaults with ``pairs`` typo pairs (of ``model``), and with none."""
-    jobs = [{"names": names, "eval": eval_count, "pairs": n, "model": model} for n in (pairs, 0)]
+def headline(names: int, eval_count: int, pairs: int, model: str = "keyboard", repeat: int = 1) -> str:
+    """The issue's two checks side by side: the defaults with ``pairs`` typo pairs (of ``model``; each given
+    ``repeat`` times: the user's pairs oversampled among the generated ones), and with none."""
+    jobs = [{"names": names, "eval": eval_count, "pairs": n, "model": model, "repeat": repeat} for n in (pairs, 0)]
     with ProcessPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_headline_run, jobs))
     lines = [
@@ -249,7 +250,8 @@ def headline(names: int, eval_count: int, pairs: int, model: str = "keyboard") -
         "|---|---|---|---|---|---|",
     ]
     for r in results:
-        what = f"`finetune(db, pairs, eval_pairs=held)`, {r['pairs']:,} typo pairs" if r["pairs"] else (
+        times = f" x {r['repeat']}" if r["repeat"] > 1 else ""
+        what = f"`finetune(db, pairs{times}, eval_pairs=held)`, {r['pairs']:,} typo pairs" if r["pairs"] else (
             "`finetune(db, eval_pairs=held)`, no pair (self-supervised)")  # fmt: skip
         lines.append(
             f"| {what} | {100 * r['before']:.1f} | {100 * r['after']:.1f} | {100 * (r['after'] - r['before']):+.1f} "
