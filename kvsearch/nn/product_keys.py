@@ -106,8 +106,10 @@ def product_topk(queries: Tensor, subkeys: Tensor, k: int) -> tuple[Tensor, Tens
     halves = queries.reshape(m, heads, 2, key_dim // 2)  # (m, heads, 2, key_dim / 2)
     half_scores = torch.einsum("mhpd,hpnd->mhpn", halves, subkeys)  # (m, heads, 2, n)
     best, best_ids = half_scores.topk(k, dim=-1)  # (m, heads, 2, k) each
-    sums = best[:, :, 0, :, None] + best[:, :, 1, None, :]  # (m, heads, k, k)
-    pair_ids = best_ids[:, :, 0, :, None] * n + best_ids[:, :, 1, None, :]  # (m, heads, k, k)
+    first, second = best.unbind(2)  # (m, heads, k) each: one stack in the backward, not two zero-filled selects
+    first_ids, second_ids = best_ids.unbind(2)  # (m, heads, k) each
+    sums = first[..., :, None] + second[..., None, :]  # (m, heads, k, k)
+    pair_ids = first_ids[..., :, None] * n + second_ids[..., None, :]  # (m, heads, k, k)
     scores, which = sums.reshape(m, heads, k * k).topk(k, dim=-1)  # (m, heads, k) each
     ids = pair_ids.reshape(m, heads, k * k).gather(-1, which)  # (m, heads, k)
     return scores, ids
@@ -402,11 +404,15 @@ class ProductKeyMemory(nn.Module):
     @torch.no_grad()
     def _count(self, rows: Tensor) -> None:
         """A training forward's bookkeeping: the reached slots' hits and written step (the unfrozen ones), step+1."""
+        # broadcast numbers, index_select and scatter_: no (m * heads * k,) tensor filled and no parallel region on
+        # the CPU (each one a scheduling wait on a loaded machine); the frozen slots looked up only when there are any
         ids = rows.reshape(-1)  # (m * heads * k,)
         self.step.add_(1)
-        self.hits.index_add_(0, ids, torch.ones_like(ids))
-        written = torch.where(self.frozen[ids], self.written[ids], self.step)  # (m * heads * k,)
-        self.written.index_put_((ids,), written)
+        self.hits.index_add_(0, ids, ids.new_ones(()).expand(ids.shape))
+        written = self.step.expand(ids.shape)  # (m * heads * k,)
+        if self.frozen_count:
+            written = torch.where(self.frozen.index_select(0, ids), self.written.index_select(0, ids), written)
+        self.written.scatter_(0, ids, written)
 
     def extra_repr(self) -> str:
         """The options, for ``repr``."""
