@@ -339,6 +339,7 @@ SECTIONS: dict[str, str] = {
     "bench_attention-ann": "bench_attention.py --ann-only",
     "bench_layer-cpu": "bench_layer.py",
     "bench_layer-cuda": "bench_layer.py --device cuda",
+    "bench_memory": "bench_memory.py",
     "bench_serving": "bench_serving.py",
     "bench_ingest": "bench_ingest.py",
     "bench_index_storage": "bench_index_storage.py",

@@ -16,6 +16,9 @@ RESULTS.md are those of the run whose tables it shows. The plots (see :data:`PLO
   other peer whose column the table has), growing and with a capacity.
 - ``bench_layer-<device>-candidates``: ``Database(None).candidates(q, k)`` against the batch size beside bare
   ``torch.topk(q @ K.T, k)`` (one kind of keys, per dim), and the speed-up for every kind of keys.
+- ``bench_memory-memorisation``: the facts a small model answers right against training steps, with a
+  ``ProductKeyMemory`` layer and with dense FFNs of the same FLOPs per fact (left); ``ProductKeyMemory`` forward +
+  backward beside lucidrains' ``PKM`` per size (right).
 
 This module knows the tables' column names and the serving JSON's points; it knows nothing of kvsearch.
 """
@@ -38,6 +41,7 @@ PLOTS: dict[str, tuple[str, ...]] = {
     "bench_serving": ("bench_serving-qps-recall",),
     "bench_layer-cpu": ("bench_layer-cpu-layer", "bench_layer-cpu-memory", "bench_layer-cpu-candidates"),
     "bench_layer-cuda": ("bench_layer-cuda-layer", "bench_layer-cuda-memory", "bench_layer-cuda-candidates"),
+    "bench_memory": ("bench_memory-memorisation",),
 }
 RECALL_TARGET = 0.97
 
@@ -239,12 +243,53 @@ def _memory_plot(record: dict[str, Any], t: dict[str, Any], folder: Path, stem: 
     return _save(fig, folder, stem)
 
 
+# --------------------------------------------------------------------------------------------- bench_memory
+
+
+def memory_layer(record: dict[str, Any], folder: Path) -> list[Path]:
+    """Memorisation accuracy against steps, memory layer beside dense FFNs; forward + backward beside lucidrains."""
+    curves = record.get("points", {}).get("curves", {})
+    t = _find_table(record, "lucidrains PKM ms")
+    if not curves and t is None:
+        return []
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8))
+    for name, curve in curves.items():
+        ours = name.startswith("ProductKeyMemory")
+        left.plot([p[0] for p in curve], [p[1] for p in curve], "o-" if ours else "s--", linewidth=2 if ours else 1,
+                  label=name)  # fmt: skip
+    left.set_xlabel("training steps")
+    left.set_ylabel("facts answered right (all facts)")
+    left.set_ylim(0, 1.02)
+    left.set_title("Memorisation: memory layer vs dense FFN, equal FLOPs / fact", fontsize=10)
+    left.grid(True, alpha=0.3)
+    left.legend(fontsize=7)
+    if t is not None:
+        cols = {c: _column(t, c) for c in ("device", "threads", "clock", "n", "lucidrains PKM ms", "kvsearch ms")}
+        rows = [r for r in t["rows"] if not math.isnan(_number(r[cols["kvsearch ms"]]))]
+        labels = [f"{r[cols['device']]}, n={r[cols['n']]}\n{r[cols['threads']]} thr., {r[cols['clock']]}" for r in rows]
+        xs = range(len(rows))
+        for j, (col, label) in enumerate((("lucidrains PKM ms", "lucidrains PKM"), ("kvsearch ms", "kvsearch"))):
+            ys = [_number(r[cols[col]]) for r in rows]
+            bars = right.bar([x + (j - 0.5) * 0.4 for x in xs], ys, 0.4, label=label)
+            right.bar_label(bars, labels=[f"{y:.3g}" for y in ys], fontsize=7)
+        right.set_xticks(list(xs), labels, fontsize=7)
+        right.set_ylabel("forward + backward, ms (median)")
+        right.set_title("ProductKeyMemory vs lucidrains' PKM (same weights)", fontsize=10)
+        right.grid(True, axis="y", alpha=0.3)
+        right.legend(fontsize=8)
+    fig.text(0.01, 0.005, _subtitle(record), fontsize=6.5, va="bottom")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return [_save(fig, folder, "bench_memory-memorisation")]
+
+
 # --------------------------------------------------------------------------------------------- entry points
 
 DRAW: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "bench_serving": serving,
     "bench_layer-cpu": layer,
     "bench_layer-cuda": layer,
+    "bench_memory": memory_layer,
 }
 
 
