@@ -26,10 +26,11 @@ Sections (the peer and ours in the same process, on the same tensors; timed call
    reaches (``memory.slots.reached``) get new values (``slots.update_values``: gradient steps on those rows only)
    until the model gives another object; every other fact's answer is compared with its answer before the edit
    (target: >= 99 % unchanged), then the old values are put back.
-4. Frozen slots: the slots ``--freeze-facts`` facts reach are frozen (``slots.freeze``) and the model trains
-   ``--freeze-steps`` more steps on every fact with the same Adam (its moments from the training before), with
-   ``slots.protect(optimizer)``, and a copy of model and optimizer without it: the frozen rows must be bitwise
-   unchanged with ``protect``; the copy shows what Adam's momentum does to them without it.
+4. Frozen slots: the slots ``--freeze-facts`` facts reach are frozen (``slots.freeze``) and copies of the model
+   train ``--freeze-steps`` more steps on every fact, each from the same start: with the run's Adam (its moments
+   from the training before), and with AdamW (the same moments, weight decay ``--freeze-decay`` on every group),
+   each with and without ``slots.protect(optimizer)``. With ``protect`` the frozen rows must be bitwise unchanged;
+   without it, what momentum and decay do to a row whose gradient is zero shows.
 
 Sections 2-4 run at ``--train-threads`` (1) torch threads: on a loaded 2-core machine every parallel op waits for
 a core, and these are accuracy figures, not timings.
@@ -360,7 +361,9 @@ def bench_edits(args: argparse.Namespace, model: FactModel, facts: tuple[Tensor,
 
 def bench_freeze(args: argparse.Namespace, model: FactModel, optimizer: torch.optim.Optimizer,
                  facts: tuple[Tensor, Tensor, Tensor]) -> Any:  # fmt: skip
-    """Section 4: freeze the slots of ``--freeze-facts`` facts, train on, compare their values bitwise."""
+    """Section 4: freeze the slots of ``--freeze-facts`` facts, train on from the same start four ways (Adam with the
+    run's moments, and AdamW with ``--freeze-decay`` on every group; each with and without ``protect``), compare
+    their values bitwise."""
     memory: ProductKeyMemory = model.layer  # type: ignore[assignment]
     g = torch.Generator().manual_seed(4)
     pick = torch.randperm(len(facts[0]), generator=g)[: args.freeze_facts]
@@ -368,17 +371,23 @@ def bench_freeze(args: argparse.Namespace, model: FactModel, optimizer: torch.op
         ids = memory.slots.reached(model.layer_inputs(facts[0][pick], facts[1][pick])).ids  # (f,)
     memory.slots.freeze(ids)
     frozen_listed = torch.equal(memory.slots.where({"frozen": True}), ids)
-    bare = copy.deepcopy(model)  # the same model and Adam state, without protect()
-    bare_optimizer = torch.optim.Adam(memory_param_groups(bare, lr=args.lr, value_lr=args.value_lr))
-    bare_optimizer.load_state_dict(optimizer.state_dict())
     start_values = memory.values.detach().clone()  # (n^2, value_dim)
     start_step, start_written = int(memory.step), memory.written[ids].clone()
-    handle = memory.slots.protect(optimizer)
+    state = copy.deepcopy(optimizer.state_dict())  # the run's Adam moments
     rows = []
-    for name, m, opt in (("frozen + protect(optimizer)", model, optimizer), ("frozen only", bare, bare_optimizer)):
+    for kind, protect in (("Adam", True), ("Adam", False), ("AdamW", True), ("AdamW", False)):
+        m = copy.deepcopy(model)  # the trained model, its slots frozen
+        opt_class = torch.optim.Adam if kind == "Adam" else torch.optim.AdamW
+        opt = opt_class(memory_param_groups(m, lr=args.lr, value_lr=args.value_lr))
+        opt.load_state_dict(state)  # the moments of the run (and its groups' lr)
+        decay = 0.0 if kind == "Adam" else args.freeze_decay
+        for group in opt.param_groups:  # loaded from Adam's groups: AdamW's own decay, decoupled
+            group["weight_decay"], group["decoupled_weight_decay"] = decay, kind == "AdamW"
+        mem: ProductKeyMemory = m.layer  # type: ignore[assignment]
+        handle = mem.slots.protect(opt) if protect else None
+        name = f"{kind}{f' (decay {decay:g})' if decay else ''}, frozen" + (" + protect(optimizer)" if protect else "")
         print(name, flush=True)
         train(m, opt, facts, args.freeze_steps, args.train_batch, seed=5)
-        mem: ProductKeyMemory = m.layer  # type: ignore[assignment]
         values = mem.values.detach()
         frozen_moved = int((values[ids] != start_values[ids]).any(1).sum())
         others = torch.ones(len(values), dtype=torch.bool)
@@ -387,11 +396,12 @@ def bench_freeze(args: argparse.Namespace, model: FactModel, optimizer: torch.op
         bitwise = bool(torch.equal(values[ids], start_values[ids]))
         kept_written = bool(torch.equal(mem.written[ids], start_written))
         rows.append([name, f"{len(ids):,}", args.freeze_facts, args.freeze_steps, int(mem.step) - start_step,
-                     "yes" if bitwise else "NO", frozen_moved, f"{others_moved:,} of {int(others.sum()):,}",
+                     "yes" if bitwise else "NO", f"{frozen_moved:,}", f"{others_moved:,} of {int(others.sum()):,}",
                      "yes" if kept_written else "NO", "yes" if frozen_listed else "NO",
                      accuracy(m, (facts[0][pick], facts[1][pick], facts[2][pick]))])  # fmt: skip
         print(rows[-1], flush=True)
-    handle.remove()
+        if handle is not None:
+            handle.remove()
     memory.slots.unfreeze(ids)
     headers = ["run", "frozen slots", "their facts", "steps", "training forwards counted", "frozen values bitwise "
                "unchanged", "frozen rows moved", "other rows moved", "frozen slots' written unchanged",
@@ -431,6 +441,7 @@ def main() -> None:
     parser.add_argument("--edit-step-size", type=float, default=0.25, help="the norm of each edit step's change")
     parser.add_argument("--freeze-facts", type=int, default=100)
     parser.add_argument("--freeze-steps", type=int, default=200)
+    parser.add_argument("--freeze-decay", type=float, default=0.01, help="AdamW's weight decay in section 4")
     parser.add_argument("--train-threads", type=int, default=1)
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
@@ -462,7 +473,7 @@ def main() -> None:
             sections.append(("Slot edits: the slots one fact reaches, edited with slots.update_values", summary))
             sections.append(("Slot edits, each", detail))
             freeze_table = bench_freeze(args, model, optimizer, facts)
-            sections.append((f"Frozen slots, {args.freeze_steps} more Adam steps on every fact", freeze_table))
+            sections.append((f"Frozen slots, {args.freeze_steps} more steps on every fact", freeze_table))
         finally:
             torch.set_num_threads(default_threads)
     report("Memory layer benchmark (ProductKeyMemory)", command_line(), info, sections, append=not args.no_append,
