@@ -272,7 +272,7 @@ def memory_layer(record: dict[str, Any], folder: Path) -> list[Path]:
         for j, (col, label) in enumerate((("lucidrains PKM ms", "lucidrains PKM"), ("kvsearch ms", "kvsearch"))):
             ys = [_number(r[cols[col]]) for r in rows]
             bars = right.bar([x + (j - 0.5) * 0.4 for x in xs], ys, 0.4, label=label)
-            right.bar_label(bars, labels=[f"{y:.3g}" for y in ys], fontsize=7)
+            right.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=7)
         right.set_xticks(list(xs), labels, fontsize=7)
         right.set_ylabel("forward + backward, ms (median)")
         right.set_title("ProductKeyMemory vs lucidrains' PKM (same weights)", fontsize=10)
