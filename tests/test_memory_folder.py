@@ -31,6 +31,7 @@ from kvsearch import (
     ConfigMismatchError,
     CorruptDatabaseError,
     DatabaseLockedError,
+    DatabaseNotFoundError,
     ForeignFolderError,
     InvalidArgumentError,
     MissingFileError,
@@ -126,6 +127,31 @@ def test_save_and_reopen_give_the_memory_bit_for_bit(tmp_path, options, dtype):
     train(memory, seed=3)
     train(reopened, seed=3)
     assert_same_state(reopened, state(memory))
+
+
+def test_open_reopens_with_the_saved_options_and_refuses_a_folder_with_none_saved(tmp_path):
+    memory = make(tmp_path / "m", query_norm="batchnorm")
+    with pytest.raises(DatabaseNotFoundError, match="none saved"):
+        ProductKeyMemory.open(tmp_path / "m")  # made, nothing saved yet
+    with pytest.raises(DatabaseNotFoundError, match="none saved"):
+        ProductKeyMemory.open(tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()  # open() makes no folder
+    train(memory)
+    memory.save()
+    saved, answer = state(memory), outputs(memory)
+    torch.manual_seed(7)  # drawn differently, then loaded
+    reopened = ProductKeyMemory.open(tmp_path / "m")
+    assert reopened.config == memory.config and reopened.generation == 1
+    assert_same_state(reopened, saved)
+    for got, want in zip(outputs(reopened), answer):
+        assert torch.equal(got, want)
+    assert reopened.save() == 2  # it holds the folder
+    with kvsearch.Database(tmp_path / "db", dim=4, value_dim=4):
+        pass
+    with pytest.raises(WrongKindError):
+        ProductKeyMemory.open(tmp_path / "db")
+    with pytest.raises(InvalidArgumentError):
+        ProductKeyMemory.open(None)
 
 
 def test_rollback_returns_to_the_generation_before_once_and_numbers_only_grow(tmp_path):

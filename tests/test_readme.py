@@ -1,4 +1,4 @@
-"""README.md's Python examples run as written.
+"""README.md's and docs/LAYER.md's Python examples run as written.
 
 Every ```python block of the README is executed in order in one namespace, as a reader pasting them one
 after the other into one interpreter would, in a fresh working directory and offline. A block that raises
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+LAYER_DOC = README.with_name("docs") / "LAYER.md"
 PYTHON_BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 
 
@@ -30,15 +31,15 @@ def first_line(source: str) -> str:
     return next((line.strip() for line in source.splitlines() if line.strip()), "<empty block>")
 
 
-def run_blocks(blocks: list[str], namespace: dict[str, object], round_: str) -> None:
+def run_blocks(blocks: list[str], namespace: dict[str, object], round_: str, doc: str = "README.md") -> None:
     """Execute ``blocks`` in order in ``namespace``; fail naming the block that raised."""
     for number, source in enumerate(blocks, start=1):
-        code = compile(source, f"README.md python block {number}", "exec")
+        code = compile(source, f"{doc} python block {number}", "exec")
         try:
             exec(code, namespace)
         except Exception as exc:
             pytest.fail(
-                f"README.md python block {number} of {len(blocks)} ({first_line(source)!r}) raised on the "
+                f"{doc} python block {number} of {len(blocks)} ({first_line(source)!r}) raised on the "
                 f"{round_} run: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
                 pytrace=False,
             )
@@ -73,6 +74,15 @@ def test_every_python_block_of_the_readme_runs_in_order(tmp_path, monkeypatch):
         if callable(close):
             close()
     assert not (tmp_path / "indexes" / "names").exists()  # the demo's folder is left alone
+
+
+def test_every_python_block_of_the_layer_doc_runs_in_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    blocks = python_blocks(LAYER_DOC.read_text(encoding="utf-8"))
+    assert any("ProductKeyMemory" in block for block in blocks)
+    namespace: dict[str, object] = {"__name__": "__layer_doc__"}
+    run_blocks(blocks, namespace, "first", doc="docs/LAYER.md")
 
 
 def github_anchor(heading: str) -> str:

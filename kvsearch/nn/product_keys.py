@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvsearch.checks import check_dim, check_finite, check_fits, check_int, check_k, check_path
-from kvsearch.errors import DimensionMismatchError, InvalidArgumentError, NothingToRollBackError, NotSupportedError
+from kvsearch.errors import (
+    DatabaseNotFoundError,
+    DimensionMismatchError,
+    InvalidArgumentError,
+    NothingToRollBackError,
+    NotSupportedError,
+)
 from kvsearch.nn.precision import autocast_dtype, compute_dtype, full_precision, host_reads, output_dtype
 from kvsearch.nn.product_slots import ProductSlots
 from kvsearch.nn.scores import check_float_tensor, check_option, describe
@@ -70,17 +76,27 @@ class SavedMemoryFolder(Protocol):
 
 #: ``opener(path, memory) -> folder``: loads what the folder holds into the new memory (or makes the folder).
 FolderOpener = Callable[[str | os.PathLike[str], Any], SavedMemoryFolder]
-_openers: list[FolderOpener] = []  # the registered opener (the last one counts)
+#: ``read_config(path) -> config``: the options of the memory saved in a folder, None where none is saved.
+ConfigReader = Callable[[str | os.PathLike[str]], "dict[str, Any] | None"]
+_openers: list[tuple[FolderOpener, ConfigReader]] = []  # the registered opener (the last one counts)
 
 
-def register_folder_opener(opener: FolderOpener) -> None:
-    """Set how ``ProductKeyMemory(folder=...)`` opens its folder: ``kvsearch.storage.memory_folder`` registers
-    ``MemoryFolder.open`` when kvsearch is imported (this module cannot import it: ``nn/`` is below ``storage/``).
+def register_folder_opener(opener: FolderOpener, read_config: ConfigReader) -> None:
+    """Set how ``ProductKeyMemory(folder=...)`` and :meth:`ProductKeyMemory.open` open a folder:
+    ``kvsearch.storage.memory_folder`` registers ``MemoryFolder.open`` and ``saved_config`` when kvsearch is imported
+    (this module cannot import it: ``nn/`` is below ``storage/``).
 
     Args:
         opener: ``opener(path, memory)`` -> the folder's handle, after loading the saved memory into ``memory``.
+        read_config: ``read_config(path)`` -> the saved memory's options (None: none saved there).
     """
-    _openers.append(opener)
+    _openers.append((opener, read_config))
+
+
+def _registered() -> tuple[FolderOpener, ConfigReader]:
+    if not _openers:
+        raise NotSupportedError("a ProductKeyMemory folder needs kvsearch imported: it registers the opener")
+    return _openers[-1]
 
 
 def product_topk(queries: Tensor, subkeys: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -249,9 +265,30 @@ class ProductKeyMemory(nn.Module):
         #: copy shares it).
         self.folder: SavedMemoryFolder | None = None
         if folder is not None:
-            if not _openers:
-                raise NotSupportedError("ProductKeyMemory(folder=...) needs kvsearch imported: it registers the opener")
-            self.folder = _openers[-1](folder, self)
+            self.folder = _registered()[0](folder, self)
+
+    @classmethod
+    def open(cls, folder: str | os.PathLike[str]) -> ProductKeyMemory:
+        """Reopen the memory saved in ``folder`` with the options it was saved with (its current generation).
+
+        Args:
+            folder: a folder a memory was saved in (:meth:`save`).
+
+        Returns:
+            The memory, bit for bit the saved one, holding the folder (``save`` / ``rollback`` go on from there).
+
+        Raises:
+            DatabaseNotFoundError: no memory is saved in ``folder`` (absent, empty, or nothing saved yet).
+            WrongKindError, ForeignFolderError, CorruptDatabaseError: as ``ProductKeyMemory(folder=...)``.
+        """
+        check_path(folder, optional=False)
+        config = _registered()[1](folder)
+        if config is None:
+            raise DatabaseNotFoundError(
+                f"expected a folder holding a saved ProductKeyMemory, got {os.fspath(folder)!r} with none saved "
+                "(make one with ProductKeyMemory(..., folder=PATH) and save())"
+            )
+        return cls(**config, folder=folder)
 
     @property
     def generation(self) -> int | None:

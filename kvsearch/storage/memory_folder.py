@@ -267,8 +267,8 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
 
 
 def saved_config(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The config of the memory saved in the folder ``path`` (``ProductKeyMemory(**saved_config(path),
-    folder=path)`` opens it), or None where none is saved.
+    """The config of the memory saved in the folder ``path`` (what ``ProductKeyMemory.open(path)`` opens it with),
+    or None where none is saved.
 
     Raises:
         InvalidArgumentError: not a path. WrongKindError, ForeignFolderError: not a memory's folder.
@@ -528,4 +528,4 @@ def _manifest(config: Mapping[str, Any], generation: int, previous: int | None, 
     }
 
 
-register_folder_opener(MemoryFolder.open)
+register_folder_opener(MemoryFolder.open, saved_config)
