@@ -42,12 +42,10 @@ old ``finetune`` committed refreshed keys before it saved the encoder. The test 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable, Mapping
 
@@ -56,6 +54,8 @@ import torch
 
 torch.set_num_threads(1)  # no OpenMP pool in the server: fork() stays safe
 faiss.omp_set_num_threads(1)
+
+from _fork_server import serve  # noqa: E402
 
 import kvsearch  # noqa: E402
 from kvsearch import datasets  # noqa: E402
@@ -281,32 +281,7 @@ def main() -> None:
     keys, _ = directory()
     avoid = set(keys)
     warm_up()
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                child(cmd, keys, avoid)
-            finally:
-                os._exit(1)
-        killed_by = "self"
-        started = time.monotonic()
-        deadline = started + cmd["delay"]
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() >= deadline:
-                os.kill(pid, signal.SIGKILL)
-                killed_by = "server"
-                _, status = os.waitpid(pid, 0)
-                break
-            time.sleep(0.002)
-        signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-        reply = {"pid": pid, "killed_by": killed_by, "signal": signum, "exit": code}
-        print(json.dumps({**reply, "seconds": round(time.monotonic() - started, 3)}), flush=True)
+    serve(lambda cmd: child(cmd, keys, avoid))
 
 
 def warm_up() -> None:

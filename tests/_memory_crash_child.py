@@ -34,19 +34,18 @@ shapes, bytes), so the test can tell saved states apart exactly.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import signal
-import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 
 import torch
 
 torch.set_num_threads(1)  # no OpenMP pool in the server: fork() stays safe
+
+from _fork_server import serve  # noqa: E402
 
 import kvsearch  # noqa: E402
 from kvsearch.storage import memory_folder  # noqa: E402
@@ -187,32 +186,7 @@ def warm_up() -> None:
 
 def main() -> None:
     warm_up()
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                child(cmd)
-            finally:
-                os._exit(1)
-        killed_by = "self"
-        started = time.monotonic()
-        deadline = started + cmd["delay"]
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() >= deadline:
-                os.kill(pid, signal.SIGKILL)
-                killed_by = "server"
-                _, status = os.waitpid(pid, 0)
-                break
-            time.sleep(0.002)
-        signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-        reply = {"pid": pid, "killed_by": killed_by, "signal": signum, "exit": code}
-        print(json.dumps({**reply, "seconds": round(time.monotonic() - started, 3)}), flush=True)
+    serve(child)
 
 
 if __name__ == "__main__":
