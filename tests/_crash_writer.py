@@ -25,12 +25,8 @@ The child appends to the ack file, *after* each call returned, what it completed
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
-import time
-import traceback
 
 import faiss
 import numpy as np
@@ -38,6 +34,8 @@ import torch
 
 torch.set_num_threads(1)  # no OpenMP pool in the server: fork() stays safe
 faiss.omp_set_num_threads(1)
+
+from _fork_server import serve  # noqa: E402
 
 import kvsearch  # noqa: E402
 from kvsearch.index import factory as index_module  # noqa: E402
@@ -263,30 +261,7 @@ def child(cmd: dict) -> None:
 
 
 def main() -> None:
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                child(cmd)
-            except BaseException:
-                traceback.print_exc()  # the test then fails on the exit status: show why
-            finally:
-                os._exit(1)
-        killed_by = "self"
-        deadline = time.monotonic() + cmd["delay"]
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() >= deadline:
-                os.kill(pid, signal.SIGKILL)
-                killed_by = "server"
-                _, status = os.waitpid(pid, 0)
-                break
-            time.sleep(0.002)
-        signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        print(json.dumps({"pid": pid, "killed_by": killed_by, "signal": signum}), flush=True)
+    serve(child, ready=False)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The fork server of the kill tests' training processes (``_finetune_crash_child.py``, ``_memory_crash_child.py``).
+"""The fork server of the kill tests' writing processes (``_crash_writer.py``, ``_finetune_crash_child.py``,
+``_memory_crash_child.py``), and how a test starts one.
 
-A child script imports torch and kvsearch once, warms up, then calls :func:`serve` with its workload: for each JSON
+A server script imports torch and kvsearch once, warms up, then calls :func:`serve` with its workload: for each JSON
 command read on stdin (one per line, with ``"delay"`` in seconds) a forked child runs the workload until it is killed
 — by the server with SIGKILL once ``delay`` has passed, or by itself — and the server answers one JSON line:
-``{"pid", "killed_by": "server" | "self", "signal", "exit", "seconds"}``.
+``{"pid", "killed_by": "server" | "self", "signal", "exit", "seconds"}``. A test starts it with :func:`start_server`.
 """
 
 from __future__ import annotations
@@ -11,21 +12,39 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
-def serve(workload: Callable[[dict[str, Any]], None]) -> None:
-    """Say ready, then fork ``workload(cmd)`` for each command on stdin and report how it ended."""
-    print(json.dumps({"ready": True}), flush=True)
+def start_server(script: Path) -> subprocess.Popen:
+    """Start the server ``script`` (one OpenMP thread: fork() stays safe), its stdin and stdout as text pipes."""
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def serve(workload: Callable[[dict[str, Any]], None], ready: bool = True) -> None:
+    """Say ready (unless ``ready`` is False), then fork ``workload(cmd)`` for each command on stdin and report how
+    it ended. A workload that raises exits 1 with its traceback on stderr (the test then fails on the exit)."""
+    if ready:
+        print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         pid = os.fork()
         if pid == 0:
             try:
                 workload(cmd)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(1)
         killed_by = "self"

@@ -5,27 +5,24 @@ The model is ``nn.Sequential(nn.Linear(12, 10), ProductKeyMemory(10, num_keys=8,
 BatchNorm query norm (each rank's batch statistics; its buffers broadcast by DDP) and :data:`FROZEN` slots frozen.
 Each rank builds it with its own seed (DDP must broadcast rank 0's weights), takes :data:`STEPS` SGD steps on its own
 batches (of different sizes), all-gathers every rank's weights after each step, and records the frozen slots' values
-before and after. It spawns and joins as ``tests/_ddp_ranks.py`` does (``tests/_distributed_ranks.py``'s helpers),
-and records, never asserts.
+before and after. The ranks are spawned, joined and their results kept by ``tests/_distributed_ranks.py``
+(:data:`SCENARIO` names :func:`scenario` for its ``start_ranks``); it records, never asserts.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-from _distributed_ranks import Results, free_port, join_group, result_path
+from _distributed_ranks import Results
 from torch import nn
 
 IN, DIM, VALUE_DIM, CLASSES = 12, 10, 5, 3
 STEPS, LR, WORLD = 3, 0.5, 2
 FROZEN = [0, 9, 18, 27, 36, 45, 54, 63]
-SCENARIO = "pkm-ddp"
+SCENARIO = "_pkm_ddp_ranks:scenario"  # _distributed_ranks' start_ranks / rank_main / join_ranks run it
 DEADLINE_S = 120.0  # every rank is killed after this long: a hang fails the test, it never blocks the suite
 
 
@@ -94,33 +91,8 @@ def train(rank: int, world: int) -> dict[str, Any]:
     return res
 
 
-def rank_main(rank: int, world: int, port: int, root: str) -> None:
-    """The entry point of a spawned rank: one thread, gloo on localhost, then the steps."""
-    out = Results(result_path(root, SCENARIO, rank))
-    try:
-        join_group(rank, world, port, hang_after=DEADLINE_S)
-        start = time.perf_counter()
-        out.update(train(rank, world))
-        out["seconds"] = time.perf_counter() - start
-    except BaseException:
-        out["crash"] = traceback.format_exc()
-        out.save()
-        sys.stderr.write(f"rank {rank} of {world} crashed:\n{out['crash']}")
-        sys.stderr.flush()
-        os._exit(3)
-    out.save()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no process-group teardown, as the other ranks' scripts
-
-
-def start_ranks(world: int, root: Path) -> list[Any]:
-    """Spawn the ranks (spawn start method); they run while the caller computes its reference."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(root))) for r in range(world)]
-    for p in procs:
-        p.start()
-    return procs
+def scenario(rank: int, world: int, root: Path, out: Results) -> None:
+    """The ranks' work, as ``_distributed_ranks.rank_main`` runs it (:data:`SCENARIO`): the steps, and their time."""
+    start = time.perf_counter()
+    out.update(train(rank, world))
+    out["seconds"] = time.perf_counter() - start

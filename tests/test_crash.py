@@ -20,10 +20,8 @@ import __future__
 
 import inspect
 import json
-import os
 import shutil
 import sqlite3
-import subprocess
 import sys
 import textwrap
 import time
@@ -40,6 +38,7 @@ from kvsearch.storage import folder as folder_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _crash_writer import MODES, batch_records, open_db, reencode  # noqa: E402
+from _fork_server import start_server  # noqa: E402
 
 WRITER = Path(__file__).with_name("_crash_writer.py")
 
@@ -161,13 +160,7 @@ def run_kills(tmp_path: Path, rounds: int, seed: int, modes: tuple[str, ...] = M
     rng = np.random.default_rng(seed)
     path, acks = tmp_path / "db", tmp_path / "acks.txt"
     open_db(str(path)).close()
-    server = subprocess.Popen(
-        [sys.executable, str(WRITER)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    server = start_server(WRITER)
     stats: Counter[str] = Counter()
     check_seconds = 0.0
     live: dict[str, list[int]] = {}

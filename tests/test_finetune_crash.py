@@ -25,8 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 import warnings
@@ -40,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _finetune_crash_child import MODES, create_db, directory, eval_pairs, open_db, recall  # noqa: E402
+from _fork_server import start_server  # noqa: E402
 
 CHILD = Path(__file__).with_name("_finetune_crash_child.py")
 FULL_CHECK_MAX = 5_000  # above this many records the key check takes a sample of SAMPLE keys
@@ -229,13 +228,7 @@ def run_kills(
     with open_db(str(path)) as db:
         state.generation = db.generation
     started = time.perf_counter()
-    server = subprocess.Popen(
-        [sys.executable, str(CHILD)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    server = start_server(CHILD)
     assert json.loads(server.stdout.readline()) == {"ready": True}
     stats = state.stats
     stats["server_start_seconds"] = round(time.perf_counter() - started, 1)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -45,6 +43,7 @@ from kvsearch import (
 from kvsearch.storage import memory_folder
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _fork_server import start_server  # noqa: E402
 from _memory_crash_child import MODES, open_memory, state_digest  # noqa: E402
 
 CHILD = Path(__file__).with_name("_memory_crash_child.py")
@@ -468,13 +467,7 @@ def run_kills(tmp_path: Path, rounds: int, seed: int, only: str | None = None, m
     rng = np.random.default_rng(seed)
     path = tmp_path / "memory"
     started = time.perf_counter()
-    server = subprocess.Popen(
-        [sys.executable, str(CHILD)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    server = start_server(CHILD)
     known = Known()
     stats = known.stats
     try:

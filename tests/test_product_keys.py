@@ -32,7 +32,7 @@ from kvsearch.nn.product_keys import product_topk
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _pkm_ddp_ranks as ranks  # noqa: E402
-from _distributed_ranks import join_ranks  # noqa: E402
+from _distributed_ranks import join_ranks, start_ranks  # noqa: E402
 
 
 def make(seed: int = 0, dtype: torch.dtype = torch.float64, **options) -> ProductKeyMemory:
@@ -302,6 +302,18 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def forward_backward_both(x: torch.Tensor, *pairs: tuple) -> None:
+    """For each (module, memory): zero the memory's grads, run x through the module and back (sum of squares);
+    the outputs must agree."""
+    outs = []
+    for module, memory in pairs:
+        memory.zero_grad()
+        out = module(x)
+        out.pow(2).sum().backward()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[0], outs[1])
+
+
 @pytest.mark.parametrize(
     "query_norm,backend",
     [
@@ -317,13 +329,7 @@ def test_torch_compile_fullgraph_matches_eager_with_frozen_slots(fresh_dynamo, q
     gen = torch.Generator().manual_seed(4)
     for _ in range(2):  # training forwards: the buffers' bookkeeping compiles too
         x = torch.randn(16, 10, generator=gen)
-        outs = []
-        for module, memory in ((eager, eager), (compiled, compiled_memory)):
-            memory.zero_grad()
-            out = module(x)
-            out.pow(2).sum().backward()
-            outs.append(out.detach())
-        torch.testing.assert_close(outs[0], outs[1])
+        forward_backward_both(x, (eager, eager), (compiled, compiled_memory))
         torch.testing.assert_close(eager.values.grad, compiled_memory.values.grad)
         torch.testing.assert_close(eager.subkeys.grad, compiled_memory.subkeys.grad)
     assert compiled_memory.values.grad[[3, 17, 40]].abs().sum() == 0
@@ -339,13 +345,7 @@ def test_torch_compile_of_a_sparse_memory_breaks_once_at_the_read_and_matches_ea
     compiled_memory = copy.deepcopy(eager)
     compiled = torch.compile(compiled_memory, backend="aot_eager")
     x = torch.randn(16, 10, generator=torch.Generator().manual_seed(6))
-    outs = []
-    for module, memory in ((eager, eager), (compiled, compiled_memory)):
-        memory.zero_grad()
-        out = module(x)
-        out.pow(2).sum().backward()
-        outs.append(out.detach())
-    torch.testing.assert_close(outs[0], outs[1])
+    forward_backward_both(x, (eager, eager), (compiled, compiled_memory))
     assert compiled_memory.values.grad.is_sparse
     torch.testing.assert_close(eager.values.grad.to_dense(), compiled_memory.values.grad.to_dense())
     torch.testing.assert_close(eager.subkeys.grad, compiled_memory.subkeys.grad)
@@ -358,7 +358,7 @@ def test_torch_compile_of_a_sparse_memory_breaks_once_at_the_read_and_matches_ea
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pkm-ddp")
-    procs = ranks.start_ranks(ranks.WORLD, root)
+    procs = start_ranks(ranks.WORLD, root, ranks.SCENARIO)
     try:
         ref = ranks.reference()  # while the ranks run
     finally:
