@@ -224,3 +224,24 @@ def test_committed_keys_are_what_the_kept_encoder_gives(tmp_path, kind, keep):
     db.close()
     with kvsearch.Database(tmp_path / kind) as again:
         assert [h.key for h in again.search(query, k=3)] == hits
+
+
+@pytest.mark.parametrize("kind", ["surnames", "words"])
+def test_in_batch_steps_do_not_refresh_the_index_they_never_read(tmp_path, kind):
+    """In-batch negatives alone read no index in a step: the keys are re-encoded after each epoch only, whatever
+    ``refresh_every`` says, and the weights are those of a run that refreshes rarely; candidates still refresh."""
+    runs = {}
+    for name, negatives, every in (("inb-1", "in-batch", 1), ("inb-99", "in-batch", 99), ("cand-1", "candidates", 1)):
+        db = _db(tmp_path / name, kind)
+        torch.manual_seed(0)
+        history = finetune(
+            db, PAIRS[kind], train="query+keys", negatives=negatives, k=3, epochs=2, batch_size=2,
+            refresh_every=every, keep="last", generated=0, verbose=False,
+        )  # fmt: skip
+        runs[name] = (history.refreshes, db.encoder.state_dict())
+        db.close()
+    steps = 2 * math.ceil(len(PAIRS[kind]) / 2)
+    assert runs["inb-1"][0] == runs["inb-99"][0] == 2  # after each epoch
+    assert runs["cand-1"][0] == steps  # after every step
+    for name, tensor in runs["inb-1"][1].items():
+        torch.testing.assert_close(tensor, runs["inb-99"][1][name], rtol=0, atol=0)

@@ -90,7 +90,8 @@ class FinetuneConfig:
         k: candidates per query (the index's top k), in [1, MAX_K].
         epochs: passes over the training pairs, at most :data:`MAX_EPOCHS`.
         refresh_every: with ``train="query+keys"``, re-encode the keys and rebuild the index every this many
-            steps (and after each epoch, and at the end).
+            steps when a step reads its candidates from the index (not with ``negatives="in-batch"``), and after
+            each epoch, and at the end.
         train: ``"query"``: a query-side copy of the encoder learns (``db.query_encoder``; the stored keys
             and the index never change). ``"query+keys"``: the shared encoder learns, the index is refreshed;
             a value encoder that was the key encoder is kept, untrained, as the value encoder. None (the

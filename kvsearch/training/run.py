@@ -114,6 +114,12 @@ class Plan:
         """Whether the training pairs are ``(queries, values)`` tensors rather than texts."""
         return is_tensor_pairs(self.pairs.train)
 
+    @property
+    def searches(self) -> bool:
+        """Whether a train step reads the draft's index (its candidates); in-batch negatives alone do not, so the
+        keys are refreshed only after each epoch (for the judge and the commit), not every ``refresh_every`` steps."""
+        return not (self.config.negatives == "in-batch" and self.targets.ids is not None)
+
 
 def make_plan(
     db: DatabaseProtocol, train_pairs: Any, eval_pairs: Any, config: FinetuneConfig | None, options: dict[str, Any]
@@ -424,7 +430,7 @@ class Run:
         if self.opt.defaults.get("fused"):  # fused kernels write in place without bumping the version counters
             torch.autograd.graph.increment_version(self.params)  # that tell the encoders' saved marks apart
         self.schedule.step()
-        if self.step % config.refresh_every == 0:
+        if plan.searches and self.step % config.refresh_every == 0:
             self._refresh()
         self.bar.update(1)
         self.bar.set_postfix(_postfix(loss_float, self.history), refresh=False)
