@@ -323,7 +323,7 @@ def _run_task(args: argparse.Namespace, name: str) -> tuple[common.Table, list[s
     configs = ([] if args.no_defaults else [("kvsearch defaults", {})]) + _variants(args.variant)
     for n_train in counts:
         for method, options in configs:
-            folder = str(base.parent / "run")
+            folder = str(base.parent / f"run-{os.getpid()}")  # two runs of the benchmark side by side each have their own
             kwargs = {"base": str(base), "folder": folder, "spec": spec, "n_train": n_train, "options": options}
             record(method, n_train, _row("kvsearch_run", {**kwargs, "threads": args.threads}, args.timeout))
         for loss in args.peers:
