@@ -20,6 +20,7 @@ import kvsearch
 from kvsearch import FinetuneConfig, finetune
 from kvsearch.errors import InvalidArgumentError, UnknownOptionError
 from kvsearch.training.defaults import auto_negatives, auto_warmup, lr_schedule
+from kvsearch.training.trainables import HARD_NEGATIVE_MARGIN
 
 SURNAMES = ["Li", "Lipton", "Smola", "Zhang", "Mu", "Chen", "Garcia", "Nguyen", "Kowalski", "Okafor", "Silva", "Ivanov"]
 WORDS = ["apple", "banana", "cherry", "grape", "lemon", "mango", "orange", "papaya", "peach", "pear", "plum", "melon"]
@@ -59,20 +60,24 @@ def _one_step(db: kvsearch.Database, pairs, negatives: str, k: int = 3) -> None:
     assert history.committed
 
 
-def _by_hand(encoder, stored: torch.Tensor, keys: list[str], pairs, negatives: str, k: int = 3) -> dict:
+def _by_hand(
+    encoder, stored: torch.Tensor, keys: list[str], pairs, negatives: str, k: int = 3, margin=HARD_NEGATIVE_MARGIN
+) -> dict:
     """The same SGD step taken by hand on a copy of the encoder: dense cross-entropy over the batch's targets."""
     encoder = copy.deepcopy(encoder).train()
     targets = list(dict.fromkeys(sorted((t for _, t in pairs), key=keys.index)))  # distinct, in id order
     q = F.normalize(encoder([q for q, _ in pairs]), dim=-1)  # (b, dim)
     p = F.normalize(encoder(targets), dim=-1)  # (u, dim)
     logits = q @ p.T  # (b, u)
+    labels = torch.tensor([targets.index(t) for _, t in pairs])  # (b,)
     if negatives == "both":
         scores = F.normalize(q.detach(), dim=-1) @ F.normalize(stored, dim=-1).T  # (b, m) brute force
         top = scores.topk(k, dim=-1).indices  # (b, k)
         hard = (q.unsqueeze(1) @ F.normalize(stored[top], dim=-1).transpose(1, 2)).squeeze(1)  # (b, k)
         in_batch = torch.tensor([[keys[j] in targets for j in row] for row in top.tolist()])  # (b, k)
-        logits = torch.cat([logits, hard.masked_fill(in_batch, -math.inf)], 1)  # (b, u + k)
-    labels = torch.tensor([targets.index(t) for _, t in pairs])  # (b,)
+        positive = logits.gather(1, labels.unsqueeze(1)).detach()  # (b, 1) each query's target score
+        close = hard.detach() > margin * positive  # (b, k) likely false negatives, dropped
+        logits = torch.cat([logits, hard.masked_fill(in_batch | close, -math.inf)], 1)  # (b, u + k)
     F.cross_entropy(logits / T, labels).backward()
     with torch.no_grad():
         for param in encoder.parameters():
@@ -93,6 +98,28 @@ def test_one_step_equals_dense_cross_entropy_by_hand(tmp_path, kind, negatives):
     assert got.keys() == expected.keys()
     for name in got:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kind, pairs",
+    [
+        ("words", [("pear", "peach"), ("aple", "apple"), ("lemonn", "lemon")]),
+        ("surnames", [("Lipton", "Li"), ("Smolla", "Smola")]),
+    ],
+)
+def test_a_hard_negative_scoring_near_the_target_is_dropped(tmp_path, kind, pairs):
+    """A query that is itself another stored key ("pear" for "peach"): that key outscores the target, is taken for a
+    false negative and leaves the softmax; the step equals the filtered one by hand, not the unfiltered one."""
+    torch.manual_seed(0)
+    db = _db(tmp_path, kind)
+    stored, _, _ = db.embeddings(db.ids())  # (m, dim)
+    kept = _by_hand(db.encoder, stored, KEYS[kind], pairs, "both")
+    unfiltered = _by_hand(db.encoder, stored, KEYS[kind], pairs, "both", margin=math.inf)
+    _one_step(db, pairs, "both")
+    got = db.encoder.state_dict()
+    for name in got:
+        torch.testing.assert_close(got[name], kept[name], rtol=1e-4, atol=1e-6)
+    assert any(not torch.allclose(got[n], unfiltered[n], rtol=1e-4, atol=1e-6) for n in got)
 
 
 @pytest.mark.parametrize("kind", ["surnames", "words"])

@@ -302,7 +302,7 @@ def step_loss(
             assert targets is not None
             cand = trained.batch_candidates(targets, q.shape[0])  # (b, u): the batch's targets, keys with grad
             if searched is not None:
-                cand = _with_hard_negatives(cand, searched)  # (b, u + k)
+                cand = _with_hard_negatives(cand, searched, q.to(db.device), targets, trained.score)  # (b, u + k)
             keys = cand.keys  # (b, c, dim)
         else:
             assert searched is not None
@@ -337,16 +337,32 @@ def step_loss(
     return value
 
 
-def _with_hard_negatives(batch: Candidates, hard: Candidates) -> Candidates:
-    """In-batch candidates (b, u) followed by the index's (b, k) as detached hard negatives, an index candidate that
-    is also in the batch masked out (it must not count twice in the softmax). Returns (b, u + k) candidates."""
+#: A hard negative that scores above this fraction of its query's target score is dropped as a likely false negative
+#: (a synonym of the target, another word its definition fits): NV-Retriever's "TopK-PercPos" filter (Moreira et al.,
+#: 2024), which found 0.95 best.
+HARD_NEGATIVE_MARGIN = 0.95
+
+
+def _with_hard_negatives(
+    batch: Candidates, hard: Candidates, q: Tensor, targets: Tensor, score: str | ScoreFn
+) -> Candidates:
+    """In-batch candidates (b, u) followed by the index's (b, k) as detached hard negatives. Masked out: an index
+    candidate that is also in the batch (it must not count twice in the softmax), and one that scores above
+    :data:`HARD_NEGATIVE_MARGIN` of the query's target (likely a false negative). Returns (b, u + k) candidates."""
     assert batch.mask is not None and hard.mask is not None
     seen = (hard.ids.unsqueeze(-1) == batch.ids[:1].unsqueeze(1)).any(-1)  # (b, k) already an in-batch candidate
+    hard_keys = hard.keys.detach().to(batch.keys.device, batch.keys.dtype)  # (b, k, dim)
+    with torch.no_grad():
+        column = (batch.ids[0].unsqueeze(0) == targets.to(batch.ids.device).unsqueeze(1)).float().argmax(1)  # (b,)
+        positive = batch.keys[torch.arange(len(q), device=q.device), column].float()  # (b, dim)
+        pos_score = compute_scores(q.detach().float().unsqueeze(1), positive.unsqueeze(1), score).reshape(-1, 1)
+        hard_score = compute_scores(q.detach().float().unsqueeze(1), hard_keys.float(), score).squeeze(1)  # (b, k)
+        close = hard_score > HARD_NEGATIVE_MARGIN * pos_score  # (b, k)
     return Candidates(
         ids=torch.cat([batch.ids, hard.ids.to(batch.ids.device)], 1),  # (b, u + k)
-        keys=torch.cat([batch.keys, hard.keys.detach().to(batch.keys.device, batch.keys.dtype)], 1),  # (b, u + k, dim)
+        keys=torch.cat([batch.keys, hard_keys], 1),  # (b, u + k, dim)
         values=torch.cat([batch.values, hard.values.to(batch.values.device, batch.values.dtype)], 1),
-        mask=torch.cat([batch.mask, (hard.mask & ~seen).to(batch.mask.device)], 1),  # (b, u + k)
+        mask=torch.cat([batch.mask, (hard.mask & ~seen).to(batch.mask.device) & ~close], 1),  # (b, u + k)
     )
 
 
