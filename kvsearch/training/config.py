@@ -116,7 +116,9 @@ class FinetuneConfig:
             top ``k``, the target forced in; with ``train="query+keys"`` all of them re-encoded with grad),
             ``"in-batch"`` (the other targets of the batch, as sentence-transformers'
             MultipleNegativesRankingLoss: no index search in the step) or ``"both"`` (the batch's targets, then the
-            index's top ``k`` as hard negatives kept as the draft holds them, without grad). None (the default):
+            index's top ``k`` as hard negatives kept as the draft holds them, without grad; one scoring above
+            :data:`~kvsearch.training.trainables.HARD_NEGATIVE_MARGIN` of the target's score is dropped as a likely
+            false negative). None (the default):
             ``"candidates"`` for an :class:`~kvsearch.NgramEncoder`, tensor pairs, value targets and sharded
             databases, else what :func:`kvsearch.training.defaults.auto_negatives` says.
         pairs_from: train on pairs made from the records themselves, ``(a second text of the record, its key)``,
