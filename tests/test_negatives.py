@@ -76,7 +76,7 @@ def _by_hand(
         hard = (q.unsqueeze(1) @ F.normalize(stored[top], dim=-1).transpose(1, 2)).squeeze(1)  # (b, k)
         in_batch = torch.tensor([[keys[j] in targets for j in row] for row in top.tolist()])  # (b, k)
         positive = logits.gather(1, labels.unsqueeze(1)).detach()  # (b, 1) each query's target score
-        close = hard.detach() > margin * positive  # (b, k) likely false negatives, dropped
+        close = hard.detach() > positive - (1 - margin) * positive.abs()  # (b, k) likely false negatives, dropped
         logits = torch.cat([logits, hard.masked_fill(in_batch | close, -math.inf)], 1)  # (b, u + k)
     F.cross_entropy(logits / T, labels).backward()
     with torch.no_grad():

@@ -339,7 +339,7 @@ def step_loss(
 
 #: A hard negative that scores above this fraction of its query's target score is dropped as a likely false negative
 #: (a synonym of the target, another word its definition fits): NV-Retriever's "TopK-PercPos" filter (Moreira et al.,
-#: 2024), which found 0.95 best.
+#: 2024), which found 0.95 best. For a target score s < 0 (a gaussian score) the bar is s - 0.05 |s| alike.
 HARD_NEGATIVE_MARGIN = 0.95
 
 
@@ -357,7 +357,7 @@ def _with_hard_negatives(
         positive = batch.keys[torch.arange(len(q), device=q.device), column].float()  # (b, dim)
         pos_score = compute_scores(q.detach().float().unsqueeze(1), positive.unsqueeze(1), score).reshape(-1, 1)
         hard_score = compute_scores(q.detach().float().unsqueeze(1), hard_keys.float(), score).squeeze(1)  # (b, k)
-        close = hard_score > HARD_NEGATIVE_MARGIN * pos_score  # (b, k)
+        close = hard_score > pos_score - (1 - HARD_NEGATIVE_MARGIN) * pos_score.abs()  # (b, k) any sign of score
     return Candidates(
         ids=torch.cat([batch.ids, hard.ids.to(batch.ids.device)], 1),  # (b, u + k)
         keys=torch.cat([batch.keys, hard_keys], 1),  # (b, u + k, dim)
