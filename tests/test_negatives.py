@@ -3,8 +3,8 @@
 One step of ``finetune`` with plain SGD is compared with the same step taken by hand: the encoder's weights after
 ``negatives="in-batch"`` equal those of a dense cross-entropy over the batch's distinct target keys (as
 sentence-transformers' MultipleNegativesRankingLoss), and after ``negatives="both"`` over those keys and the brute
-force top k of the stored keys (detached) that are not in the batch. The warm-up is compared with transformers'
-schedules, ``pairs_from`` with the records read back by hand.
+force top k of the stored keys (detached) that are not in the batch nor scoring near the target (false negatives).
+The warm-up is compared with transformers' schedules, ``pairs_from`` with the records read back by hand.
 """
 
 from __future__ import annotations
