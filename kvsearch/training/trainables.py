@@ -353,11 +353,12 @@ def _with_hard_negatives(
     seen = (hard.ids.unsqueeze(-1) == batch.ids[:1].unsqueeze(1)).any(-1)  # (b, k) already an in-batch candidate
     hard_keys = hard.keys.detach().to(batch.keys.device, batch.keys.dtype)  # (b, k, dim)
     with torch.no_grad():
-        column = (batch.ids[0].unsqueeze(0) == targets.to(batch.ids.device).unsqueeze(1)).float().argmax(1)  # (b,)
-        positive = batch.keys[torch.arange(len(q), device=q.device), column].float()  # (b, dim)
-        pos_score = compute_scores(q.detach().float().unsqueeze(1), positive.unsqueeze(1), score).reshape(-1, 1)
-        hard_score = compute_scores(q.detach().float().unsqueeze(1), hard_keys.float(), score).squeeze(1)  # (b, k)
-        close = hard_score > pos_score - (1 - HARD_NEGATIVE_MARGIN) * pos_score.abs()  # (b, k) any sign of score
+        column = torch.searchsorted(batch.ids[0], targets.to(batch.ids.device))  # (b,) in the sorted distinct targets
+        positive = batch.keys[torch.arange(len(q), device=q.device), column]  # (b, dim)
+        both = torch.cat([positive.unsqueeze(1), hard_keys], 1).float()  # (b, 1 + k, dim): the target, then the hard
+        scores = compute_scores(q.detach().float().unsqueeze(1), both, score).squeeze(1)  # (b, 1 + k)
+        target, rest = scores[:, :1], scores[:, 1:]  # (b, 1), (b, k)
+        close = rest > target - (1 - HARD_NEGATIVE_MARGIN) * target.abs()  # (b, k) for a score of either sign
     return Candidates(
         ids=torch.cat([batch.ids, hard.ids.to(batch.ids.device)], 1),  # (b, u + k)
         keys=torch.cat([batch.keys, hard_keys], 1),  # (b, u + k, dim)
