@@ -28,6 +28,8 @@ PAIRS = {
     "surnames": [("Lipten", "Lipton"), ("Smolla", "Smola"), ("Zang", "Zhang"), ("Chenn", "Chen"), ("Lipon", "Lipton")],
     "words": [("aple", "apple"), ("banan", "banana"), ("chery", "cherry"), ("grap", "grape"), ("aplle", "apple")],
 }
+#: Pairs no training pair names: what an eval set holds out.
+HELD_OUT = {"surnames": [("Kowalsky", "Kowalski"), ("Nguyn", "Nguyen")], "words": [("mangoo", "mango"), ("lemmon", "lemon")]}
 KEYS = {"surnames": SURNAMES, "words": WORDS}
 T = 0.05
 LR = 0.5
@@ -255,8 +257,9 @@ def test_committed_keys_are_what_the_kept_encoder_gives(tmp_path, kind, keep):
 
 @pytest.mark.parametrize("kind", ["surnames", "words"])
 def test_in_batch_steps_do_not_refresh_the_index_they_never_read(tmp_path, kind):
-    """In-batch negatives alone read no index in a step: the keys are re-encoded after each epoch only, whatever
-    ``refresh_every`` says, and the weights are those of a run that refreshes rarely; candidates still refresh."""
+    """In-batch negatives alone read no index in a step: the keys are re-encoded only for a measure and the commit,
+    whatever ``refresh_every`` says, and the weights are those of a run that refreshes rarely; candidates still
+    refresh after every step."""
     runs = {}
     for name, negatives, every in (("inb-1", "in-batch", 1), ("inb-99", "in-batch", 99), ("cand-1", "candidates", 1)):
         db = _db(tmp_path / name, kind)
@@ -268,7 +271,35 @@ def test_in_batch_steps_do_not_refresh_the_index_they_never_read(tmp_path, kind)
         runs[name] = (history.refreshes, db.encoder.state_dict())
         db.close()
     steps = 2 * math.ceil(len(PAIRS[kind]) / 2)
-    assert runs["inb-1"][0] == runs["inb-99"][0] == 2  # after each epoch
+    assert runs["inb-1"][0] == runs["inb-99"][0] == 1  # nothing measured: once, for the commit
     assert runs["cand-1"][0] == steps  # after every step
     for name, tensor in runs["inb-1"][1].items():
         torch.testing.assert_close(tensor, runs["inb-99"][1][name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["surnames", "words"])
+def test_an_in_batch_run_refreshes_the_keys_for_each_epoch_it_measures(tmp_path, kind):
+    """Held-out eval pairs measure every epoch (each after a refresh of the keys); the training pairs themselves,
+    which cannot tell which epoch generalizes best, measure the start and the last epoch only (one refresh); what
+    the steps do is the same, measured or not."""
+    epochs, runs = 3, {}
+    for judge, options in (
+        ("eval_pairs", {"eval_pairs": HELD_OUT[kind], "keep": "last"}),
+        ("train_pairs", {"keep": "best"}),
+        ("nothing", {"keep": "last"}),
+    ):
+        db = _db(tmp_path / judge, kind)
+        torch.manual_seed(0)
+        history = finetune(
+            db, PAIRS[kind], train="query+keys", negatives="in-batch", epochs=epochs, batch_size=2, generated=0,
+            verbose=False, **options,
+        )  # fmt: skip
+        assert history.judged_on == judge
+        runs[judge] = (history, db.encoder.state_dict())
+        db.close()
+    measured = {judge: [int(m["epoch"]) for m in history.metrics] for judge, (history, _) in runs.items()}
+    assert measured == {"eval_pairs": [0, 1, 2, 3], "train_pairs": [0, epochs], "nothing": []}
+    assert [runs[judge][0].refreshes for judge in ("eval_pairs", "train_pairs", "nothing")] == [epochs, 1, 1]
+    assert runs["train_pairs"][0].kept_epoch in (0, epochs)  # the last epoch, if it beats the start
+    for name, tensor in runs["eval_pairs"][1].items():  # measuring does not change the steps
+        torch.testing.assert_close(tensor, runs["nothing"][1][name], rtol=0, atol=0)

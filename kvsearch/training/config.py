@@ -289,7 +289,8 @@ class History:
 
     Attributes:
         k: the number of candidates (``recall@k`` is recall at this k).
-        metrics: one dict per evaluation (epoch 0 = before training, then after each epoch), with ``epoch``,
+        metrics: one dict per evaluation (epoch 0 = before training, then after each epoch; judged on the training
+            pairs, after the last epoch only: see :attr:`judged_on`), with ``epoch``,
             ``step`` and, on text pairs, ``recall@1``, ``recall@k``, ``mrr`` (over the top k), or on tensor pairs
             ``loss`` (the training loss on the eval pairs); measured on what ``judged_on`` names. Empty when
             nothing was judged.
@@ -308,8 +309,9 @@ class History:
         judged_on: what the epochs were judged on: ``"eval_pairs"`` (the user's), ``"monitor"`` (held-out keys),
             ``"train_pairs"`` (nothing to hold out: the training pairs themselves — the user's, or without them
             the first epoch's generated ones; what is committed is never worse on them, but they cannot show
-            whether the run learned more than them) or ``"nothing"`` (``keep="last"`` without eval pairs or a
-            monitor).
+            whether the run learned more than them, nor which epoch generalizes best, so only the start and the
+            last epoch are measured: the last is committed if it beats the start) or ``"nothing"``
+            (``keep="last"`` without eval pairs or a monitor).
         judged: how many pairs the epochs were judged on (0: nothing; this rank's, when several ranks run).
     """
 
@@ -330,17 +332,20 @@ class History:
     judged: int = 0
 
     def value(self, epoch: int) -> float | None:
-        """The metric measured after ``epoch`` (0: before training), or None when nothing was judged."""
-        if not 0 <= epoch < len(self.metrics):
-            return None
-        return self.metrics[epoch].get(self.metric)
+        """The metric measured after ``epoch`` (0: before training), or None when that epoch was not judged."""
+        for measured in self.metrics:
+            if measured["epoch"] == epoch:
+                return measured.get(self.metric)
+        return None
 
     def best_epoch(self) -> int | None:
-        """The epoch >= 1 with the best metric (the first of equals), or None: nothing judged, or no epoch ran."""
-        if len(self.metrics) < 2:
+        """The judged epoch >= 1 with the best metric (the first of equals), or None: nothing judged, or no epoch
+        ran."""
+        judged = [m for m in self.metrics if m["epoch"] >= 1]
+        if not judged:
             return None
         sign = 1.0 if higher_is_better(self.metric) else -1.0
-        return max(range(1, len(self.metrics)), key=lambda e: (sign * self.metrics[e][self.metric], -e))
+        return int(max(judged, key=lambda m: (sign * m[self.metric], -m["epoch"]))["epoch"])
 
     def summary(self) -> str:
         """One human line: the metric before, the epoch kept, and the generation.
@@ -371,11 +376,11 @@ class History:
             if best is None:
                 return f"{head}; no epoch ran: kept the start, generation {self.generation} unchanged"
             return (
-                f"{head}; no epoch beat it (best {self.metrics[best][self.metric]:.3f} at epoch {best}): "
+                f"{head}; no epoch beat it (best {self.value(best):.3f} at epoch {best}): "
                 f"kept the start, generation {self.generation} unchanged"
             )
-        kept = self.kept_epoch if self.kept_epoch is not None else len(self.metrics) - 1
-        after = self.metrics[kept][self.metric]
+        kept = self.kept_epoch if self.kept_epoch is not None else int(self.metrics[-1]["epoch"])
+        after = self.value(kept)
         if self.keep == "best":
             return f"{head} -> best {after:.3f} at epoch {kept} (kept, generation {self.generation})"
         return f"{head} -> {after:.3f} at epoch {kept} (last epoch kept, generation {self.generation})"

@@ -27,7 +27,9 @@ each epoch; the best epoch's weights are kept in memory and committed at the end
 better than the start. If no epoch beats it, the draft is discarded and the database keeps its retriever. The
 metric is measured on the eval pairs, else on the monitor of held-out keys (:mod:`kvsearch.training.pairs`), else —
 nothing to hold out: no pairs generated, or too few pairs and keys — on the training pairs themselves
-(``History.judged_on == "train_pairs"``, which the summary says): never is a run committed that was not judged.
+(``History.judged_on == "train_pairs"``, which the summary says), after the start and the last epoch only (they
+cannot rank the epochs between, and each measure costs a refresh of every key): never is a run committed that was
+not judged.
 ``keep="last"`` commits the last epoch, even when it is worse (judging nothing without eval pairs or a monitor).
 
 Targets. A pair is ``(query text, target text)``; ``targets="key"`` reads the target as the key of the right

@@ -15,9 +15,11 @@ text) are not drawn from.
 Nothing to hold out. Without eval pairs and without held-out keys (no pairs are generated — ``generated=0``, a
 sentence encoder's default, tensor or value pairs — or too few keys and pairs for a share of them to be one), a run
 with ``keep="best"`` is judged on its training pairs themselves (:func:`judge_on_training`): the user's, or without
-them the first epoch's generated ones. The start is measured on them too, so an epoch is committed only if it does
+them the first epoch's generated ones. The start is measured on them too, so the run is committed only if it does
 strictly better on them than the database did: a run never leaves the database worse on what it was judged on,
-though pairs it trained on cannot tell whether it learned more than those pairs. ``keep="last"`` judges nothing.
+though pairs it trained on cannot tell whether it learned more than those pairs, nor which epoch generalizes best
+(the loop measures the start and the last epoch only: :meth:`kvsearch.training.run.Plan.judges`). ``keep="last"``
+judges nothing.
 
 This module knows nothing of the loop, the losses or the index: it reads key texts through the facade.
 """

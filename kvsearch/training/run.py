@@ -6,8 +6,8 @@
     run.evaluate(0)                 # the start, measured on the draft ...
     run.keep_best(0)                # ... is the mark every epoch must beat
     for epoch in range(1, epochs + 1):
-        run.epoch(epoch)            # the train steps, then the draft's keys and index refreshed
-        run.evaluate(epoch)         # the metric on the draft
+        run.epoch(epoch)            # the train steps, then the draft's keys and index refreshed (when needed)
+        run.evaluate(epoch)         # the metric on the draft (every epoch; on the training pairs, the last only)
         run.keep_best(epoch)        # a CPU copy of the weights when the epoch is strictly better
     run.commit()                    # the kept epoch as a new generation, or the draft discarded
     # on any exception: run.abort() (the draft discarded, once); always: run.close()
@@ -119,6 +119,16 @@ class Plan:
         """Whether a train step reads the draft's index (its candidates); in-batch negatives alone do not, so the
         keys are refreshed only after each epoch (for the judge and the commit), not every ``refresh_every`` steps."""
         return not (self.config.negatives == "in-batch" and self.targets.ids is not None)
+
+    def judges(self, epoch: int) -> bool:
+        """Whether the draft is measured after ``epoch`` (0: the start): after every epoch on held-out pairs (eval
+        pairs, the monitor); on the training pairs themselves (``judged_on="train_pairs"``) after the start and the
+        last epoch only. Those cannot tell which epoch generalizes best (a later epoch fits them better whether or
+        not it learned more), only whether the run made things worse; an epoch in between would cost a refresh of
+        every key (when the steps read no index) and a measure, for nothing."""
+        if self.pairs.eval is None:
+            return False
+        return self.pairs.judged_on != "train_pairs" or epoch in (0, self.config.epochs)
 
 
 def make_plan(
@@ -302,16 +312,18 @@ class Run:
         ]
         self.history.losses.extend(losses)
         self.history.epoch_losses.append(sum(losses) / len(losses))
-        self._refresh()  # the draft's index must match the key encoder before it is measured (and at the end)
+        if self.plan.searches or self.plan.judges(epoch) or epoch == self.plan.config.epochs:
+            self._refresh()  # the draft's index must match the key encoder before a step, a measure or the commit
 
     def evaluate(self, epoch: int) -> None:
-        """Measure the metric on the draft after ``epoch`` (0: the start), when the run is judged on something
-        (eval pairs, the monitor, or its training pairs: see :func:`~kvsearch.training.pairs.plan_run`).
+        """Measure the metric on the draft after ``epoch`` (0: the start), when the run judges that epoch (eval
+        pairs, the monitor, or its training pairs: see :func:`~kvsearch.training.pairs.plan_run` and
+        :meth:`Plan.judges`).
 
         Raises:
             NonFiniteError: the eval loss (tensor pairs) is NaN or Inf.
         """
-        if self.plan.pairs.eval is not None:
+        if self.plan.judges(epoch):
             for m in self.modules:
                 m.eval()
             try:
@@ -325,7 +337,9 @@ class Run:
 
     def keep_best(self, epoch: int) -> None:
         """Hold a CPU copy of the weights after ``epoch`` if it is strictly better than the best so far
-        (``keep="best"``); epoch 0, the start, is the mark to beat."""
+        (``keep="best"``); epoch 0, the start, is the mark to beat; an epoch the run does not judge is skipped."""
+        if not self.plan.judges(epoch):
+            return
         value = self.history.value(epoch)
         if epoch == 0:
             self.best = _Best(value, 0, None)
@@ -509,12 +523,12 @@ def _postfix(loss: float, history: History) -> dict[str, str]:
 
 def _summary(history: History, config: FinetuneConfig, steps: int) -> dict[str, Any]:
     """The run as the database records it (JSON-able): shown by ``kvsearch info``."""
-    kept = history.kept_epoch if history.kept_epoch is not None else len(history.metrics) - 1
+    kept = history.kept_epoch if history.kept_epoch is not None else config.epochs
     loss = config.loss if isinstance(config.loss, str) else getattr(config.loss, "__name__", type(config.loss).__name__)
     return {
         "metric": history.metric if history.metrics else None,
         "before": history.value(0),
-        "after": history.value(kept) if history.metrics else None,
+        "after": history.value(kept),
         "kept_epoch": history.kept_epoch,
         "committed": history.kept_epoch != 0,  # kept epoch 0: no epoch beat the start, nothing was committed
         "keep": history.keep,
