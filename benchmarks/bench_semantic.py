@@ -10,7 +10,8 @@ acc@10 and MRR@10 (a target below rank 10 counts 0) and the training wall time o
   ``--values second``: each key's second description, never a held-out query, for ``pairs_from="value"``);
   built once per task and key sample into ``--workdir`` and reused (``--rebuild`` builds it again);
 - ``finetune(db, pairs)`` with kvsearch's defaults, and every ``--variant NAME=JSON`` (``finetune``'s keyword
-  arguments), each on a fresh copy of the zero-shot folder (copied, not re-encoded), the database closed and
+  arguments; ``"freeze_layers": N``, not one of them, freezes the encoder's token embeddings and its first N
+  transformer layers first: the "last layers only" variant), each on a fresh copy of the zero-shot folder (copied, not re-encoded), the database closed and
   REOPENED before it is measured through ``db.search``; the time is ``finetune``'s whole call (its commit included);
 - the peer: ``SentenceTransformerTrainer`` on the same (query, key) pairs from the same weights, with the settings of
   sentence-transformers' training docs: ``MultipleNegativesRankingLoss``, batch 32, 1 epoch, 10 % linear warm-up,
@@ -139,7 +140,11 @@ def kvsearch_run(
     task = _task(spec, n_train)
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(base, folder)
+    options = dict(options)
+    frozen = options.pop("freeze_layers", None)
     with Database(folder, device="cpu") as db:
+        if frozen is not None:
+            _freeze(db.encoder, int(frozen))
         started = time.perf_counter()
         history = finetune(db, task.train, **options)
         seconds = time.perf_counter() - started
@@ -154,6 +159,15 @@ def kvsearch_run(
         "summary": history.summary(),
     }
     return {**metrics, "train_s": seconds, "history": about}
+
+
+def _freeze(encoder: Any, layers: int) -> None:
+    """Freeze a SentenceEncoder's token embeddings and its first ``layers`` transformer layers (``requires_grad``
+    False: ``finetune`` trains only what requires grad), for the "last layers only" variant."""
+    bert = encoder.model[0].auto_model
+    for module in [bert.embeddings, *bert.encoder.layer[:layers]]:
+        for p in module.parameters():
+            p.requires_grad = False
 
 
 def _import_trainer() -> None:
