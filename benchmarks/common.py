@@ -351,6 +351,7 @@ SECTIONS: dict[str, str] = {
     "bench_finetune-headline": "bench_finetune.py --headline",
     "bench_finetune-study": "bench_finetune.py --study",
     "bench_semantic": "bench_semantic.py",
+    "bench_encode": "bench_encode.py",
 }
 _SECTION = re.compile(r"<!-- section: (\S+) -->\n.*?<!-- end: \1 -->\n?", re.S)
 _CONTENTS = re.compile(r"<!-- contents -->\n.*?<!-- end: contents -->\n?", re.S)

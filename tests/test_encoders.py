@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvsearch.encoders.base import Encoder
 from kvsearch.encoders.ngram import NgramEncoder
 from kvsearch.encoders.registry import ENCODER_KINDS, encoder_from_name
-from kvsearch.encoders.sentence import SentenceEncoder
+from kvsearch.encoders.sentence import SentenceEncoder, length_batches
 from kvsearch.errors import CorruptDatabaseError, InvalidArgumentError, UnknownOptionError
 from kvsearch.storage.encoder_files import load_encoder, save_encoder
 
@@ -411,6 +411,36 @@ class TestSentenceEncoder:
         torch.testing.assert_close(sentence.encode(NAMES, batch_size=1), embeddings, rtol=0, atol=1e-5)
         with pytest.raises(InvalidArgumentError, match="pass a list"):
             sentence.encode("Lipton")
+
+    def test_texts_of_mixed_lengths_encode_as_the_model_does_in_their_order(self, sentence: SentenceEncoder) -> None:
+        """On the CPU encode batches texts by length (words 256 at a time, passages a few at a time): each text's
+        embedding is the model's own ``encode`` of the list, row for row, whatever the mix and the batch size."""
+        words = ["Li", "Lipton", "Smola", "Пушкин", "", "x"]
+        sentences = ["a longer sentence about attention pooling", "the capital of France", "  spaces  around  "]
+        passage = " ".join(sentences * 12)  # ~900 characters: a batch of its own kind
+        texts = [passage, *words, sentences[0], passage + " again", *sentences, *words]  # shuffled kinds, repeats
+        reference = sentence.model.encode(texts, convert_to_tensor=True, normalize_embeddings=True)  # (n, 384)
+        for batch_size in (1, 3, 256):
+            got = sentence.encode(texts, batch_size=batch_size)  # (n, 384)
+            torch.testing.assert_close(got, reference.clone(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[1], got[len(texts) - len(words)], rtol=0, atol=1e-5)  # "Li" both times
+
+    @pytest.mark.parametrize("lengths", [[7] * 600, [70] * 100 + [5] * 300, [900, 3, 40, 40, 1200, 0], [1]])
+    @pytest.mark.parametrize("batch_size", [1, 3, 32, 256])
+    def test_length_batches_cover_every_row_once_within_the_budget(self, lengths: list[int], batch_size: int) -> None:
+        batches = length_batches(lengths, batch_size, budget=2048)
+        assert sorted(i for rows in batches for i in rows) == list(range(len(lengths)))
+        flat = [lengths[i] for rows in batches for i in rows]
+        assert flat == sorted(lengths, reverse=True)  # longest first
+        for rows in batches:
+            longest = lengths[rows[0]]
+            assert 1 <= len(rows) <= batch_size and longest == max(lengths[i] for i in rows)
+            assert len(rows) * longest <= 2048 or len(rows) <= min(batch_size, 4)  # within the budget, or the floor
+
+    def test_length_batches_take_many_short_texts_and_few_long_ones(self) -> None:
+        assert [len(rows) for rows in length_batches([7] * 600, 256)] == [256, 256, 88]  # words: the batch size
+        assert [len(rows) for rows in length_batches([70] * 100, 256, budget=2048)] == [29, 29, 29, 13]  # sentences
+        assert [len(rows) for rows in length_batches([900] * 9 + [10] * 3, 256, budget=2048)] == [4, 4, 4]  # the floor
 
     def test_sentence_forward_matches_encode_and_has_grad(self, sentence: SentenceEncoder) -> None:
         texts = ["Li", "Lipton", "a longer sentence about attention pooling", "Пушкин"]
