@@ -11,8 +11,9 @@ acc@10 and MRR@10 (a target below rank 10 counts 0) and the training wall time o
   built once per task and key sample into ``--workdir`` and reused (``--rebuild`` builds it again);
 - ``finetune(db, pairs)`` with kvsearch's defaults, and every ``--variant NAME=JSON`` (``finetune``'s keyword
   arguments; ``"freeze_layers": N``, not one of them, freezes the encoder's token embeddings and its first N
-  transformer layers first: the "last layers only" variant), each on a fresh copy of the zero-shot folder (copied, not re-encoded), the database closed and
-  REOPENED before it is measured through ``db.search``; the time is ``finetune``'s whole call (its commit included);
+  transformer layers first: the "last layers only" variant), each on a fresh copy of the zero-shot folder (copied,
+  not re-encoded), the database closed and REOPENED before it is measured through ``db.search``; the time is
+  ``finetune``'s whole call (its commit included);
 - the peer: ``SentenceTransformerTrainer`` on the same (query, key) pairs from the same weights, with the settings of
   sentence-transformers' training docs: ``MultipleNegativesRankingLoss``, batch 32, 1 epoch, 10 % linear warm-up,
   the ``NO_DUPLICATES`` batch sampler the docs advise for in-batch negatives, the trainer's other defaults (AdamW,
@@ -337,7 +338,7 @@ def _run_task(args: argparse.Namespace, name: str) -> tuple[common.Table, list[s
     configs = ([] if args.no_defaults else [("kvsearch defaults", {})]) + _variants(args.variant)
     for n_train in counts:
         for method, options in configs:
-            folder = str(base.parent / f"run-{os.getpid()}")  # two runs of the benchmark side by side each have their own
+            folder = str(base.parent / f"run-{os.getpid()}")  # each of two runs side by side has its own
             kwargs = {"base": str(base), "folder": folder, "spec": spec, "n_train": n_train, "options": options}
             record(method, n_train, _row("kvsearch_run", {**kwargs, "threads": args.threads}, args.timeout))
         for loss in args.peers:

@@ -29,7 +29,10 @@ PAIRS = {
     "words": [("aple", "apple"), ("banan", "banana"), ("chery", "cherry"), ("grap", "grape"), ("aplle", "apple")],
 }
 #: Pairs no training pair names: what an eval set holds out.
-HELD_OUT = {"surnames": [("Kowalsky", "Kowalski"), ("Nguyn", "Nguyen")], "words": [("mangoo", "mango"), ("lemmon", "lemon")]}
+HELD_OUT = {
+    "surnames": [("Kowalsky", "Kowalski"), ("Nguyn", "Nguyen")],
+    "words": [("mangoo", "mango"), ("lemmon", "lemon")],
+}
 KEYS = {"surnames": SURNAMES, "words": WORDS}
 T = 0.05
 LR = 0.5

@@ -123,9 +123,9 @@ def _add_finetune(sub: Any) -> None:
         "or JSONL file with a query column and a target column naming a stored key) and on (misspelt key, key) "
         "pairs generated from the stored keys (--noise, --generated); without --pairs on the generated pairs "
         "alone. Prints the eval metrics before training (epoch 0) and after each epoch (on --eval, or on "
-        "queries of held-out keys; on the training pairs themselves, after the last epoch only), marks the epoch that was kept, and says whether the database "
-        "switched to the fine-tuned encoders (a new generation, which 'kvsearch rollback' undoes) or kept its "
-        "old retriever because the run did not improve the metric.",
+        "queries of held-out keys; on the training pairs themselves, after the last epoch only), marks the epoch "
+        "that was kept, and says whether the database switched to the fine-tuned encoders (a new generation, "
+        "which 'kvsearch rollback' undoes) or kept its old retriever because the run did not improve the metric.",
         argument_default=argparse.SUPPRESS,  # the training options not given stay out of the namespace
     )
     p.add_argument("db", metavar="DB", help="the database folder")

@@ -117,7 +117,7 @@ class Plan:
     @property
     def searches(self) -> bool:
         """Whether a train step reads the draft's index (its candidates); in-batch negatives alone do not, so the
-        keys are refreshed only after each epoch (for the judge and the commit), not every ``refresh_every`` steps."""
+        keys are refreshed only for a measure (:meth:`judges`) and the commit, not every ``refresh_every`` steps."""
         return not (self.config.negatives == "in-batch" and self.targets.ids is not None)
 
     def judges(self, epoch: int) -> bool:
